@@ -1,0 +1,26 @@
+# The README's two commands: `make demo` and `make test`. Each makes .venv on first use.
+PY := .venv/bin/python
+PIP := $(PY) -m pip
+STAMP := .venv/.installed
+
+.PHONY: demo test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg constraints.txt pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m roundpipe.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	.venv/bin/ruff format --check roundpipe tests benchmarks scripts
+	.venv/bin/ruff check roundpipe tests benchmarks scripts
+
+clean:
+	rm -rf .venv build *.egg-info

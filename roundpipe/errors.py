@@ -1,0 +1,92 @@
+"""Every exception roundpipe raises on purpose.
+
+Each message says what went wrong *and what to change*. Catch `RoundpipeError` to catch them all.
+"""
+
+from __future__ import annotations
+
+
+class RoundpipeError(Exception):
+    """Base class of all roundpipe errors."""
+
+
+class ConfigError(RoundpipeError, ValueError):
+    """A RunConfig / optimizer setting is invalid (unknown dtype or policy, bad numbers, ...)."""
+
+
+class DeviceSpecError(ConfigError):
+    """A device spec such as ``"cuda:0,1"`` is malformed or names devices this machine lacks."""
+
+
+class UnsupportedModel(RoundpipeError, TypeError):
+    """The model is not a decoder-only causal LM of a supported family."""
+
+
+class InputError(RoundpipeError, ValueError):
+    """A batch given to ``forward_backward`` is malformed (shapes, dtypes, labels, microbatches)."""
+
+
+class PipelineStateError(RoundpipeError, RuntimeError):
+    """An API call came in an order the pipeline cannot honour (e.g. ``step`` before any backward)."""
+
+
+class ScheduleError(RoundpipeError, ValueError):
+    """A schedule table is malformed or cannot run (missing task, unmet dependency, deadlock)."""
+
+
+class PlanError(RoundpipeError, ValueError):
+    """No partition / plan satisfies the constraints (memory budget, device count, ...)."""
+
+
+class DeviceOutOfMemory(RoundpipeError, MemoryError):
+    """A device (real or virtual) cannot hold what it was asked to hold.
+
+    Attributes:
+        device: the device name, e.g. ``"cpu:1"`` or ``"cuda:0"``.
+        what: what was being placed (``"weights of layers.3"``, ``"activation F2.1"``, ...).
+        nbytes: bytes requested; in_use: bytes already held; capacity: the device's capacity.
+    """
+
+    def __init__(self, device: str, what: str, nbytes: int, in_use: int, capacity: int):
+        self.device, self.what, self.nbytes, self.in_use, self.capacity = device, what, nbytes, in_use, capacity
+        super().__init__(
+            f"{device} is out of memory placing {what}: needs {nbytes:,} bytes, holds {in_use:,} of "
+            f"{capacity:,}. Use a device with more memory, more microbatches or shorter sequences, "
+            f"or split the model into smaller layers."
+        )
+
+
+class StageError(RoundpipeError, RuntimeError):
+    """A task failed on a worker. Carries where it failed; the original exception is ``__cause__``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: int | None = None,
+        layer: str | None = None,
+        microbatch: int | None = None,
+        device: str | None = None,
+        task: str | None = None,
+    ):
+        self.stage, self.layer, self.microbatch, self.device, self.task = stage, layer, microbatch, device, task
+        where = ", ".join(
+            f"{k}={v}"
+            for k, v in (
+                ("task", task),
+                ("stage", stage),
+                ("layer", layer),
+                ("microbatch", microbatch),
+                ("device", device),
+            )
+            if v is not None
+        )
+        super().__init__(f"{message} [{where}]" if where else message)
+
+
+class OptimizerError(StageError):
+    """The CPU optimizer failed while stepping a layer."""
+
+
+class WatchdogTimeout(RoundpipeError, TimeoutError):
+    """No worker made progress for the configured time; the message shows what each one waits for."""

@@ -1,0 +1,110 @@
+"""The contract between a Hugging Face model and the runtime: a list of layers.
+
+A model is cut into layers: ``embed``, one ``block`` per decoder layer, and ``head`` (final norm +
+LM head + loss). The runtime never calls the HF model's own ``forward``; it calls
+``Layer.forward(module, x, ctx)`` on a *device shell* of ``layer.module`` whose parameters are the
+copies it uploaded to a worker. ``layer.module`` itself is the model's own module (CPU, never moved).
+
+Shapes: ``input_ids`` [b, T] int64; hidden [b, T, H] in the run dtype; the head returns the
+**sum** of token cross-entropies of the microbatch as a 0-dim fp32 tensor (the runtime divides by
+the label-token count of the whole batch).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+LayerKind = Literal["embed", "block", "head"]
+
+
+@dataclass
+class MicrobatchInputs:
+    """The raw inputs of one microbatch. Labels are *unshifted* (HF convention, -100 ignored)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> MicrobatchInputs:
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            attention_mask=move(self.attention_mask),
+            position_ids=move(self.position_ids),
+            labels=move(self.labels),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+@dataclass
+class LayerContext:
+    """Per-(device, microbatch) tensors every layer may need, built on the worker's device.
+
+    ``masks`` and ``position_embeddings`` are keyed by attention type (``"full_attention"``,
+    ``"sliding_attention"``); ``shift_labels`` [b, T] are the targets already shifted left (last
+    position -100), so the head needs no cross-position work.
+    """
+
+    inputs: MicrobatchInputs
+    position_ids: torch.Tensor
+    masks: dict[str, Any] = field(default_factory=dict)
+    position_embeddings: dict[str, Any] = field(default_factory=dict)
+    shift_labels: torch.Tensor | None = None
+    head_chunk_tokens: int = 1024
+
+
+class Layer(ABC):
+    """One unit of the model: embedding, a decoder block, or the head (+ loss)."""
+
+    def __init__(self, name: str, index: int, kind: LayerKind, module: nn.Module):
+        self.name = name
+        self.index = index
+        self.kind = kind
+        self.module = module
+
+    @abstractmethod
+    def forward(self, module: nn.Module, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        """Run this layer with ``module`` (``self.module`` or a device shell of it).
+
+        embed: ``x`` is input_ids -> hidden. block: hidden -> hidden. head: hidden -> 0-dim fp32
+        loss sum over the microbatch's label tokens, computed in token chunks of
+        ``ctx.head_chunk_tokens`` so that [tokens x vocab] logits never exist for the whole
+        microbatch; differentiable w.r.t. ``x`` and the module's trainable parameters.
+        """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class ModelAdapter(ABC):
+    """A HF causal LM (optionally inside a peft wrapper) seen as a list of layers."""
+
+    model: nn.Module  # the HF *ForCausalLM module (unwrapped from peft); owns all parameters
+    layers: list[Layer]
+    context_module: nn.Module  # rotary embedding(s): buffers only, kept resident on every worker
+
+    @abstractmethod
+    def build_context(
+        self, context_module: nn.Module, inputs: MicrobatchInputs, dtype: torch.dtype
+    ) -> LayerContext:
+        """Build masks and position embeddings for ``inputs`` (already on the worker's device).
+
+        ``context_module`` is a device copy of ``self.context_module``; ``dtype`` is the dtype of
+        the hidden states the blocks will see (masks and rotary tables follow it, as in HF).
+        """
