@@ -1,0 +1,264 @@
+"""One generic adapter for decoder-only HF causal LMs: ``[embed, layers.0 .. layers.L-1, head]``.
+
+The layers reproduce the HF forward of the supported families step for step (see
+``families.py``): ``embed_tokens(ids)``; position ids (given, or ``arange(T)[None]`` -- not
+padding-aware, as in HF); one mask per attention type from ``transformers.masking_utils``; rotary
+``(cos, sin)`` tables; each decoder layer called with exactly HF's keyword arguments (as in a
+training forward, ``use_cache=False``); final norm; ``lm_head``; optional logit softcapping; HF's
+causal-LM cross-entropy (as a sum, in token chunks, see ``head.py``).
+
+Ownership: every ``Layer.module`` is the model's own module (never a copy), so LoRA modules inside a
+block run with it and tied embeddings stay one Parameter shared by ``embed`` and ``head``. At run
+time ``Layer.forward`` reads tensors only from its ``module`` argument (a device shell the runtime
+built) and from the ``LayerContext``; it never touches the HF model's tensors. The per-layer Python
+facts it needs (which mask, the softcap value) are read from the config, which holds no tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from roundpipe.errors import InputError, UnsupportedModel
+from roundpipe.models.base import Layer, LayerContext, MicrobatchInputs, ModelAdapter
+from roundpipe.models.families import FAMILIES, SLIDING, FamilySpec, supported_families
+from roundpipe.models.head import IGNORE_INDEX, chunked_lm_loss
+
+
+class EmbedLayer(Layer):
+    """``input_ids`` [b, T] -> hidden [b, T, H]. The module may scale (Gemma's ``embed_scale``)."""
+
+    def forward(self, module: nn.Module, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        return module(x)
+
+
+class BlockLayer(Layer):
+    """One HF decoder layer: hidden [b, T, H] -> hidden [b, T, H].
+
+    ``attention_type`` selects the mask and rotary table in the context (``"full_attention"`` or
+    ``"sliding_attention"``); the sliding window itself is configured inside the HF module.
+    """
+
+    def __init__(self, name: str, index: int, module: nn.Module, *, attention_type: str, config: Any):
+        super().__init__(name, index, "block", module)
+        self.attention_type = attention_type
+        self.config = config
+
+    def forward(self, module: nn.Module, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        extra: dict[str, Any] = {}
+        # HF's base-model decorator forwards config.is_causal to the layers when the config sets it.
+        if getattr(self.config, "is_causal", None) is not None:
+            extra["is_causal"] = self.config.is_causal
+        return module(
+            x,
+            attention_mask=ctx.masks[self.attention_type],
+            position_embeddings=ctx.position_embeddings[self.attention_type],
+            position_ids=ctx.position_ids,
+            past_key_values=None,
+            use_cache=False,
+            **extra,
+        )
+
+
+class HeadLayer(Layer):
+    """Final norm + LM head + loss: hidden [b, T, H] -> 0-dim fp32 sum of token cross-entropies.
+
+    ``module`` is ``nn.ModuleDict({"norm": ..., "lm_head": ...})`` holding the model's own modules.
+    The norm runs under ordinary autograd; the head and the loss run in token chunks of
+    ``ctx.head_chunk_tokens`` (see ``head.chunked_lm_loss``).
+    """
+
+    def __init__(self, name: str, index: int, module: nn.Module, *, config: Any, softcapping: bool):
+        super().__init__(name, index, "head", module)
+        self.config = config
+        self.softcapping = softcapping
+
+    def forward(self, module: nn.Module, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        if ctx.shift_labels is None:
+            raise InputError("the head computes the loss and needs labels; pass labels with the batch")
+        softcap = getattr(self.config, "final_logit_softcapping", None) if self.softcapping else None
+        hidden = module["norm"](x)
+        return chunked_lm_loss(
+            hidden, ctx.shift_labels, module["lm_head"], chunk_tokens=ctx.head_chunk_tokens, softcap=softcap
+        )
+
+
+class DecoderOnlyAdapter(ModelAdapter):
+    """A supported HF ``*ForCausalLM`` seen as ``[embed, layers.0, ..., layers.{L-1}, head]``.
+
+    Attributes:
+        model: the HF causal LM (unwrapped from peft); owns every parameter.
+        config: ``model.config``.
+        family: the HF ``model_type`` (a key of ``families.FAMILIES``).
+        spec: the family's ``FamilySpec``.
+        layers: embed (index 0), one block per decoder layer, head (last index).
+        context_module: ``nn.ModuleDict({"rotary_emb": <the model's rotary module>})``; buffers only.
+    """
+
+    def __init__(self, model: nn.Module, spec: FamilySpec):
+        self.model = model
+        self.config = model.config
+        self.family = spec.model_type
+        self.spec = spec
+        base = model.model
+        blocks = list(base.layers)[: self.config.num_hidden_layers]
+        self.layers: list[Layer] = [EmbedLayer("embed", 0, "embed", base.embed_tokens)]
+        for i, block in enumerate(blocks):
+            attention_type = spec.mask_type(self.config, i)
+            self.layers.append(
+                BlockLayer(f"layers.{i}", i + 1, block, attention_type=attention_type, config=self.config)
+            )
+        head = nn.ModuleDict({"norm": base.norm, "lm_head": model.lm_head})
+        self.layers.append(
+            HeadLayer("head", len(self.layers), head, config=self.config, softcapping=spec.logit_softcapping)
+        )
+        self.attention_types = sorted(
+            {layer.attention_type for layer in self.layers if isinstance(layer, BlockLayer)}
+        )
+        self.context_module = nn.ModuleDict({"rotary_emb": base.rotary_emb})
+
+    def build_context(
+        self, context_module: nn.Module, inputs: MicrobatchInputs, dtype: torch.dtype
+    ) -> LayerContext:
+        """Masks, rotary tables, position ids and shifted labels for one microbatch on its device.
+
+        Calls the same ``transformers.masking_utils`` functions HF's forward calls, with a dummy
+        ``inputs_embeds`` of shape [b, T, 0] (they read only its batch size, length, dtype and
+        device). Masks follow ``config._attn_implementation`` (None / bool for sdpa, additive
+        ``dtype`` for eager). Only the attention types some layer uses are built.
+        """
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        input_ids = inputs.input_ids
+        _check_inputs(inputs)
+        batch, seq = input_ids.shape
+        device = input_ids.device
+        dummy_embeds = torch.empty(batch, seq, 0, dtype=dtype, device=device)
+        position_ids = inputs.position_ids
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=device).unsqueeze(0)
+        mask_kwargs = dict(
+            config=self.config,
+            inputs_embeds=dummy_embeds,
+            attention_mask=inputs.attention_mask,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        masks = {
+            t: (create_sliding_window_causal_mask if t == SLIDING else create_causal_mask)(**mask_kwargs)
+            for t in self.attention_types
+        }
+        rotary = context_module["rotary_emb"]
+        if self.spec.rotary_per_layer_type:
+            position_embeddings = {t: rotary(dummy_embeds, position_ids, t) for t in self.attention_types}
+        else:
+            table = rotary(dummy_embeds, position_ids)
+            position_embeddings = {t: table for t in self.attention_types}
+        shift_labels = None
+        if inputs.labels is not None:
+            shift_labels = F.pad(inputs.labels, (0, 1), value=IGNORE_INDEX)[:, 1:].contiguous()
+        return LayerContext(
+            inputs=inputs,
+            position_ids=position_ids,
+            masks=masks,
+            position_embeddings=position_embeddings,
+            shift_labels=shift_labels,
+        )
+
+
+def _check_inputs(inputs: MicrobatchInputs) -> None:
+    ids = inputs.input_ids
+    if ids.ndim != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise InputError(
+            f"input_ids must be a [batch, seq] integer tensor, got {tuple(ids.shape)} {ids.dtype}"
+        )
+    for name in ("attention_mask", "labels"):
+        t = getattr(inputs, name)
+        if t is not None and t.shape != ids.shape:
+            raise InputError(
+                f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(ids.shape)}; they must match"
+            )
+    pos = inputs.position_ids
+    if pos is not None and (
+        pos.ndim != 2 or pos.shape[1] != ids.shape[1] or pos.shape[0] not in (1, ids.shape[0])
+    ):
+        raise InputError(
+            f"position_ids has shape {tuple(pos.shape)}; it must be [batch, seq] or [1, seq] with "
+            f"seq = {ids.shape[1]}"
+        )
+
+
+def _how_to_add() -> str:
+    return (
+        f"roundpipe supports decoder-only causal LMs of these families (config.model_type): "
+        f"{', '.join(supported_families())}. To add a family whose forward follows the same "
+        f"embed -> decoder layers -> norm -> lm_head pattern, add a FamilySpec entry in "
+        f"roundpipe/models/families.py (or call roundpipe.models.families.register_family)."
+    )
+
+
+def _unwrap_peft(model: Any) -> Any:
+    """The HF model inside a peft wrapper (LoRA modules stay injected in it); other models as is."""
+    try:
+        import peft
+    except ImportError:  # peft is optional: without it no model can be a PeftModel
+        return model
+    if isinstance(model, peft.PeftModel):
+        config = model.peft_config.get(model.active_adapter)
+        if config is not None and config.is_prompt_learning:
+            raise UnsupportedModel(
+                f"peft {config.peft_type} adds virtual tokens outside the model's layers, which the "
+                f"pipeline does not run; use an adapter injected into the layers, such as LoRA"
+            )
+        return model.get_base_model()
+    return model
+
+
+def adapt_model(model: nn.Module) -> ModelAdapter:
+    """Wrap a HF causal LM (or a peft model around one) as a list of layers, without copying.
+
+    Args:
+        model: a ``*ForCausalLM`` of a supported family, optionally inside ``peft.PeftModel``.
+
+    Returns:
+        A ``DecoderOnlyAdapter`` whose ``model`` is the unwrapped HF module.
+
+    Raises:
+        UnsupportedModel: the model is not a causal LM of a supported family (the message lists
+            the families and how to add one), or its config asks for behaviour the layers would not
+            reproduce exactly (the message names the setting to change).
+    """
+    causal_lm = _unwrap_peft(model)
+    config = getattr(causal_lm, "config", None)
+    model_type = getattr(config, "model_type", None)
+    spec = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if not isinstance(causal_lm, nn.Module) or spec is None:
+        raise UnsupportedModel(
+            f"{type(causal_lm).__name__} (model_type={model_type!r}) is not supported. {_how_to_add()}"
+        )
+    import transformers
+
+    expected = getattr(transformers, spec.causal_lm_class)
+    if not isinstance(causal_lm, expected):
+        raise UnsupportedModel(
+            f"{type(causal_lm).__name__} is a {model_type} model but not a {spec.causal_lm_class}: roundpipe "
+            f"trains causal LMs (decoder + LM head + loss). Load the model with "
+            f"AutoModelForCausalLM (or {spec.causal_lm_class}) instead. {_how_to_add()}"
+        )
+    if spec.check_config is not None:
+        problem = spec.check_config(config)
+        if problem is not None:
+            raise UnsupportedModel(f"{type(causal_lm).__name__}: {problem}.")
+    base = getattr(causal_lm, "model", None)
+    missing = [
+        name for name in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, name)
+    ] + ([] if hasattr(causal_lm, "lm_head") else ["lm_head"])
+    if missing:
+        raise UnsupportedModel(
+            f"{type(causal_lm).__name__} lacks {', '.join(missing)}, so it does not follow the "
+            f"{model_type} layout this adapter expects. {_how_to_add()}"
+        )
+    return DecoderOnlyAdapter(causal_lm, spec)

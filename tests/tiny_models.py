@@ -1,0 +1,183 @@
+"""Tiny Hugging Face causal LMs and batches, built from configs (no downloads), for tests.
+
+Every supported family gets a model small enough to run forward + backward in milliseconds, yet
+shaped so that the interesting code paths are exercised: grouped-query attention (4 heads, 2 kv
+heads), sliding windows shorter than the test sequences (mistral, qwen2, gemma2, gemma3), mixed
+``layer_types``, per-layer-type rotary tables (gemma3), logit softcapping (gemma2, gemma3), a mixture
+of experts (qwen3_moe) and fused projections (phi3). Other test files import ``FAMILIES``,
+``make_model`` and ``make_batch``; keep their signatures stable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+FAMILIES: list[str] = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "gemma2", "gemma3_text"]
+
+VOCAB = 256
+SLIDING_WINDOW = 4
+
+# The attention implementation HF picks for each family by default on CPU (gemma2 prefers eager because
+# of its attention softcapping). Pinning it keeps the tests independent of HF's defaults and covers
+# both mask formats: boolean (sdpa) and additive float (eager).
+_ATTN_IMPLEMENTATION = {family: "sdpa" for family in FAMILIES} | {"gemma2": "eager"}
+
+# peft has no default LoRA targets for these model types.
+_DEFAULT_LORA_TARGETS = {"phi3": ["qkv_proj", "o_proj"], "qwen3_moe": ["q_proj", "v_proj"]}
+
+
+def _layer_types(num_layers: int) -> list[str]:
+    """Alternating sliding / full attention, starting with sliding (as Gemma does)."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+
+
+def _config(family: str, *, tied: bool, num_layers: int) -> Any:
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "qwen2":
+        common.pop("head_dim")  # qwen2 derives it: 64 / 4 = 16
+        # Layers from max_window_layers on use the sliding window: layer 0 full, layer 1 sliding.
+        return transformers.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1
+        )
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        )
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=SLIDING_WINDOW)
+    if family == "phi3":
+        common.pop("head_dim")
+        return transformers.Phi3Config(**common)
+    if family == "gemma2":
+        return transformers.Gemma2Config(
+            **common,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=_layer_types(num_layers),
+            query_pre_attn_scalar=16,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+        )
+    if family == "gemma3_text":
+        return transformers.Gemma3TextConfig(
+            **common,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=_layer_types(num_layers),
+            query_pre_attn_scalar=16,
+            final_logit_softcapping=30.0,
+        )
+    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+
+
+def make_model(
+    family: str,
+    *,
+    tied: bool = False,
+    lora: None | str | list[str] = None,
+    seed: int = 0,
+    num_layers: int = 2,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """A tiny randomly initialised causal LM of ``family``, optionally wrapped by peft LoRA.
+
+    Args:
+        family: one of ``FAMILIES``.
+        tied: tie the LM head to the input embedding (one shared Parameter).
+        lora: ``None`` for full fine-tuning; ``"default"`` for peft's default targets of the family;
+            ``"all-linear"``; or a list of module names (e.g. ``["q_proj", "lm_head"]``). LoRA uses
+            r=4, alpha=8, no dropout, and ``init_lora_weights=False`` so that B is non-zero and the
+            gradients of A are informative.
+        seed: seeds the weight initialisation (the same seed gives the same model).
+        num_layers: decoder layers.
+        dtype: parameter dtype.
+
+    Returns:
+        The HF ``*ForCausalLM`` (or a ``peft.PeftModel`` around it) in train mode.
+    """
+    import transformers
+
+    config = _config(family, tied=tied, num_layers=num_layers)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=_ATTN_IMPLEMENTATION[family], dtype=dtype
+    )
+    # HF initialises norms to a constant; perturb them so their gradients test something.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.train()
+    if lora is None:
+        return model
+
+    import peft
+
+    if lora == "default":
+        targets: Any = _DEFAULT_LORA_TARGETS.get(family)
+    elif lora == "all-linear":
+        targets = "all-linear"
+    else:
+        targets = list(lora)
+    lora_config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=targets,
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(model, lora_config)
+
+
+def make_batch(
+    batch: int = 6,
+    seq: int = 12,
+    vocab: int = VOCAB,
+    padding: str | None = "left",
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A batch of random token ids with ragged lengths, a padding mask and labels.
+
+    Sample ``i`` keeps ``seq - (i % 4)`` real tokens (so at least one sample is unpadded), padded on
+    the ``padding`` side (``None``: no padding, all samples full length). Labels copy the ids, with
+    -100 on padding and on the first two real tokens of every sample (a "prompt").
+
+    Returns:
+        ``{"input_ids": [b, T] int64, "attention_mask": [b, T] int64, "labels": [b, T] int64}``.
+    """
+    if padding not in ("left", "right", None):
+        raise ValueError(f"padding must be 'left', 'right' or None, not {padding!r}")
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (batch, seq), generator=generator)
+    attention_mask = torch.ones(batch, seq, dtype=torch.long)
+    labels = input_ids.clone()
+    for i in range(batch):
+        pad = 0 if padding is None else i % 4
+        real = torch.arange(seq) >= pad if padding == "left" else torch.arange(seq) < seq - pad
+        attention_mask[i] = real.long()
+        input_ids[i, ~real] = 0
+        labels[i, ~real] = -100
+        first_real = int(real.nonzero()[0])
+        labels[i, first_real : first_real + 2] = -100
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
