@@ -1,0 +1,167 @@
+"""Virtual devices on the CPU: the backend every test runs on.
+
+Each stream is a thread draining a FIFO of closures, so work on different streams and devices
+really runs concurrently and really waits on events; copies are real copies, and every device
+counts the bytes placed on it against a capacity (``DeviceOutOfMemory`` past it). An error raised
+by a closure poisons its stream: later events recorded on it, and streams that wait on those events,
+fail with the same error, as a sticky CUDA error would.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+from roundpipe.backend.base import STREAM_NAMES, STREAM_PRIORITIES, Backend, Device, Event, Stream
+
+
+class Aborted(RuntimeError):
+    """A wait was cut short because the pipeline is shutting down after another failure."""
+
+
+class CpuEvent(Event):
+    def __init__(self, backend: CpuBackend):
+        self._backend = backend
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def fire(self, error: BaseException | None) -> None:
+        self.error = error
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        while not self._done.wait(0.05):
+            if self._backend.aborted:
+                raise Aborted("wait abandoned: the pipeline is aborting")
+
+    def synchronize(self) -> None:
+        self.wait()
+        if self.error is not None:
+            raise self.error
+
+
+_STOP = object()
+
+
+class CpuStream(Stream):
+    def __init__(self, device: CpuDevice, name: str, priority: int):
+        super().__init__(device, name, priority)
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self.ops = 0
+        self._thread = threading.Thread(target=self._loop, name=f"roundpipe-{device.name}-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._queue.put(("run", fn))
+
+    def record_event(self) -> CpuEvent:
+        ev = CpuEvent(self.device.backend)
+        self._queue.put(("record", ev))
+        return ev
+
+    def wait_event(self, event: Event) -> None:
+        self._queue.put(("wait", event))
+
+    def stop(self) -> None:
+        self._queue.put((_STOP, None))
+        self._thread.join()
+
+    def _loop(self) -> None:
+        torch.set_num_threads(1)  # one intra-op thread per worker stream (DESIGN.md §4)
+        while True:
+            op, arg = self._queue.get()
+            if op is _STOP:
+                return
+            self.ops += 1
+            if op == "record":
+                arg.fire(self._error)
+            elif self._error is not None:
+                continue  # a poisoned stream skips work until it is reset
+            elif op == "wait":
+                try:
+                    arg.wait()
+                    if arg.error is not None:
+                        self._error = arg.error
+                except Aborted as e:
+                    self._error = e
+            else:
+                try:
+                    arg()
+                except BaseException as e:  # carried to whoever synchronizes, never swallowed
+                    self._error = e
+                    if not isinstance(e, Aborted):
+                        self.device.backend.report(e)
+
+    def reset(self) -> None:
+        self.synchronize_quietly()
+        self._error = None
+
+    def synchronize_quietly(self) -> None:
+        ev = self.record_event()
+        ev._done.wait()
+
+
+class CpuDevice(Device):
+    def __init__(self, backend: CpuBackend, index: int, capacity: int | None):
+        super().__init__(backend, index, f"cpu:{index}", torch.device("cpu"), capacity)
+        self.streams = {n: CpuStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
+
+    def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = torch.empty(host.shape, dtype=dtype or host.dtype)
+        out.copy_(host)
+        return out
+
+    def to_host(self, dev: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = torch.empty(dev.shape, dtype=dtype or dev.dtype)
+        out.copy_(dev)
+        return out
+
+    @contextmanager
+    def seeded(self, seed: int):
+        # The CPU generator is process-wide, so virtual devices take turns while seeded.
+        with self.backend.rng_lock, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            yield
+
+
+class CpuBackend(Backend):
+    """``cpu:N``: N virtual devices, each with its own stream threads and memory ledger."""
+
+    name = "cpu"
+
+    def __init__(self, num_devices: int, capacity: int | None = None):
+        self.aborted = False
+        self.errors: list[BaseException] = []
+        self.rng_lock = threading.RLock()
+        self.devices = [CpuDevice(self, i, capacity) for i in range(num_devices)]
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def reset(self) -> None:
+        # Drain while still aborted, so a stream stuck on an event that will never fire lets go.
+        for dev in self.devices:
+            for s in dev.streams.values():
+                s.reset()
+        self.aborted = False
+        self.errors = []
+
+    def progress(self) -> int:
+        return sum(s.ops for d in self.devices for s in d.streams.values())
+
+    def close(self) -> None:
+        self.aborted = True
+        for dev in self.devices:
+            for s in dev.streams.values():
+                s.stop()

@@ -1,0 +1,77 @@
+"""RunConfig: how a model is run (devices, microbatches, policy, precision). Validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from roundpipe.errors import ConfigError
+
+DTYPES = ("fp32", "bf16", "fp16")
+ORDERS = ("strict",)
+OPTIMIZER_MODES = ("sync",)
+
+
+def known_policies() -> list[str]:
+    from roundpipe.schedule.policies import POLICIES
+
+    return sorted(POLICIES)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How ``roundpipe.wrap`` runs a model.
+
+    Args:
+        devices: ``"auto"``, ``"cpu:N"``, ``"cuda"``, ``"cuda:0,1"``, ``"cuda:0x2"``.
+        num_microbatches: how many slices ``forward_backward`` cuts each batch into.
+        policy: dispatch policy (``"roundpipe"`` streams stages round-robin over stateless workers).
+        dtype: compute precision; master weights and optimizer state are always fp32 on the CPU.
+        order: ``"strict"``: each worker runs its tasks in table order.
+        optimizer_mode: ``"sync"``: exact, every step sees the latest weights.
+        device_capacity: bytes each device may hold (default: the GPU's memory; unlimited for
+            virtual cpu devices). Set it on ``cpu:N`` to rehearse a small GPU.
+        head_chunk_tokens: tokens per chunk of the fused LM head + loss (bounds the logits memory).
+        prefetch: upload the next stage's weights while the current one computes.
+        watchdog_s: a step with no progress for this long fails with ``WatchdogTimeout``.
+        seed: base seed of the dropout masks, so recomputation replays them exactly.
+    """
+
+    devices: str = "auto"
+    num_microbatches: int = 1
+    policy: str = "roundpipe"
+    dtype: str = "fp32"
+    order: str = "strict"
+    optimizer_mode: str = "sync"
+    device_capacity: int | None = None
+    head_chunk_tokens: int = 1024
+    prefetch: bool = True
+    watchdog_s: float = 300.0
+    seed: int = 0
+    policy_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.policy not in known_policies():
+            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(known_policies())}")
+        if self.order not in ORDERS:
+            raise ConfigError(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
+        if self.optimizer_mode not in OPTIMIZER_MODES:
+            raise ConfigError(
+                f"unknown optimizer_mode {self.optimizer_mode!r}; choose one of {', '.join(OPTIMIZER_MODES)}"
+            )
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ConfigError(f"num_microbatches must be a positive int, got {self.num_microbatches!r}")
+        if not isinstance(self.head_chunk_tokens, int) or self.head_chunk_tokens < 1:
+            raise ConfigError(f"head_chunk_tokens must be a positive int, got {self.head_chunk_tokens!r}")
+        if self.device_capacity is not None and self.device_capacity <= 0:
+            raise ConfigError(f"device_capacity must be a positive byte count, got {self.device_capacity!r}")
+        if self.watchdog_s <= 0:
+            raise ConfigError(f"watchdog_s must be positive, got {self.watchdog_s!r}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]

@@ -1,0 +1,123 @@
+"""Layer-wise AdamW on the CPU master weights.
+
+One ``torch.optim.AdamW(fused=True)`` per *step group*: the trainable parameters whose gradient
+becomes final with the backward of one layer (a parameter belongs to the lowest layer that uses it,
+so a tied embedding steps after the embedding's backward, not the head's). Stepping group by group
+lets the optimizer run while lower layers are still in backward; the semantics per parameter are
+exactly ``torch.optim.AdamW``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from roundpipe.errors import ConfigError
+from roundpipe.runtime.store import ParameterStore
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float | None = None
+
+    def __post_init__(self):
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"lr must be a finite non-negative number, got {self.lr!r}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.eps <= 0:
+            raise ConfigError(f"eps must be > 0, got {self.eps!r}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+
+
+class LayerwiseAdamW:
+    """Per-layer AdamW steps over a ParameterStore. Runs on the host (optimizer) thread."""
+
+    def __init__(self, store: ParameterStore, config: OptimizerConfig):
+        self.store = store
+        self.config = config
+        groups: dict[int, list[int]] = {}
+        for e in store.entries:
+            if e.trainable:
+                groups.setdefault(e.owner, []).append(e.key)
+        self.groups = groups  # owner layer -> entry keys
+        self.optimizers = {
+            layer: torch.optim.AdamW(
+                [store.entries[k].master for k in keys],
+                lr=config.lr,
+                betas=config.betas,
+                eps=config.eps,
+                weight_decay=config.weight_decay,
+                fused=True,
+            )
+            for layer, keys in groups.items()
+        }
+
+    def step_group(self, layer: int, grad_factor: float = 1.0) -> None:
+        """Step the parameters owned by ``layer`` with their accumulated gradients times ``grad_factor``.
+
+        Zeroes those gradients afterwards and refreshes the compute copies the next upload reads.
+        """
+        keys = self.groups[layer]
+        for k in keys:
+            e = self.store.entries[k]
+            if grad_factor != 1.0:
+                e.grad.mul_(grad_factor)
+            e.master.grad = e.grad
+        self.optimizers[layer].step()
+        for k in keys:
+            e = self.store.entries[k]
+            e.master.grad = None
+            e.grad.zero_()
+        self.store.refresh_compute(keys)
+
+    def grad_norm_sq(self) -> float:
+        total = 0.0
+        for keys in self.groups.values():
+            for k in keys:
+                g = self.store.entries[k].grad
+                total += float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
+        return total
+
+    def grads_finite(self) -> bool:
+        return all(bool(torch.isfinite(self.store.entries[k].grad).all()) for keys in self.groups.values() for k in keys)
+
+    def set_lr(self, lr: float) -> None:
+        for opt in self.optimizers.values():
+            for g in opt.param_groups:
+                g["lr"] = lr
+
+    def state_dict(self) -> dict:
+        """Optimizer state keyed by parameter name (independent of how layers are grouped)."""
+        state = {}
+        for layer, keys in self.groups.items():
+            opt_state = self.optimizers[layer].state
+            for k in keys:
+                e = self.store.entries[k]
+                st = opt_state.get(e.master)
+                if st:
+                    state[e.name] = {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
+        return {"state": state, "config": self.config.__dict__.copy()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for layer, keys in self.groups.items():
+            opt = self.optimizers[layer]
+            for k in keys:
+                e = self.store.entries[k]
+                st = sd["state"].get(e.name)
+                if st is not None:
+                    opt.state[e.master] = {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
+
+
+def clip_factor(total_norm: float, max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient: max_norm / (norm + 1e-6), at most 1."""
+    return min(1.0, max_norm / (total_norm + 1e-6))

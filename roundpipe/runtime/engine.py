@@ -1,0 +1,479 @@
+"""The Pipeline: wraps a HF model and trains it with stateless workers.
+
+One ``forward_backward`` call: split the batch into microbatches, build (or reuse) the schedule
+table for that microbatch count, let one worker thread per device issue its tasks, and let the host
+thread accumulate gradients and step each layer as soon as its gradient is final. Errors from any
+thread reach the caller as ``StageError`` / ``OptimizerError`` with where they happened; a watchdog
+turns a stall into ``WatchdogTimeout``. Nothing is left running after an error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from roundpipe.backend import make_backend
+from roundpipe.backend.cpu import Aborted
+from roundpipe.config import RunConfig
+from roundpipe.errors import (
+    DeviceOutOfMemory,
+    InputError,
+    OptimizerError,
+    PipelineStateError,
+    RoundpipeError,
+    StageError,
+    WatchdogTimeout,
+)
+from roundpipe.models import adapt_model
+from roundpipe.models.base import MicrobatchInputs
+from roundpipe.optim import DynamicLossScaler, LayerwiseAdamW, OptimizerConfig, clip_factor
+from roundpipe.runtime.exchange import AbortedWait, Exchange, Slot
+from roundpipe.runtime.hostqueue import HostQueue
+from roundpipe.runtime.plan import FlowPlan, TaskFlow, build_flow_plan
+from roundpipe.runtime.store import ParameterStore
+from roundpipe.runtime.worker import Worker
+from roundpipe.schedule import Partition
+from roundpipe.schedule.policies import POLICIES
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What ``forward_backward`` returns: the batch loss (mean over label tokens) and that token count."""
+
+    loss: float
+    num_tokens: int
+
+
+class StepRun:
+    """State of one ``forward_backward`` call shared by the workers and the host thread."""
+
+    def __init__(self, pipe: Pipeline, index: int, microbatches, total_tokens: int, flow_plan: FlowPlan, eager: bool):
+        self.pipe = pipe
+        self.index = index
+        self.microbatches = microbatches
+        self.total_tokens = total_tokens
+        self.flow_plan = flow_plan
+        self.grad_seed = pipe._loss_scale() / total_tokens
+        self.exchange = Exchange(lambda: pipe.backend.aborted)
+        self.loss_sum = 0.0
+        self.eager = eager
+        store = pipe.store
+        # How many gradient contributions each trainable entry gets this call (one per backward stage
+        # that uses it, per microbatch); a step group is final when all of its entries reach zero.
+        self.remaining: dict[int, int] = {}
+        bwd = flow_plan.table.backward
+        for s in range(bwd.num_stages):
+            for k in store.trainable_keys(bwd.layers(s)):
+                self.remaining[k] = self.remaining.get(k, 0) + flow_plan.table.num_microbatches
+        self.group_left = {
+            owner: sum(1 for k in keys if self.remaining.get(k, 0) > 0) for owner, keys in pipe._groups().items()
+        }
+
+    def on_backward_issued(self, flow: TaskFlow, host_grads: Slot, host_loss: Slot, event) -> None:
+        """Worker thread: queue the host-side accumulation of a backward task's results."""
+        self.pipe._hostq.submit(lambda: self._accumulate(flow, host_grads, host_loss), event)
+
+    def _accumulate(self, flow: TaskFlow, host_grads: Slot, host_loss: Slot) -> None:
+        """Host thread: add gradients into the fp32 buffers; step groups that became final."""
+        store = self.pipe.store
+        if host_grads.value:
+            for k, g in host_grads.value.items():
+                store.entries[k].grad.add_(g)
+        if host_loss.value is not None:
+            self.loss_sum += float(host_loss.value)
+        owners = store.entries
+        for k in store.trainable_keys(flow.layers_bwd):
+            self.remaining[k] -= 1
+            if self.remaining[k] == 0:
+                owner = owners[k].owner
+                self.group_left[owner] -= 1
+                if self.group_left[owner] == 0 and self.eager:
+                    self.pipe._step_group(owner)
+
+
+class Pipeline:
+    """A HF causal LM (optionally peft-wrapped) trained with all state on the CPU.
+
+    Use as a context manager, or call ``close()``. Thread-safety: one caller thread at a time.
+    """
+
+    def __init__(self, model: nn.Module, config: RunConfig | None = None):
+        self.config = config or RunConfig()
+        self.adapter = adapt_model(model)
+        self.backend = make_backend(self.config.devices, self.config.device_capacity)
+        try:
+            self.store = ParameterStore(self.adapter, self.config.torch_dtype, self.backend)
+            self.store_num_layers = len(self.adapter.layers)
+            self._check_capacity()
+            self.random_layers = _layers_with_dropout(self.adapter)
+            self.workers = [Worker(self, d) for d in self.backend.devices]
+            self._hostq = HostQueue()
+        except BaseException:
+            self.backend.close()
+            raise
+        self._optimizer: LayerwiseAdamW | None = None
+        self._scaler = DynamicLossScaler() if self.config.dtype == "fp16" else None
+        self._plans: dict[int, FlowPlan] = {}
+        self._steps_run = 0
+        self._grads_pending = False  # forward_backward ran since the last step
+        self._stepped_eagerly = False
+        self.last_step_skipped = False
+        self._closed = False
+
+    # ----------------------------------------------------------------- public API
+    def configure_optimizer(
+        self,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        """AdamW on the fp32 CPU masters (``torch.optim.AdamW`` semantics, fused CPU kernel)."""
+        self._optimizer = LayerwiseAdamW(self.store, OptimizerConfig(lr, weight_decay, tuple(betas), eps, max_grad_norm))
+
+    def set_lr(self, lr: float) -> None:
+        self._require_optimizer("set_lr")
+        self._optimizer.set_lr(lr)
+
+    def forward_backward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        accumulate: bool = False,
+    ) -> StepOutput:
+        """Run forward and backward over the whole batch; gradients accumulate on the CPU.
+
+        The loss is the mean cross-entropy over every label token of the batch (labels are shifted
+        inside, -100 ignored), whatever the microbatch count. With an optimizer configured, each
+        layer's update starts as soon as its gradient is final (overlapping the backward of lower
+        layers) unless ``accumulate=True`` (keep the gradients for a later call) or the update
+        needs every gradient first (``max_grad_norm``, fp16 loss scaling); ``step()`` completes it.
+        """
+        self._check_open()
+        if self._stepped_eagerly:
+            raise PipelineStateError("call step() after each forward_backward (or pass accumulate=True to the earlier call)")
+        microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
+        plan = self._flow_plan(len(microbatches))
+        eager = self._optimizer is not None and not accumulate and self._can_step_eagerly()
+        step = StepRun(self, self._steps_run, microbatches, total, plan, eager)
+        self._execute(step)
+        self._steps_run += 1
+        self._grads_pending = True
+        self._stepped_eagerly = eager
+        return StepOutput(step.loss_sum / total, total)
+
+    def step(self) -> None:
+        """Complete the optimizer update for the gradients accumulated so far, then zero them."""
+        self._check_open()
+        self._require_optimizer("step")
+        if not self._grads_pending:
+            raise PipelineStateError("step() needs gradients: call forward_backward first")
+        self.last_step_skipped = False
+        if not self._stepped_eagerly:
+            self._deferred_step()
+        self._grads_pending = False
+        self._stepped_eagerly = False
+
+    def zero_grad(self) -> None:
+        self.store.zero_grads()
+        self._grads_pending = False
+
+    def export_to(self, model: nn.Module) -> None:
+        """Write the trained fp32 masters into ``model`` (the wrapped HF / peft model, or a copy of it)."""
+        own = {id(e.tensor): e for e in self.store.entries}
+        by_name = {e.name: e for e in self.store.entries if e.trainable}
+        written = 0
+        with torch.no_grad():
+            for name, p in model.named_parameters(remove_duplicate=False):
+                e = own.get(id(p)) or _match_name(name, by_name)
+                if e is not None and e.trainable:
+                    p.data.copy_(e.master.data)
+                    written += 1
+        if written == 0 and by_name:
+            raise PipelineStateError(
+                "export_to found none of the trained parameters in that model; pass the model given to wrap() "
+                "or one with the same parameter names"
+            )
+
+    def state_dict(self) -> dict:
+        """fp32 masters and optimizer state keyed by parameter name (a checkpoint)."""
+        sd = {
+            "masters": {e.name: e.master.detach().clone() for e in self.store.entries if e.trainable},
+            "steps_run": self._steps_run,
+        }
+        if self._optimizer is not None:
+            sd["optimizer"] = self._optimizer.state_dict()
+        if self._scaler is not None:
+            sd["loss_scaler"] = self._scaler.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        masters = sd["masters"]
+        with torch.no_grad():
+            for e in self.store.entries:
+                if e.trainable:
+                    if e.name not in masters:
+                        raise PipelineStateError(f"checkpoint lacks parameter {e.name!r}; was it saved from this model?")
+                    e.master.data.copy_(masters[e.name])
+            self.store.refresh_compute([e.key for e in self.store.entries if e.trainable])
+        self._steps_run = sd.get("steps_run", 0)
+        if "optimizer" in sd and self._optimizer is not None:
+            self._optimizer.load_state_dict(sd["optimizer"])
+        if "loss_scaler" in sd and self._scaler is not None:
+            self._scaler.load_state_dict(sd["loss_scaler"])
+
+    def stats(self) -> dict:
+        return {
+            "devices": [
+                {"device": d.name, "peak_bytes": d.memory.peak, "in_use_bytes": d.memory.in_use}
+                for d in self.backend.devices
+            ]
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._hostq.close()
+        self.backend.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ----------------------------------------------------------------- planning
+    def _flow_plan(self, num_microbatches: int) -> FlowPlan:
+        plan = self._plans.get(num_microbatches)
+        if plan is None:
+            n = len(self.adapter.layers)
+            part = Partition.per_layer(n)
+            policy = POLICIES[self.config.policy]
+            table = policy(part, part, len(self.backend.devices), num_microbatches, **self.config.policy_options)
+            plan = self._plans[num_microbatches] = build_flow_plan(table)
+        return plan
+
+    def _check_capacity(self) -> None:
+        cap = self.backend.devices[0].memory.capacity
+        if cap is None:
+            return
+        for layer, nbytes in zip(self.adapter.layers, self.store.layer_bytes):
+            if nbytes > cap:
+                raise DeviceOutOfMemory(self.backend.devices[0].name, f"the weights of layer {layer.name!r}", nbytes, 0, cap)
+
+    # ----------------------------------------------------------------- inputs
+    def _split(self, input_ids, labels, attention_mask, position_ids):
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(
+                f"input_ids must be an integer tensor of shape [batch, seq], got "
+                f"{getattr(input_ids, 'shape', type(input_ids).__name__)} {getattr(input_ids, 'dtype', '')}"
+            )
+        batch, seq = input_ids.shape
+        if labels is None:
+            raise InputError("labels are required for training (use -100 for positions without a target)")
+        for name, t in (("labels", labels), ("attention_mask", attention_mask)):
+            if t is not None and (not torch.is_tensor(t) or tuple(t.shape) != (batch, seq)):
+                raise InputError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(getattr(t, 'shape', ()))}")
+        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch)):
+            raise InputError(f"position_ids must be [batch or 1, {seq}], got {tuple(position_ids.shape)}")
+        m = self.config.num_microbatches
+        if m > batch:
+            raise InputError(
+                f"num_microbatches={m} is larger than the batch ({batch} samples); "
+                "use a larger batch or fewer microbatches"
+            )
+        vocab = self.adapter.config.vocab_size
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise InputError(f"input_ids must lie in [0, {vocab}) (the model's vocab_size)")
+        labels = labels.long()
+        total = int((labels[:, 1:] != -100).sum())
+        if total == 0:
+            raise InputError("every label is -100 (after the shift), so there is nothing to learn from this batch")
+        bad = labels[(labels != -100)]
+        if bad.numel() and (int(bad.min()) < 0 or int(bad.max()) >= vocab):
+            raise InputError(f"labels must be -100 or lie in [0, {vocab})")
+        input_ids = input_ids.long()
+        out = []
+        for idx in torch.arange(batch).tensor_split(m):
+            sl = slice(int(idx[0]), int(idx[-1]) + 1)
+            pos = None
+            if position_ids is not None:
+                pos = position_ids if position_ids.shape[0] == 1 else position_ids[sl]
+            out.append(
+                MicrobatchInputs(
+                    input_ids[sl].contiguous(),
+                    None if attention_mask is None else attention_mask[sl].contiguous(),
+                    None if pos is None else pos.long().contiguous(),
+                    labels[sl].contiguous(),
+                )
+            )
+        return out, total
+
+    # ----------------------------------------------------------------- execution
+    def _execute(self, step: StepRun) -> None:
+        errors: list[BaseException] = []
+
+        def worker_main(worker: Worker, flows) -> None:
+            try:
+                worker.run(step, flows)
+            except BaseException as e:  # carried to the caller below
+                errors.append(e)
+                self.backend.abort()
+
+        threads = [
+            threading.Thread(target=worker_main, args=(w, step.flow_plan.flows[i]), name=f"roundpipe-worker-{i}", daemon=True)
+            for i, w in enumerate(self.workers)
+        ]
+        for t in threads:
+            t.start()
+        final_events = None
+        last_progress, last_change = None, time.monotonic()
+        timed_out = None
+        while True:
+            if final_events is None and not any(t.is_alive() for t in threads):
+                final_events = [s.record_event() for d in self.backend.devices for s in d.streams.values()]
+            if final_events is not None and all(ev.query() for ev in final_events):
+                break
+            if errors or self.backend.errors:
+                break
+            progress = (sum(w.tasks_done for w in self.workers), self.backend.progress(), self._hostq_pending())
+            now = time.monotonic()
+            if progress != last_progress:
+                last_progress, last_change = progress, now
+            elif now - last_change > self.config.watchdog_s:
+                timed_out = WatchdogTimeout(
+                    f"no progress for {self.config.watchdog_s:.0f}s; "
+                    + "; ".join(f"{w.device.name}: {w.status}" for w in self.workers)
+                )
+                break
+            time.sleep(0.002)
+        if not errors and not self.backend.errors and timed_out is None:
+            try:
+                for ev in final_events:
+                    ev.synchronize()
+                self._hostq.drain()
+                return
+            except BaseException as e:
+                errors.append(e)
+        self._recover(threads)
+        raise self._root_error(timed_out, errors)
+
+    def _recover(self, threads) -> None:
+        """After a failure: stop every wait, let threads end, and leave the pipeline reusable."""
+        self.backend.abort()
+        for t in threads:
+            t.join()
+        try:
+            self._hostq.drain(is_aborted=lambda: True)
+        except BaseException as e:
+            self._host_error = e
+        self._late_errors = list(self.backend.errors)
+        self.backend.reset()
+        for w in self.workers:
+            w.resident.clear()
+            w._ctx = None
+            w._context_module = None
+            w.status = "idle"
+            w.device.memory.in_use = 0
+            w.device.memory.by_tag.clear()
+
+    def _root_error(self, timed_out, errors) -> BaseException:
+        candidates = list(self._late_errors) + errors + ([self.__dict__.pop("_host_error")] if hasattr(self, "_host_error") else [])
+        if timed_out is not None:
+            return timed_out
+        for e in candidates:
+            if not isinstance(e, (Aborted, AbortedWait)):
+                if isinstance(e, RoundpipeError):
+                    return e
+                return StageError(f"{type(e).__name__}: {e}")
+        return candidates[0] if candidates else StageError("the step failed for an unknown reason")
+
+    def _hostq_pending(self) -> int:
+        return self._hostq._pending
+
+    # ----------------------------------------------------------------- optimizer
+    def _groups(self) -> dict[int, list[int]]:
+        if self._optimizer is not None:
+            return self._optimizer.groups
+        groups: dict[int, list[int]] = {}
+        for e in self.store.entries:
+            if e.trainable:
+                groups.setdefault(e.owner, []).append(e.key)
+        return groups
+
+    def _can_step_eagerly(self) -> bool:
+        return self._optimizer.config.max_grad_norm is None and self._scaler is None
+
+    def _loss_scale(self) -> float:
+        return self._scaler.scale if self._scaler is not None else 1.0
+
+    def _step_group(self, owner: int, factor: float = 1.0) -> None:
+        try:
+            self._optimizer.step_group(owner, factor)
+        except BaseException as e:
+            raise OptimizerError(
+                f"{type(e).__name__} while stepping layer {self.adapter.layers[owner].name}: {e}",
+                layer=self.adapter.layers[owner].name,
+                device="host",
+            ) from e
+
+    def _deferred_step(self) -> None:
+        factor = 1.0 / self._loss_scale()
+        if self._scaler is not None:
+            finite = self._optimizer.grads_finite()
+            self._scaler.update(not finite)
+            if not finite:
+                self.store.zero_grads()
+                self.last_step_skipped = True
+                return
+        if self._optimizer.config.max_grad_norm is not None:
+            norm = (self._optimizer.grad_norm_sq() ** 0.5) * factor
+            self.last_grad_norm = norm
+            factor *= clip_factor(norm, self._optimizer.config.max_grad_norm)
+        for owner in sorted(self._optimizer.groups, reverse=True):
+            self._step_group(owner, factor)
+
+    def _require_optimizer(self, what: str) -> None:
+        if self._optimizer is None:
+            raise PipelineStateError(f"{what}() needs an optimizer: call configure_optimizer(lr=...) first")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineStateError("this pipeline is closed; wrap the model again")
+
+
+def _match_name(name: str, by_name: dict) -> object:
+    if name in by_name:
+        return by_name[name]
+    for n, e in by_name.items():
+        if name.endswith("." + n):
+            return e
+    return None
+
+
+def _layers_with_dropout(adapter) -> set[int]:
+    """Layers whose forward draws random numbers in training mode (dropout), so recompute must replay them."""
+    out = set()
+    attn_p = float(getattr(adapter.config, "attention_dropout", 0.0) or 0.0)
+    for layer in adapter.layers:
+        mods = list(layer.module.modules())
+        training = any(m.training for m in mods)
+        if not training:
+            continue
+        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in mods) or (layer.kind == "block" and attn_p > 0):
+            out.add(layer.index)
+    return out

@@ -1,0 +1,70 @@
+"""Host-side hand-offs between workers: activations and gradients by boundary and microbatch.
+
+A producer *puts* ``(slot, event)`` when it has **issued** the copy that fills ``slot`` (not when the
+copy is done); a consumer *gets* it, makes its stream wait on ``event``, and reads ``slot.value`` in
+a closure that runs after that wait. The host blocks only for this handshake (DESIGN.md §3.6).
+Entries are dropped after their last consumer, so the CPU holds only what is still needed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from roundpipe.backend import Event
+
+
+class Slot:
+    """A box filled by a closure on one stream and read by closures that wait on its event."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any = None):
+        self.value = value
+
+
+class AbortedWait(RuntimeError):
+    """Raised in a worker waiting for a hand-off when the pipeline aborts."""
+
+
+@dataclass
+class _Entry:
+    slot: Slot
+    event: Event | None
+    remaining: int
+
+
+class Exchange:
+    def __init__(self, is_aborted):
+        self._entries: dict[tuple, _Entry] = {}
+        self._cond = threading.Condition()
+        self._is_aborted = is_aborted
+
+    def put(self, key: tuple, slot: Slot, event: Event | None, consumers: int) -> None:
+        if consumers <= 0:
+            return
+        with self._cond:
+            self._entries[key] = _Entry(slot, event, consumers)
+            self._cond.notify_all()
+
+    def get(self, key: tuple) -> tuple[Slot, Event | None]:
+        """Block until ``key`` is put; count one consumer. Raises AbortedWait on abort."""
+        with self._cond:
+            while key not in self._entries:
+                if self._is_aborted():
+                    raise AbortedWait(f"abandoned waiting for {key}")
+                self._cond.wait(0.05)
+            e = self._entries[key]
+            e.remaining -= 1
+            if e.remaining == 0:
+                del self._entries[key]
+            return e.slot, e.event
+
+    def has(self, key: tuple) -> bool:
+        with self._cond:
+            return key in self._entries
+
+    def clear(self) -> None:
+        with self._cond:
+            self._entries.clear()

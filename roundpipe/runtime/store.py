@@ -1,0 +1,132 @@
+"""The parameter store: every tensor of the model, kept in CPU memory, keyed once.
+
+For each distinct parameter (tied weights are one entry used by two layers):
+- trainable: an fp32 *master* (the optimizer's), an fp32 gradient accumulator, and a *compute
+  copy* in the run dtype that uploads read (the master itself when the run is fp32; pinned on CUDA);
+- frozen: no master, no gradient; the compute copy is the model's own tensor when its dtype is the
+  run dtype (stored once), else one converted copy.
+Buffers (e.g. Gemma's embedding scale) are frozen entries too.
+
+The model's own parameters are not touched during training; ``export_to`` writes masters back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from roundpipe.backend import Backend, tensor_bytes
+from roundpipe.models.base import ModelAdapter
+
+
+@dataclass
+class Entry:
+    key: int
+    name: str
+    tensor: torch.Tensor  # the model's own Parameter / buffer (CPU)
+    trainable: bool
+    is_buffer: bool
+    compute: torch.Tensor  # what uploads read
+    master: nn.Parameter | None = None
+    grad: torch.Tensor | None = None
+    users: list[int] = field(default_factory=list)  # layer indices that use it
+
+    @property
+    def owner(self) -> int:
+        """The layer whose backward makes this gradient final (the lowest user: backward runs last to first)."""
+        return min(self.users)
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.compute)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where an entry sits inside a layer's module: ``module_path`` (dotted) and attribute name."""
+
+    module_path: str
+    attr: str
+    is_buffer: bool
+    key: int
+
+
+class ParameterStore:
+    def __init__(self, adapter: ModelAdapter, dtype: torch.dtype, backend: Backend):
+        self.dtype = dtype
+        self.entries: list[Entry] = []
+        self.bindings: list[list[Binding]] = []  # per layer
+        by_id: dict[int, Entry] = {}
+        names = _qualified_names(adapter.model)
+        for layer in adapter.layers:
+            binds = []
+            for mpath, module in layer.module.named_modules(remove_duplicate=False):
+                for is_buffer, table in ((False, module._parameters), (True, module._buffers)):
+                    for attr, t in table.items():
+                        if t is None:
+                            continue
+                        e = by_id.get(id(t))
+                        if e is None:
+                            e = self._make_entry(len(self.entries), names.get(id(t), f"{layer.name}.{mpath}.{attr}"), t, is_buffer, backend)
+                            by_id[id(t)] = e
+                            self.entries.append(e)
+                        if layer.index not in e.users:
+                            e.users.append(layer.index)
+                        binds.append(Binding(mpath, attr, is_buffer, e.key))
+            self.bindings.append(binds)
+        self.layer_bytes = [sum(self.entries[k].nbytes for k in self.layer_keys(i)) for i in range(len(self.bindings))]
+
+    def _make_entry(self, key: int, name: str, t: torch.Tensor, is_buffer: bool, backend: Backend) -> Entry:
+        trainable = (not is_buffer) and t.requires_grad
+        floating = t.is_floating_point()
+        if trainable:
+            master = nn.Parameter(t.detach().to(torch.float32, copy=True))
+            compute = master.data if self.dtype == torch.float32 else backend.pin(master.detach().to(self.dtype))
+            return Entry(key, name, t, True, is_buffer, compute, master, torch.zeros_like(master.data))
+        data = t.detach()
+        if floating and data.dtype != self.dtype:
+            data = data.to(self.dtype)
+        return Entry(key, name, t, False, is_buffer, backend.pin(data))
+
+    def layer_keys(self, layer: int) -> list[int]:
+        """Distinct entry keys used by a layer (in first-use order)."""
+        return list(dict.fromkeys(b.key for b in self.bindings[layer]))
+
+    def trainable_keys(self, layers) -> list[int]:
+        keys: dict[int, None] = {}
+        for i in layers:
+            for k in self.layer_keys(i):
+                if self.entries[k].trainable:
+                    keys[k] = None
+        return list(keys)
+
+    def refresh_compute(self, keys) -> None:
+        """After an optimizer step: bring the compute copies up to date with the masters."""
+        for k in keys:
+            e = self.entries[k]
+            if e.compute.data_ptr() != e.master.data_ptr():
+                e.compute.copy_(e.master.data)
+
+    def zero_grads(self) -> None:
+        for e in self.entries:
+            if e.grad is not None:
+                e.grad.zero_()
+
+    @torch.no_grad()
+    def export_to(self, model: nn.Module) -> None:
+        """Write the master weights into the model's own parameters (in their own dtype)."""
+        del model  # entries hold the model's own tensors; the argument documents intent
+        for e in self.entries:
+            if e.trainable:
+                e.tensor.data.copy_(e.master.data)
+
+
+def _qualified_names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
+    for n, b in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), n)
+    return names

@@ -1,0 +1,385 @@
+"""One worker per device: walks its task list and issues uploads, compute and downloads.
+
+The worker thread only *issues* work: closures on the device's ``h2d``, ``compute`` and ``d2h``
+streams, ordered by events (DESIGN.md §4). Weights are uploaded per layer into a small resident
+set: the layers of the current task plus, with prefetch, those of the next task; everything else is
+released (in compute-stream order) before a new upload may start, so a device never holds more than
+two tasks' weights. Forward runs without autograd and leaves stage inputs on the CPU; backward
+recomputes from the saved input; the head's forward and backward run back to back.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from roundpipe.backend import Device, tensor_bytes
+from roundpipe.errors import StageError
+from roundpipe.runtime.exchange import Slot
+from roundpipe.runtime.plan import TaskFlow
+
+if TYPE_CHECKING:
+    from roundpipe.runtime.engine import Pipeline, StepRun
+
+
+@dataclass
+class Resident:
+    slot: Slot  # .value: {entry key: device Parameter}
+    event: object
+    nbytes: int
+
+
+def make_shell(module: nn.Module) -> nn.Module:
+    """A structural copy of ``module`` with every parameter and buffer on the meta device."""
+    memo: dict[int, object] = {}
+    for p in module.parameters(recurse=True):
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers(recurse=True):
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+class Worker:
+    def __init__(self, pipe: Pipeline, device: Device):
+        self.pipe = pipe
+        self.device = device
+        self.streams = device.streams
+        self.resident: dict[int, Resident] = {}
+        self._shells: dict[int, list[tuple[nn.Module, nn.Module, str, bool, int]]] = {}
+        self._context_module: Slot | None = None
+        self._ctx: tuple[int, Slot, Slot] | None = None  # (microbatch, inputs slot, context slot)
+        self.status = "idle"
+        self.tasks_done = 0
+
+    # ----------------------------------------------------------------- weights
+    def _upload(self, layer: int) -> None:
+        store, dev = self.pipe.store, self.device
+        keys = store.layer_keys(layer)
+        nbytes = store.layer_bytes[layer]
+        name = self.pipe.adapter.layers[layer].name
+        slot = Slot()
+        compute = self.streams["compute"]
+
+        def upload():
+            dev.memory.reserve(nbytes, f"weights:{name}", "weights")
+            tensors = {}
+            for k in keys:
+                e = store.entries[k]
+                t = nn.Parameter(dev.to_device(e.compute), requires_grad=e.trainable)
+                dev.hand_over(t, compute)
+                tensors[k] = t
+            slot.value = tensors
+
+        self.streams["h2d"].submit(upload)
+        self.resident[layer] = Resident(slot, self.streams["h2d"].record_event(), nbytes)
+
+    def _evict(self, layer: int) -> None:
+        r = self.resident.pop(layer)
+        dev, name = self.device, self.pipe.adapter.layers[layer].name
+
+        def free():
+            r.slot.value = None
+            dev.memory.release(r.nbytes, f"weights:{name}", "weights")
+
+        self.streams["compute"].submit(free)
+
+    def _ensure(self, need: range, keep: set[int]) -> list[Resident]:
+        """Make ``need`` resident; release what is neither needed nor in ``keep`` first."""
+        evict = [i for i in self.resident if i not in keep and i not in need]
+        for i in evict:
+            self._evict(i)
+        missing = [i for i in need if i not in self.resident]
+        if evict and missing:
+            # New uploads may only take memory the released layers gave back.
+            self.streams["h2d"].wait_event(self.streams["compute"].record_event())
+        for i in missing:
+            self._upload(i)
+        return [self.resident[i] for i in need]
+
+    def _prefetch(self, layers: range) -> None:
+        for i in layers:
+            if i not in self.resident:
+                self._upload(i)
+
+    def release_all(self) -> None:
+        for i in list(self.resident):
+            self._evict(i)
+        self._drop_context()
+
+    def _bound_modules(self, layer: int, weights: dict[int, torch.Tensor]) -> nn.Module:
+        """This device's shell of ``layer`` with ``weights`` bound in. Runs on the compute stream."""
+        if layer not in self._shells:
+            shell = make_shell(self.pipe.adapter.layers[layer].module)
+            self._shells[layer] = [
+                (shell, shell.get_submodule(b.module_path), b.attr, b.is_buffer, b.key)
+                for b in self.pipe.store.bindings[layer]
+            ]
+        bound = self._shells[layer]
+        for _, mod, attr, is_buffer, key in bound:
+            (mod._buffers if is_buffer else mod._parameters)[attr] = weights[key]
+        return bound[0][0] if bound else self.pipe.adapter.layers[layer].module
+
+    # ----------------------------------------------------------------- context
+    def _ensure_context_module(self) -> Slot:
+        if self._context_module is None:
+            slot = Slot()
+            dev, module = self.device, self.pipe.adapter.context_module
+
+            def upload():
+                m = make_shell(module)
+                for sub_name, sub in module.named_modules():
+                    target = m.get_submodule(sub_name)
+                    for n, b in sub._buffers.items():
+                        if b is not None:
+                            target._buffers[n] = dev.to_device(b)
+                    for n, p in sub._parameters.items():
+                        if p is not None:
+                            target._parameters[n] = nn.Parameter(dev.to_device(p.detach()), requires_grad=False)
+                slot.value = m
+
+            self.streams["h2d"].submit(upload)
+            self.streams["compute"].wait_event(self.streams["h2d"].record_event())
+            self._context_module = slot
+        return self._context_module
+
+    def _context(self, step: StepRun, mb: int) -> tuple[Slot, Slot]:
+        if self._ctx is not None and self._ctx[0] == mb:
+            return self._ctx[1], self._ctx[2]
+        self._drop_context()
+        module = self._ensure_context_module()
+        dev, adapter, dtype = self.device, self.pipe.adapter, self.pipe.store.dtype
+        host_inputs = step.microbatches[mb]
+        inputs, ctx = Slot(), Slot()
+
+        def upload():
+            inputs.value = host_inputs.to(dev.torch_device)
+
+        def build():
+            c = adapter.build_context(module.value, inputs.value, dtype)
+            c.head_chunk_tokens = self.pipe.config.head_chunk_tokens
+            ctx.value = c
+
+        self.streams["h2d"].submit(upload)
+        self.streams["compute"].wait_event(self.streams["h2d"].record_event())
+        self.streams["compute"].submit(build)
+        self._ctx = (mb, inputs, ctx)
+        return inputs, ctx
+
+    def _drop_context(self) -> None:
+        if self._ctx is not None:
+            _, inputs, ctx = self._ctx
+
+            def free():
+                inputs.value = None
+                ctx.value = None
+
+            self.streams["compute"].submit(free)
+            self._ctx = None
+
+    # ----------------------------------------------------------------- tasks
+    def run(self, step: StepRun, flows: list[TaskFlow]) -> None:
+        """Issue every task of this device for one step (worker thread)."""
+        for n, flow in enumerate(flows):
+            upcoming = next((f.layers for f in flows[n + 1 :] if f.layers != flow.layers), None)
+            self._issue(step, flow, upcoming)
+            self.tasks_done += 1
+        self.release_all()
+        self.status = "done"
+
+    def _issue(self, step: StepRun, flow: TaskFlow, upcoming: range | None) -> None:
+        pipe, dev, streams = self.pipe, self.device, self.streams
+        t, mb = flow.task, flow.task.microbatch
+        label = f"{t}" + (f"+{flow.fused_with}" if flow.fused_with else "")
+        self.status = f"{label}: preparing"
+        needs_grad = len(flow.layers_bwd) > 0 and self._backward_needed(flow)
+        layers_all = flow.layers
+        if len(layers_all) == 0 or (flow.task.kind == "B" and not needs_grad):
+            self._issue_empty(step, flow)
+            return
+        keep = set(upcoming) if (upcoming is not None and pipe.config.prefetch) else set()
+        residents = self._ensure(layers_all, keep)
+        inputs, ctx = self._context(step, mb)
+
+        # Incoming hand-offs (activation and/or gradient), uploaded on h2d in that order.
+        incoming: dict[tuple, Slot] = {}
+        for key in flow.consumes:
+            self.status = f"{label}: waiting for {key[0]}[{key[1]}] of microbatch {key[2]}"
+            host_slot, event = step.exchange.get(key)
+            dev_slot = Slot()
+            if event is not None:
+                streams["h2d"].wait_event(event)
+
+            def up(host_slot=host_slot, dev_slot=dev_slot, key=key):
+                t_host = host_slot.value
+                dev.memory.reserve(tensor_bytes(t_host), f"{key[0]}[{key[1]}].{key[2]}", "activations")
+                dev_slot.value = dev.to_device(t_host)
+
+            streams["h2d"].submit(up)
+            incoming[key] = dev_slot
+        streams["compute"].wait_event(streams["h2d"].record_event())
+        for r in residents:
+            streams["compute"].wait_event(r.event)
+        if keep:
+            self._prefetch(upcoming)
+
+        produced = {key: Slot() for key in flow.produces}
+        param_grads = Slot()
+        loss_slot = Slot()
+        self.status = f"{label}: issued"
+
+        def compute():
+            self._compute(step, flow, residents, inputs.value, ctx.value, incoming, produced, param_grads, loss_slot)
+
+        streams["compute"].submit(compute)
+        streams["d2h"].wait_event(streams["compute"].record_event())
+        host_out = {key: Slot() for key in produced}
+        host_grads = Slot()
+        host_loss = Slot()
+
+        def download():
+            try:
+                for key, s in produced.items():
+                    v = s.value
+                    host_out[key].value = dev.to_host(v)
+                    s.value = None
+                    dev.memory.release(tensor_bytes(v), f"{key[0]}[{key[1]}].{key[2]}", "activations")
+                if param_grads.value is not None:
+                    host_grads.value = {k: dev.to_host(g) for k, g in param_grads.value.items()}
+                    dev.memory.release(sum(tensor_bytes(g) for g in param_grads.value.values()), label, "grads")
+                    param_grads.value = None
+                if loss_slot.value is not None:
+                    host_loss.value = dev.to_host(loss_slot.value)
+            except BaseException as e:
+                raise StageError(f"download after {label} failed: {e}", task=label, device=dev.name) from e
+
+        streams["d2h"].submit(download)
+        done = streams["d2h"].record_event()
+        for key, s in host_out.items():
+            step.exchange.put(key, s, done, step.flow_plan.consumers[key])
+        if flow.layers_bwd:
+            step.on_backward_issued(flow, host_grads, host_loss, done)
+
+    def _issue_empty(self, step: StepRun, flow: TaskFlow) -> None:
+        """A task with nothing to compute (the backward of a frozen embedding, a forward whose
+        outputs nobody needs): take its hand-offs so they are freed, and account a backward."""
+        for key in flow.consumes:
+            step.exchange.get(key)
+        if flow.task.kind == "B":
+            step.on_backward_issued(flow, Slot(), Slot(), None)
+
+    def _backward_needed(self, flow: TaskFlow) -> bool:
+        r = flow.layers_bwd
+        return r.start > 0 or bool(self.pipe.store.trainable_keys(r)) or flow.fused_with is not None
+
+    # ----------------------------------------------------------------- compute (compute stream)
+    def _compute(self, step, flow, residents, inputs, ctx, incoming, produced, param_grads, loss_slot) -> None:
+        pipe, dev = self.pipe, self.device
+        t = flow.task
+        layer_name = None
+        weights: dict[int, torch.Tensor] = {}
+        for r in residents:
+            weights.update(r.slot.value)
+        dev.memory.mark(f"compute {t}")
+        try:
+            start = flow.layers.start
+            if start == 0:
+                x = inputs.input_ids
+            else:
+                x = incoming[("act", start, t.microbatch)].value
+            in_bytes = 0 if start == 0 else tensor_bytes(x)
+            with torch.no_grad():
+                for i in flow.layers_fwd:
+                    layer_name = pipe.adapter.layers[i].name
+                    x = self._run_layer(step, i, weights, x, ctx, t.microbatch)
+                    key = ("act", i + 1, t.microbatch)
+                    if key in produced:
+                        dev.memory.reserve(tensor_bytes(x), f"act[{i + 1}].{t.microbatch}", "activations")
+                        produced[key].value = x
+            if flow.layers_bwd:
+                layer_name = None
+                self._backward(step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot)
+            if in_bytes:
+                dev.memory.release(in_bytes, f"act[{start}].{t.microbatch}", "activations")
+            for key, s in incoming.items():
+                if key[0] == "grad":
+                    dev.memory.release(tensor_bytes(s.value), f"grad[{key[1]}].{key[2]}", "activations")
+                s.value = None
+        except StageError:
+            raise
+        except BaseException as e:
+            stage = t.stage
+            raise StageError(
+                f"{type(e).__name__} in {t.kind} of stage {stage}: {e}",
+                task=str(t) + (f"+{flow.fused_with}" if flow.fused_with else ""),
+                stage=stage,
+                layer=layer_name,
+                microbatch=t.microbatch,
+                device=dev.name,
+            ) from e
+
+    def _run_layer(self, step, i: int, weights, x, ctx, mb: int):
+        layer = self.pipe.adapter.layers[i]
+        module = self._bound_modules(i, weights)
+        if i in self.pipe.random_layers:
+            with self.device.seeded(_seed(self.pipe.config.seed, step.index, i, mb)):
+                return layer.forward(module, x, ctx)
+        return layer.forward(module, x, ctx)
+
+    def _backward(self, step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot) -> None:
+        pipe, dev = self.pipe, self.device
+        t = flow.task
+        mb = t.microbatch
+        r = flow.layers_bwd
+        grad_in = r.start > 0
+        if grad_in:
+            x = x.detach().requires_grad_(True)
+        x0 = x
+        keys = pipe.store.trainable_keys(r)
+        params = [weights[k] for k in keys]
+        with torch.enable_grad():
+            y = x
+            for i in r:
+                y = self._run_layer_named(step, i, weights, y, ctx, mb, t)
+            if r.stop == pipe.store_num_layers:
+                loss_slot.value = y.detach()
+                seed = torch.tensor(step.grad_seed, dtype=y.dtype, device=y.device)
+            else:
+                seed = incoming[("grad", r.stop, mb)].value
+            inputs = ([x0] if grad_in else []) + params
+            grads = torch.autograd.grad([y], inputs, grad_outputs=[seed], allow_unused=True) if inputs else []
+        if grad_in:
+            gx = grads[0]
+            dev.memory.reserve(tensor_bytes(gx), f"grad[{r.start}].{mb}", "activations")
+            produced[("grad", r.start, mb)].value = gx
+            grads = grads[1:]
+        out = {}
+        for k, g in zip(keys, grads):
+            if g is not None:
+                out[k] = g
+        dev.memory.reserve(sum(tensor_bytes(g) for g in out.values()), str(t), "grads")
+        param_grads.value = out
+
+    def _run_layer_named(self, step, i, weights, x, ctx, mb, t):
+        try:
+            return self._run_layer(step, i, weights, x, ctx, mb)
+        except BaseException as e:
+            if isinstance(e, StageError):
+                raise
+            raise StageError(
+                f"{type(e).__name__} in {t.kind} of stage {t.stage}: {e}",
+                task=str(t),
+                stage=t.stage,
+                layer=self.pipe.adapter.layers[i].name,
+                microbatch=mb,
+                device=self.device.name,
+            ) from e
+
+
+def _seed(base: int, step: int, layer: int, mb: int) -> int:
+    digest = hashlib.blake2b(f"{base}/{step}/{layer}/{mb}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
