@@ -1,0 +1,506 @@
+"""Analytic cost model: FLOPs, bytes and times per layer, from a model's config numbers alone.
+
+The model is the layer list the runtime runs: ``embed``, ``layers.0`` .. ``layers.{L-1}`` (decoder
+blocks) and the head + loss, either one layer ``head`` or ``head_shards`` vocabulary shards
+``head.0`` .. ``head.{k-1}`` of (nearly) equal size; the final norm goes with the first shard.
+Every :class:`LayerCost` is for one microbatch of ``micro_batch_size`` sequences of ``seq_len``
+tokens (``tokens = micro_batch_size * seq_len``).
+
+FLOPs (per token, forward; ``H`` hidden, ``q = heads * head_dim``, ``kv = kv_heads * head_dim``,
+``I`` intermediate, ``V`` vocab, ``T`` sequence length):
+
+- linear ``in -> out``: ``2 * in * out``. Attention projections ``2H(q + 2kv) + 2qH``; dense SwiGLU
+  MLP ``6HI``; MoE router ``2HE`` plus only the ``k`` active experts ``6 H I_moe k``.
+- attention core (scores and weighted values, each ``2 * head_dim`` per query-key pair and head):
+  a causal query at position ``t`` sees ``t + 1`` keys, ``(T + 1) / 2`` on average, so
+  ``4 * heads * head_dim * (T + 1) / 2``. Softmax, norms, rotary and activations are memory-bound
+  and left out (a few percent of a block; measured times replace all of this anyway).
+- LoRA rank ``r`` on a linear: ``2 r (in + out)`` more.
+- head shard of ``Vs`` rows: ``2 H Vs``; the embedding is a gather (0 FLOPs).
+
+Backward: every matmul needs its input gradient (as many FLOPs as its forward) and, when its
+weight is trainable, its weight gradient (as many again): 2x forward under full fine-tuning. Under
+LoRA the frozen base weights need only input gradients, so a block's backward is ~1x forward
+plus the adapters' 2x. The attention core's backward is 2.5x its forward (four matmuls instead
+of two, plus FlashAttention's recomputation of the scores). Blocks backpropagate with recompute
+(the stage forward runs again first: ``bwd_recompute_flops = fwd + bwd``, ~3x under full
+fine-tuning); the head runs forward and backward back to back and never recomputes.
+
+Bytes (``b`` = bytes of the compute dtype):
+
+- ``param_bytes``: the layer's weights on the device (``params * b``, LoRA adapters included).
+- ``trainable_params``: parameters this layer produces gradients for; ``grad_device_bytes`` =
+  ``trainable * b`` (device, per microbatch). ``grad_host_bytes`` = fp32 accumulation buffers and
+  ``optimizer_bytes`` = AdamW fp32 master + two moments (12 bytes) per trainable parameter, both
+  on the CPU and counted once for tied weights (the embedding owns them).
+- ``act_in_bytes``: the layer's input kept on the CPU if a stage starts here (``tokens * H * b``;
+  ``tokens * 8`` int64 ids for the embedding; vocabulary shards after the first also pass three
+  fp32 running loss statistics per token).
+- ``saved_bytes``: what autograd keeps for this layer while its stage recomputes (attention via
+  SDPA/FlashAttention: O(T), never a ``T x T`` matrix). Per token, elements of dtype ``b``:
+  ``4H`` (block input, normed input, mid-residual, normed mid-residual) + ``q + 2kv`` (projections)
+  + ``q + kv`` (Qwen3 q/k norms) + ``q + kv`` (rotary outputs) + ``q`` (attention output) + MLP:
+  dense ``4I`` (gate, up, silu(gate), product), MoE ``4 k I_moe + 2 k H`` (each token's
+  intermediates in ``k`` experts plus its dispatched copies and expert outputs); fp32 per token:
+  ``heads`` (attention log-sum-exp) + ``2`` (norm statistics) + MoE ``2E`` (router logits, probs).
+- ``work_bytes``: the device working set of the layer's forward + backward with recompute, alone:
+  ``saved_bytes`` + a transient of ``tokens * b * (2H + max(2(q + 2kv), 3 I_act [+ 2kH for MoE]))``
+  (gradients of the block's input/output and of its widest part, alive while it backpropagates;
+  ``I_act`` = ``I`` or ``k I_moe``). A backward stage of several layers keeps every layer's
+  ``saved_bytes`` at once and one layer's transient (see ``partitioner.stage_bytes``).
+- ``fwd_work_bytes``: forward without autograd (forward stages save only their input, on the CPU):
+  ``tokens * b * (2H + max(2q + 2kv, 3 I_act [+ 2kH]))``.
+- head shard: working set ``2 * chunk * Vs * 4`` (one token chunk's fp32 logits and their gradient;
+  logits never exist for the whole microbatch) + ``tokens * H * b`` (gradient of the hidden input);
+  saved: its hidden input (shard 0 also the final norm's output).
+
+Times: :func:`layer_time` divides FLOPs by ``peak * efficiency``; :func:`layer_times` accepts
+measured times per layer name that replace the analytic ones.
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from roundpipe.errors import ConfigError
+from roundpipe.sim.presets import GPU, Server, normalize_dtype
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP32 = 4
+OPTIMIZER_BYTES_PER_PARAM = 12  # AdamW: fp32 master weight + exp_avg + exp_avg_sq
+GRAD_HOST_BYTES_PER_PARAM = 4  # fp32 gradient accumulation on the CPU
+ATTENTION_BWD_FACTOR = 2.5  # dQ, dK, dV, dP matmuls + FlashAttention's recomputed scores
+HEAD_LOGIT_BUFFERS = 2  # a chunk's fp32 logits and their gradient are alive together
+HEAD_STATS_PER_TOKEN = 3  # running max, sum of exp, target logit (fp32) between vocabulary shards
+DEFAULT_HEAD_CHUNK_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Cost of one layer for one microbatch. FLOPs are totals for the microbatch, bytes are bytes.
+
+    The first seven fields are what the partitioner needs most; the rest refine the memory and
+    host accounting (see the module docstring for every formula).
+    """
+
+    name: str
+    fwd_flops: float
+    bwd_flops: float
+    param_bytes: int
+    trainable_params: int
+    act_in_bytes: int
+    work_bytes: int
+    kind: str = "block"  # "embed" | "block" | "head"
+    params: int = 0  # parameters on the device (LoRA adapters included)
+    tied_params: int = 0  # of ``params``, shared with another layer (tied embeddings)
+    recompute: bool = True  # backward re-runs this layer's forward first
+    saved_bytes: int = 0
+    fwd_work_bytes: int = 0
+    grad_device_bytes: int = 0
+    grad_host_bytes: int = 0
+    optimizer_bytes: int = 0
+    tokens: int = 0
+    dtype: str = "bf16"
+
+    @property
+    def fwd_flops_per_token(self) -> float:
+        """Forward FLOPs per token at this cost's sequence length (the attention term depends on it)."""
+        return self.fwd_flops / self.tokens if self.tokens else 0.0
+
+    @property
+    def bwd_recompute_flops(self) -> float:
+        """Backward FLOPs as a backward stage spends them: recompute forward (if any) + backward."""
+        return self.bwd_flops + (self.fwd_flops if self.recompute else 0.0)
+
+    @property
+    def transient_bytes(self) -> int:
+        """The part of ``work_bytes`` only alive while this one layer runs its backward."""
+        return self.work_bytes - self.saved_bytes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few config numbers the cost model uses, read from a transformers-style config dict."""
+
+    model_type: str
+    hidden: int
+    num_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int | None
+    vocab: int
+    tied: bool
+    qk_norm: bool
+    attention_bias: bool
+    mlp_bias: bool
+    num_experts: int
+    experts_per_tok: int
+    moe_intermediate: int | None
+    moe_layers: frozenset[int]
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+
+def _need(config: Mapping[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise ConfigError(
+            f"model config lacks {key!r}; the cost model needs it (source: {config.get('_source')})"
+        )
+    return config[key]
+
+
+def model_shape(config: Mapping[str, Any]) -> ModelShape:
+    """Read a transformers-style config (``hidden_size``, ``num_hidden_layers``, ...).
+
+    MoE follows Qwen3-MoE: ``num_experts`` (or ``num_local_experts``), ``num_experts_per_tok``,
+    ``moe_intermediate_size``; a layer ``i`` is MoE unless listed in ``mlp_only_layers`` or
+    ``(i + 1) % decoder_sparse_step != 0``. Qwen3 families have per-head q/k norms.
+    """
+    hidden = int(_need(config, "hidden_size"))
+    layers = int(_need(config, "num_hidden_layers"))
+    heads = int(_need(config, "num_attention_heads"))
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    model_type = str(config.get("model_type", ""))
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    moe_layers: frozenset[int] = frozenset()
+    if experts:
+        step = int(config.get("decoder_sparse_step") or 1)
+        dense_only = set(config.get("mlp_only_layers") or [])
+        moe_layers = frozenset(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+    shape = ModelShape(
+        model_type=model_type,
+        hidden=hidden,
+        num_layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=config.get("intermediate_size"),
+        vocab=int(_need(config, "vocab_size")),
+        tied=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=model_type.startswith("qwen3"),
+        attention_bias=bool(config.get("attention_bias", False)),
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        num_experts=experts,
+        experts_per_tok=int(config.get("num_experts_per_tok") or 0),
+        moe_intermediate=config.get("moe_intermediate_size") or config.get("intermediate_size"),
+        moe_layers=moe_layers,
+    )
+    if experts and not shape.experts_per_tok:
+        raise ConfigError("MoE config has num_experts but no num_experts_per_tok")
+    if len(moe_layers) < layers and not shape.intermediate:
+        raise ConfigError("model config lacks 'intermediate_size' for its dense MLP layers")
+    return shape
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """A linear (in -> out) used by ``active`` copies per token, of which the layer holds ``total``."""
+
+    fan_in: int
+    fan_out: int
+    active: float = 1
+    total: int = 1
+    bias: bool = False
+    lora: bool = True
+
+    @property
+    def params(self) -> int:
+        return self.total * (self.fan_in * self.fan_out + (self.fan_out if self.bias else 0))
+
+    @property
+    def flops_per_token(self) -> float:
+        return 2.0 * self.active * self.fan_in * self.fan_out
+
+    def lora_params(self, rank: int) -> int:
+        return self.total * rank * (self.fan_in + self.fan_out) if self.lora else 0
+
+    def lora_flops_per_token(self, rank: int) -> float:
+        return 2.0 * self.active * rank * (self.fan_in + self.fan_out) if self.lora else 0.0
+
+
+def _block_linears(shape: ModelShape, layer: int, lora_experts: bool) -> list[_Linear]:
+    h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
+    ab = shape.attention_bias
+    out = [_Linear(h, q, bias=ab), _Linear(h, kv, bias=ab), _Linear(h, kv, bias=ab), _Linear(q, h, bias=ab)]
+    if shape.is_moe(layer):
+        e, k, im = shape.num_experts, shape.experts_per_tok, int(shape.moe_intermediate)
+        out.append(_Linear(h, e))  # router
+        for fan_in, fan_out in ((h, im), (h, im), (im, h)):
+            out.append(_Linear(fan_in, fan_out, active=k, total=e, lora=lora_experts))
+    else:
+        i, mb = int(shape.intermediate), shape.mlp_bias
+        out += [_Linear(h, i, bias=mb), _Linear(h, i, bias=mb), _Linear(i, h, bias=mb)]
+    return out
+
+
+def _block_cost(
+    shape: ModelShape,
+    layer: int,
+    seq_len: int,
+    tokens: int,
+    b: int,
+    lora_rank: int | None,
+    lora_experts: bool,
+) -> dict[str, Any]:
+    h, q, kv, heads = shape.hidden, shape.q_dim, shape.kv_dim, shape.heads
+    linears = _block_linears(shape, layer, lora_experts)
+    norm_params = 2 * h + (2 * shape.head_dim if shape.qk_norm else 0)
+    base_params = sum(lin.params for lin in linears) + norm_params
+    lora = lora_rank or 0
+    lora_params = sum(lin.lora_params(lora) for lin in linears)
+    full = lora_rank is None
+
+    matmul = sum(lin.flops_per_token for lin in linears)
+    lora_flops = sum(lin.lora_flops_per_token(lora) for lin in linears)
+    attn_core = 4.0 * heads * shape.head_dim * (seq_len + 1) / 2
+    fwd = matmul + lora_flops + attn_core
+    bwd = matmul * (2.0 if full else 1.0) + 2.0 * lora_flops + ATTENTION_BWD_FACTOR * attn_core
+
+    if shape.is_moe(layer):
+        k, im, e = shape.experts_per_tok, int(shape.moe_intermediate), shape.num_experts
+        i_act, mlp_saved, extra_fp32, dispatch = k * im, 4 * k * im + 2 * k * h, 2 * e, 2 * k * h
+    else:
+        i_act = int(shape.intermediate)
+        mlp_saved, extra_fp32, dispatch = 4 * i_act, 0, 0
+    attn_saved = (q + 2 * kv) + (q + kv if shape.qk_norm else 0) + (q + kv) + q
+    saved_el = 4 * h + attn_saved + mlp_saved
+    saved = tokens * (b * saved_el + FP32 * (heads + 2 + extra_fp32))
+    transient = tokens * b * (2 * h + max(2 * (q + 2 * kv), 3 * i_act + dispatch))
+    fwd_work = tokens * b * (2 * h + max(2 * q + 2 * kv, 3 * i_act + dispatch)) + tokens * FP32 * extra_fp32
+
+    params = base_params + lora_params
+    trainable = base_params if full else lora_params
+    return dict(
+        fwd_flops=fwd * tokens,
+        bwd_flops=bwd * tokens,
+        params=params,
+        trainable=trainable,
+        owned_trainable=trainable,
+        tied=0,
+        act_in=tokens * h * b,
+        saved=saved,
+        work=saved + transient,
+        fwd_work=fwd_work,
+        recompute=True,
+    )
+
+
+def _shard_sizes(vocab: int, shards: int) -> list[int]:
+    base, extra = divmod(vocab, shards)
+    return [base + (1 if j < extra else 0) for j in range(shards)]
+
+
+def model_costs(
+    config: Mapping[str, Any],
+    seq_len: int,
+    micro_batch_size: int = 1,
+    dtype: str = "bf16",
+    lora_rank: int | None = None,
+    head_shards: int = 1,
+    head_chunk_tokens: int = DEFAULT_HEAD_CHUNK_TOKENS,
+    lora_experts: bool = True,
+) -> list[LayerCost]:
+    """Per-layer costs ``[embed, layers.0 .. layers.{L-1}, head | head.0 .. head.{k-1}]``.
+
+    ``config`` is a transformers-style dict (:func:`roundpipe.sim.presets.load_model_config`).
+    ``lora_rank=None`` means full fine-tuning (every parameter trainable); an int means LoRA of that
+    rank on every linear layer of the blocks (attention, MLP, MoE router and, unless
+    ``lora_experts=False``, every expert), with embedding and head frozen.
+    ``head_chunk_tokens`` is the token chunk of the fused head + loss.
+    """
+    if seq_len < 1 or micro_batch_size < 1:
+        raise ConfigError(f"seq_len and micro_batch_size must be >= 1, got {seq_len} and {micro_batch_size}")
+    if lora_rank is not None and lora_rank < 1:
+        raise ConfigError(f"lora_rank must be a positive int or None (full fine-tuning), got {lora_rank}")
+    dt = normalize_dtype(dtype)
+    b = DTYPE_BYTES[dt]
+    shape = model_shape(config)
+    if not 1 <= head_shards <= shape.vocab:
+        raise ConfigError(f"head_shards must be in 1..{shape.vocab}, got {head_shards}")
+    tokens = seq_len * micro_batch_size
+    full = lora_rank is None
+    h, v = shape.hidden, shape.vocab
+
+    raw: list[tuple[str, str, dict[str, Any]]] = []
+    embed_params = v * h
+    raw.append(
+        (
+            "embed",
+            "embed",
+            dict(
+                fwd_flops=0.0,
+                bwd_flops=0.0,
+                params=embed_params,
+                trainable=embed_params if full else 0,
+                owned_trainable=embed_params if full else 0,
+                tied=0,
+                act_in=tokens * 8,
+                saved=0,
+                work=2 * tokens * h * b,
+                fwd_work=tokens * h * b + tokens * 8,
+                recompute=True,
+            ),
+        )
+    )
+    for i in range(shape.num_layers):
+        raw.append(
+            (f"layers.{i}", "block", _block_cost(shape, i, seq_len, tokens, b, lora_rank, lora_experts))
+        )
+
+    chunk = min(head_chunk_tokens, tokens)
+    for j, vs in enumerate(_shard_sizes(v, head_shards)):
+        weight = vs * h
+        norm = h if j == 0 else 0
+        fwd = 2.0 * h * vs * tokens
+        trainable = (weight + norm) if full else 0
+        tied = weight if shape.tied else 0
+        saved = tokens * h * b * (2 if j == 0 else 1)
+        stats = tokens * FP32 * HEAD_STATS_PER_TOKEN if j > 0 else 0
+        transient = HEAD_LOGIT_BUFFERS * chunk * vs * FP32 + tokens * h * b
+        raw.append(
+            (
+                "head" if head_shards == 1 else f"head.{j}",
+                "head",
+                dict(
+                    fwd_flops=fwd,
+                    bwd_flops=fwd * (2.0 if full else 1.0),
+                    params=weight + norm,
+                    trainable=trainable,
+                    owned_trainable=(trainable - tied) if full else 0,
+                    tied=tied,
+                    act_in=tokens * h * b + stats,
+                    saved=saved + stats,
+                    work=saved + stats + transient,
+                    fwd_work=saved + stats + transient,
+                    recompute=False,
+                ),
+            )
+        )
+
+    return [
+        LayerCost(
+            name=name,
+            fwd_flops=float(c["fwd_flops"]),
+            bwd_flops=float(c["bwd_flops"]),
+            param_bytes=int(c["params"] * b),
+            trainable_params=int(c["trainable"]),
+            act_in_bytes=int(c["act_in"]),
+            work_bytes=int(c["work"]),
+            kind=kind,
+            params=int(c["params"]),
+            tied_params=int(c["tied"]),
+            recompute=bool(c["recompute"]),
+            saved_bytes=int(c["saved"]),
+            fwd_work_bytes=int(c["fwd_work"]),
+            grad_device_bytes=int(c["trainable"] * b),
+            grad_host_bytes=int(c["owned_trainable"] * GRAD_HOST_BYTES_PER_PARAM),
+            optimizer_bytes=int(c["owned_trainable"] * OPTIMIZER_BYTES_PER_PARAM),
+            tokens=tokens,
+            dtype=dt,
+        )
+        for name, kind, c in raw
+    ]
+
+
+def model_totals(costs: list[LayerCost]) -> dict[str, int | float]:
+    """Whole-model sums: unique parameters (tied weights once), trainable parameters, host bytes.
+
+    ``host_bytes`` is what the CPU holds for the model state: the pinned compute-dtype copy of every
+    unique parameter, fp32 gradient accumulators and AdamW state of the trainable ones (saved
+    activations come on top, ``act_in_bytes`` per stage start per microbatch).
+    """
+    b = DTYPE_BYTES[costs[0].dtype] if costs else 2
+    params = sum(c.params - c.tied_params for c in costs)
+    trainable = sum(c.optimizer_bytes for c in costs) // OPTIMIZER_BYTES_PER_PARAM
+    return {
+        "params": params,
+        "trainable_params": trainable,
+        "fwd_flops": sum(c.fwd_flops for c in costs),
+        "bwd_recompute_flops": sum(c.bwd_recompute_flops for c in costs),
+        "host_bytes": params * b + sum(c.grad_host_bytes + c.optimizer_bytes for c in costs),
+    }
+
+
+def layer_time(
+    cost: LayerCost,
+    hw: GPU | Server,
+    *,
+    phase: str = "forward",
+    efficiency: float | None = None,
+    fp16_accumulate: bool = False,
+) -> float:
+    """Seconds for one microbatch: ``flops / (peak(dtype) * efficiency)``.
+
+    ``phase``: ``"forward"``, ``"backward"`` (backward alone) or ``"backward_stage"`` (what a
+    backward stage spends: recompute forward where the layer recomputes, then backward).
+    ``efficiency`` defaults to the hardware preset's ``matmul_efficiency`` (an assumption, see
+    ``hardware.json``); the fraction of peak is the same for every layer and phase, so it scales
+    all times alike and never changes a partition.
+    """
+    eff = hw.matmul_efficiency if efficiency is None else efficiency
+    if not 0 < eff <= 1:
+        raise ConfigError(f"efficiency must be in (0, 1], got {eff}")
+    flops = {
+        "forward": cost.fwd_flops,
+        "backward": cost.bwd_flops,
+        "backward_stage": cost.bwd_recompute_flops,
+    }
+    if phase not in flops:
+        raise ConfigError(f"unknown phase {phase!r}; use forward, backward or backward_stage")
+    return flops[phase] / (hw.peak_flops(cost.dtype, fp16_accumulate=fp16_accumulate) * eff)
+
+
+def layer_times(
+    costs: list[LayerCost],
+    hw: GPU | Server,
+    *,
+    efficiency: float | None = None,
+    times: Mapping[str, tuple[float, float]] | None = None,
+    fp16_accumulate: bool = False,
+) -> tuple[list[float], list[float]]:
+    """Per-layer seconds ``(forward, backward_stage)`` for the forward and backward partitions.
+
+    ``times`` maps a layer name to measured ``(forward_s, backward_s)`` of one microbatch (backward
+    alone, without recompute; the recompute forward is added here for layers that recompute) and
+    replaces the analytic estimate of that layer. A profiling pass fills it; names it does not know
+    raise :class:`ConfigError`.
+    """
+    times = dict(times or {})
+    unknown = set(times) - {c.name for c in costs}
+    if unknown:
+        raise ConfigError(
+            f"measured times for unknown layers {sorted(unknown)}; layers are {costs[0].name}.."
+        )
+    fwd, bwd = [], []
+    for c in costs:
+        if c.name in times:
+            f, b = (float(x) for x in times[c.name])
+            if f < 0 or b < 0:
+                raise ConfigError(f"measured times of {c.name} must be >= 0, got {times[c.name]}")
+            fwd.append(f)
+            bwd.append(b + (f if c.recompute else 0.0))
+        else:
+            fwd.append(
+                layer_time(c, hw, phase="forward", efficiency=efficiency, fp16_accumulate=fp16_accumulate)
+            )
+            bwd.append(
+                layer_time(
+                    c, hw, phase="backward_stage", efficiency=efficiency, fp16_accumulate=fp16_accumulate
+                )
+            )
+    return fwd, bwd
