@@ -94,8 +94,9 @@ class Worker:
         for i in evict:
             self._evict(i)
         missing = [i for i in need if i not in self.resident]
-        if evict and missing:
-            # New uploads may only take memory the released layers gave back.
+        if evict:
+            # Every later upload (needed now or prefetched) may only take memory the released layers
+            # gave back, i.e. it waits until the compute that last used them is done.
             self.streams["h2d"].wait_event(self.streams["compute"].record_event())
         for i in missing:
             self._upload(i)

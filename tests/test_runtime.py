@@ -1,0 +1,210 @@
+"""Runtime behaviour beyond numerics: memory residency, bad input, faults."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from tiny_models import make_batch, make_model
+
+import roundpipe
+from roundpipe.errors import (
+    ConfigError,
+    DeviceOutOfMemory,
+    DeviceSpecError,
+    InputError,
+    OptimizerError,
+    PipelineStateError,
+    StageError,
+    UnsupportedModel,
+)
+
+torch.set_num_threads(1)
+
+
+def _fb(pipe, batch):
+    return pipe.forward_backward(batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"])
+
+
+# ----------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_a_worker_holds_only_the_running_layer_and_the_prefetched_one(microbatches):
+    model = make_model("llama", num_layers=3)
+    batch = make_batch(batch=4)
+    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", num_microbatches=microbatches)) as pipe:
+        ledger = pipe.backend.devices[0].memory
+        ledger.trace = []
+        _fb(pipe, batch)
+        flows = pipe._flow_plan(microbatches).flows[0]
+        names = [layer.name for layer in pipe.adapter.layers]
+        resident: set[str] = set()
+        k = 0
+        for op, what, _nbytes, _in_use in ledger.trace:
+            if what.startswith("weights:"):
+                (resident.add if op == "reserve" else resident.discard)(what.removeprefix("weights:"))
+            elif op == "mark":
+                flow = flows[k]
+                following = next((f.layers for f in flows[k + 1 :] if f.layers != flow.layers), range(0))
+                allowed = {names[i] for i in [*flow.layers, *following]}
+                assert {names[i] for i in flow.layers} <= resident, f"{what}: weights not resident"
+                assert resident <= allowed, f"{what}: holds {sorted(resident - allowed)} besides the current and next layer"
+                k += 1
+        assert k == len(flows)
+        assert ledger.in_use == 0, "everything placed on the device was released"
+        largest_two = sum(sorted(pipe.store.layer_bytes)[-2:])
+        assert ledger.by_tag.get("weights", 0) == 0
+        assert ledger.peak >= max(pipe.store.layer_bytes)
+        assert ledger.peak < largest_two + 2_000_000  # weights of two layers + one microbatch's activations
+
+
+def test_a_device_as_small_as_two_layers_plus_activations_still_trains():
+    model = make_model("qwen3", num_layers=3)
+    batch = make_batch(batch=4)
+    probe = roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1"))
+    need = sum(sorted(probe.store.layer_bytes)[-2:]) + 200_000
+    probe.close()
+    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, device_capacity=need)) as pipe:
+        out = _fb(pipe, batch)
+        assert out.loss > 0
+        assert all(d.memory.peak <= need for d in pipe.backend.devices)
+
+
+def test_capacity_smaller_than_the_largest_layer_names_the_layer_and_bytes():
+    model = make_model("llama")
+    with pytest.raises(DeviceOutOfMemory) as info:
+        roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", device_capacity=40_000))
+    msg = str(info.value)
+    assert "embed" in msg or "head" in msg
+    assert "65,536" in msg  # the 256 x 64 fp32 embedding
+    assert info.value.nbytes == 65_536
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_a_model_that_is_not_a_causal_lm_is_rejected():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    with pytest.raises(UnsupportedModel, match="llama"):
+        roundpipe.wrap(transformers.LlamaModel(config), roundpipe.RunConfig(devices="cpu:1"))
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(devices="cpu:1", num_microbatches=4))
+    yield p
+    p.close()
+
+
+def test_more_microbatches_than_samples_is_an_input_error(pipe):
+    batch = make_batch(batch=3)
+    with pytest.raises(InputError, match="num_microbatches=4 is larger than the batch"):
+        _fb(pipe, batch)
+
+
+def test_labels_of_the_wrong_shape_are_an_input_error(pipe):
+    batch = make_batch(batch=4)
+    with pytest.raises(InputError, match="labels must have the shape"):
+        pipe.forward_backward(batch["input_ids"], labels=batch["labels"][:, :-1])
+
+
+def test_all_labels_ignored_is_an_input_error(pipe):
+    batch = make_batch(batch=4)
+    with pytest.raises(InputError, match="every label is -100"):
+        pipe.forward_backward(batch["input_ids"], labels=torch.full_like(batch["labels"], -100))
+
+
+def test_token_ids_outside_the_vocabulary_are_an_input_error(pipe):
+    batch = make_batch(batch=4)
+    with pytest.raises(InputError, match="vocab_size"):
+        pipe.forward_backward(batch["input_ids"] + 1000, labels=batch["labels"])
+
+
+def test_step_without_optimizer_or_gradients_is_a_state_error(pipe):
+    with pytest.raises(PipelineStateError, match="configure_optimizer"):
+        pipe.step()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": "fp8"}, "unknown dtype 'fp8'"),
+        ({"policy": "zigzag"}, "unknown policy 'zigzag'"),
+        ({"num_microbatches": 0}, "num_microbatches must be a positive int"),
+    ],
+)
+def test_bad_run_config_is_a_config_error(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        roundpipe.RunConfig(**kwargs)
+
+
+@pytest.mark.parametrize("spec", ["gpu:1", "cpu:0", "cpu:two", "cuda:a"])
+def test_malformed_device_spec_is_rejected(spec):
+    with pytest.raises(DeviceSpecError):
+        roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(devices=spec))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_says_to_use_cpu():
+    with pytest.raises(DeviceSpecError, match="no CUDA device"):
+        roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(devices="cuda:0"))
+
+
+def test_optimizer_settings_are_validated(pipe):
+    with pytest.raises(ConfigError, match="betas"):
+        pipe.configure_optimizer(betas=(0.9, 1.5))
+
+
+# ----------------------------------------------------------------------------- faults
+def _threads_of(pipe) -> list[str]:
+    """Threads of this pipeline's backend and host queue still alive."""
+    mine = [s._thread for d in pipe.backend.devices for s in d.streams.values()] + [pipe._hostq._thread]
+    return [t.name for t in mine if t.is_alive()]
+
+
+def _roundpipe_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe-worker")]
+
+
+def test_an_error_inside_a_layer_reaches_the_caller_with_where_it_happened():
+    model = make_model("llama", num_layers=3)
+    calls = []
+
+    def explode(module, args, output):
+        calls.append(1)
+        if len(calls) == 3:  # third microbatch through layers.1, once
+            raise RuntimeError("boom")
+
+    model.model.layers[1].register_forward_hook(explode)
+    batch = make_batch(batch=4)
+    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=4)) as pipe:
+        t0 = time.monotonic()
+        with pytest.raises(StageError) as info:
+            _fb(pipe, batch)
+        assert time.monotonic() - t0 < 5
+        err = info.value
+        assert (err.stage, err.layer, err.microbatch) == (2, "layers.1", 2)
+        assert err.device == "cpu:0"  # stage 2 of 5 dealt round-robin to 2 devices
+        assert "boom" in str(err) and isinstance(err.__cause__, RuntimeError)
+        assert _roundpipe_threads() == []
+        # The pipeline recovers: the hook has fired its one fault, and the same batch trains.
+        assert _fb(pipe, batch).loss > 0
+    assert _threads_of(pipe) == []
+
+
+def test_an_optimizer_error_names_the_layer():
+    with roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(devices="cpu:1", num_microbatches=2)) as pipe:
+        pipe.configure_optimizer(lr=1e-3)
+        last = max(pipe._optimizer.optimizers)
+
+        def broken_step(*a, **k):
+            raise RuntimeError("optimizer exploded")
+
+        pipe._optimizer.optimizers[last].step = broken_step
+        with pytest.raises(OptimizerError, match="optimizer exploded") as info:
+            _fb(pipe, make_batch(batch=4))
+        assert info.value.layer == pipe.adapter.layers[last].name
+    assert _threads_of(pipe) == []
