@@ -110,7 +110,9 @@ class Stream(ABC):
 class Device(ABC):
     """One worker device. ``torch_device`` is where its tensors live (``cpu`` for virtual devices)."""
 
-    def __init__(self, backend: Backend, index: int, name: str, torch_device: torch.device, capacity: int | None):
+    def __init__(
+        self, backend: Backend, index: int, name: str, torch_device: torch.device, capacity: int | None
+    ):
         self.backend = backend
         self.index = index
         self.name = name
@@ -126,7 +128,7 @@ class Device(ABC):
     def to_host(self, dev: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Copy a device tensor into (pinned) host memory (call inside a ``d2h`` closure)."""
 
-    def hand_over(self, t: torch.Tensor, stream: Stream) -> None:
+    def hand_over(self, t: torch.Tensor, stream: Stream) -> None:  # noqa: B027 (optional hook)
         """Tell the allocator ``t`` (made on another stream) is used on ``stream``. No-op on cpu."""
 
     @abstractmethod
@@ -154,9 +156,7 @@ class Backend(ABC):
         self.aborted = True
 
     def report(self, error: BaseException) -> None:
-        """Called by a stream whose work raised: remember the first error and abort everything."""
-        if not hasattr(self, "errors"):
-            self.errors = []
+        """Called by a stream whose work raised: remember the error and abort everything."""
         self.errors.append(error)
         self.abort()
 

@@ -56,7 +56,9 @@ class CpuStream(Stream):
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self.ops = 0
-        self._thread = threading.Thread(target=self._loop, name=f"roundpipe-{device.name}-{name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"roundpipe-{device.name}-{name}", daemon=True
+        )
         self._thread.start()
 
     def submit(self, fn: Callable[[], None]) -> None:

@@ -9,6 +9,7 @@ turns a stall into ``WatchdogTimeout``. Nothing is left running after an error.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -51,7 +52,9 @@ class StepOutput:
 class StepRun:
     """State of one ``forward_backward`` call shared by the workers and the host thread."""
 
-    def __init__(self, pipe: Pipeline, index: int, microbatches, total_tokens: int, flow_plan: FlowPlan, eager: bool):
+    def __init__(
+        self, pipe: Pipeline, index: int, microbatches, total_tokens: int, flow_plan: FlowPlan, eager: bool
+    ):
         self.pipe = pipe
         self.index = index
         self.microbatches = microbatches
@@ -70,7 +73,8 @@ class StepRun:
             for k in store.trainable_keys(bwd.layers(s)):
                 self.remaining[k] = self.remaining.get(k, 0) + flow_plan.table.num_microbatches
         self.group_left = {
-            owner: sum(1 for k in keys if self.remaining.get(k, 0) > 0) for owner, keys in pipe._groups().items()
+            owner: sum(1 for k in keys if self.remaining.get(k, 0) > 0)
+            for owner, keys in pipe._groups().items()
         }
 
     def on_backward_issued(self, flow: TaskFlow, host_grads: Slot, host_loss: Slot, event) -> None:
@@ -134,7 +138,9 @@ class Pipeline:
         max_grad_norm: float | None = None,
     ) -> None:
         """AdamW on the fp32 CPU masters (``torch.optim.AdamW`` semantics, fused CPU kernel)."""
-        self._optimizer = LayerwiseAdamW(self.store, OptimizerConfig(lr, weight_decay, tuple(betas), eps, max_grad_norm))
+        self._optimizer = LayerwiseAdamW(
+            self.store, OptimizerConfig(lr, weight_decay, tuple(betas), eps, max_grad_norm)
+        )
 
     def set_lr(self, lr: float) -> None:
         self._require_optimizer("set_lr")
@@ -158,7 +164,9 @@ class Pipeline:
         """
         self._check_open()
         if self._stepped_eagerly:
-            raise PipelineStateError("call step() after each forward_backward (or pass accumulate=True to the earlier call)")
+            raise PipelineStateError(
+                "call step() after each forward_backward (or pass accumulate=True to the earlier call)"
+            )
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
         plan = self._flow_plan(len(microbatches))
         eager = self._optimizer is not None and not accumulate and self._can_step_eagerly()
@@ -220,7 +228,9 @@ class Pipeline:
             for e in self.store.entries:
                 if e.trainable:
                     if e.name not in masters:
-                        raise PipelineStateError(f"checkpoint lacks parameter {e.name!r}; was it saved from this model?")
+                        raise PipelineStateError(
+                            f"checkpoint lacks parameter {e.name!r}; was it saved from this model?"
+                        )
                     e.master.data.copy_(masters[e.name])
             self.store.refresh_compute([e.key for e in self.store.entries if e.trainable])
         self._steps_run = sd.get("steps_run", 0)
@@ -251,10 +261,8 @@ class Pipeline:
         self.close()
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     # ----------------------------------------------------------------- planning
     def _flow_plan(self, num_microbatches: int) -> FlowPlan:
@@ -263,7 +271,9 @@ class Pipeline:
             n = len(self.adapter.layers)
             part = Partition.per_layer(n)
             policy = POLICIES[self.config.policy]
-            table = policy(part, part, len(self.backend.devices), num_microbatches, **self.config.policy_options)
+            table = policy(
+                part, part, len(self.backend.devices), num_microbatches, **self.config.policy_options
+            )
             plan = self._plans[num_microbatches] = build_flow_plan(table)
         return plan
 
@@ -273,11 +283,17 @@ class Pipeline:
             return
         for layer, nbytes in zip(self.adapter.layers, self.store.layer_bytes):
             if nbytes > cap:
-                raise DeviceOutOfMemory(self.backend.devices[0].name, f"the weights of layer {layer.name!r}", nbytes, 0, cap)
+                raise DeviceOutOfMemory(
+                    self.backend.devices[0].name, f"the weights of layer {layer.name!r}", nbytes, 0, cap
+                )
 
     # ----------------------------------------------------------------- inputs
     def _split(self, input_ids, labels, attention_mask, position_ids):
-        if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+        if (
+            not torch.is_tensor(input_ids)
+            or input_ids.dim() != 2
+            or input_ids.dtype not in (torch.int64, torch.int32)
+        ):
             raise InputError(
                 f"input_ids must be an integer tensor of shape [batch, seq], got "
                 f"{getattr(input_ids, 'shape', type(input_ids).__name__)} {getattr(input_ids, 'dtype', '')}"
@@ -287,8 +303,12 @@ class Pipeline:
             raise InputError("labels are required for training (use -100 for positions without a target)")
         for name, t in (("labels", labels), ("attention_mask", attention_mask)):
             if t is not None and (not torch.is_tensor(t) or tuple(t.shape) != (batch, seq)):
-                raise InputError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(getattr(t, 'shape', ()))}")
-        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch)):
+                raise InputError(
+                    f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(getattr(t, 'shape', ()))}"
+                )
+        if position_ids is not None and (
+            position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch)
+        ):
             raise InputError(f"position_ids must be [batch or 1, {seq}], got {tuple(position_ids.shape)}")
         m = self.config.num_microbatches
         if m > batch:
@@ -302,7 +322,9 @@ class Pipeline:
         labels = labels.long()
         total = int((labels[:, 1:] != -100).sum())
         if total == 0:
-            raise InputError("every label is -100 (after the shift), so there is nothing to learn from this batch")
+            raise InputError(
+                "every label is -100 (after the shift), so there is nothing to learn from this batch"
+            )
         bad = labels[(labels != -100)]
         if bad.numel() and (int(bad.min()) < 0 or int(bad.max()) >= vocab):
             raise InputError(f"labels must be -100 or lie in [0, {vocab})")
@@ -335,7 +357,12 @@ class Pipeline:
                 self.backend.abort()
 
         threads = [
-            threading.Thread(target=worker_main, args=(w, step.flow_plan.flows[i]), name=f"roundpipe-worker-{i}", daemon=True)
+            threading.Thread(
+                target=worker_main,
+                args=(w, step.flow_plan.flows[i]),
+                name=f"roundpipe-worker-{i}",
+                daemon=True,
+            )
             for i, w in enumerate(self.workers)
         ]
         for t in threads:
@@ -350,7 +377,11 @@ class Pipeline:
                 break
             if errors or self.backend.errors:
                 break
-            progress = (sum(w.tasks_done for w in self.workers), self.backend.progress(), self._hostq_pending())
+            progress = (
+                sum(w.tasks_done for w in self.workers),
+                self.backend.progress(),
+                self._hostq_pending(),
+            )
             now = time.monotonic()
             if progress != last_progress:
                 last_progress, last_change = progress, now
@@ -392,7 +423,11 @@ class Pipeline:
             w.device.memory.by_tag.clear()
 
     def _root_error(self, timed_out, errors) -> BaseException:
-        candidates = list(self._late_errors) + errors + ([self.__dict__.pop("_host_error")] if hasattr(self, "_host_error") else [])
+        candidates = (
+            list(self._late_errors)
+            + errors
+            + ([self.__dict__.pop("_host_error")] if hasattr(self, "_host_error") else [])
+        )
         if timed_out is not None:
             return timed_out
         for e in candidates:

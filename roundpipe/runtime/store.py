@@ -69,26 +69,39 @@ class ParameterStore:
                             continue
                         e = by_id.get(id(t))
                         if e is None:
-                            e = self._make_entry(len(self.entries), names.get(id(t), f"{layer.name}.{mpath}.{attr}"), t, is_buffer, backend)
+                            e = self._make_entry(
+                                len(self.entries),
+                                names.get(id(t), f"{layer.name}.{mpath}.{attr}"),
+                                t,
+                                is_buffer,
+                                backend,
+                            )
                             by_id[id(t)] = e
                             self.entries.append(e)
                         if layer.index not in e.users:
                             e.users.append(layer.index)
                         binds.append(Binding(mpath, attr, is_buffer, e.key))
             self.bindings.append(binds)
-        self.layer_bytes = [sum(self.entries[k].nbytes for k in self.layer_keys(i)) for i in range(len(self.bindings))]
+        self.layer_bytes = [
+            sum(self.entries[k].nbytes for k in self.layer_keys(i)) for i in range(len(self.bindings))
+        ]
 
     def _make_entry(self, key: int, name: str, t: torch.Tensor, is_buffer: bool, backend: Backend) -> Entry:
         trainable = (not is_buffer) and t.requires_grad
         floating = t.is_floating_point()
         if trainable:
             master = nn.Parameter(t.detach().to(torch.float32, copy=True))
-            compute = master.data if self.dtype == torch.float32 else backend.pin(master.detach().to(self.dtype))
+            compute = (
+                master.data if self.dtype == torch.float32 else backend.pin(master.detach().to(self.dtype))
+            )
             return Entry(key, name, t, True, is_buffer, compute, master, torch.zeros_like(master.data))
         data = t.detach()
         if floating and data.dtype != self.dtype:
-            data = data.to(self.dtype)
-        return Entry(key, name, t, False, is_buffer, backend.pin(data))
+            return Entry(key, name, t, False, is_buffer, backend.pin(data.to(self.dtype)))
+        pinned = backend.pin(data)
+        if pinned.data_ptr() != data.data_ptr():
+            t.data = pinned  # stored once: the model's own tensor now lives in pinned memory
+        return Entry(key, name, t, False, is_buffer, pinned)
 
     def layer_keys(self, layer: int) -> list[int]:
         """Distinct entry keys used by a layer (in first-use order)."""

@@ -140,7 +140,9 @@ class Worker:
                             target._buffers[n] = dev.to_device(b)
                     for n, p in sub._parameters.items():
                         if p is not None:
-                            target._parameters[n] = nn.Parameter(dev.to_device(p.detach()), requires_grad=False)
+                            target._parameters[n] = nn.Parameter(
+                                dev.to_device(p.detach()), requires_grad=False
+                            )
                 slot.value = m
 
             self.streams["h2d"].submit(upload)
@@ -234,7 +236,9 @@ class Worker:
         self.status = f"{label}: issued"
 
         def compute():
-            self._compute(step, flow, residents, inputs.value, ctx.value, incoming, produced, param_grads, loss_slot)
+            self._compute(
+                step, flow, residents, inputs.value, ctx.value, incoming, produced, param_grads, loss_slot
+            )
 
         streams["compute"].submit(compute)
         streams["d2h"].wait_event(streams["compute"].record_event())
@@ -251,7 +255,9 @@ class Worker:
                     dev.memory.release(tensor_bytes(v), f"{key[0]}[{key[1]}].{key[2]}", "activations")
                 if param_grads.value is not None:
                     host_grads.value = {k: dev.to_host(g) for k, g in param_grads.value.items()}
-                    dev.memory.release(sum(tensor_bytes(g) for g in param_grads.value.values()), label, "grads")
+                    dev.memory.release(
+                        sum(tensor_bytes(g) for g in param_grads.value.values()), label, "grads"
+                    )
                     param_grads.value = None
                 if loss_slot.value is not None:
                     host_loss.value = dev.to_host(loss_slot.value)
@@ -278,7 +284,9 @@ class Worker:
         return r.start > 0 or bool(self.pipe.store.trainable_keys(r)) or flow.fused_with is not None
 
     # ----------------------------------------------------------------- compute (compute stream)
-    def _compute(self, step, flow, residents, inputs, ctx, incoming, produced, param_grads, loss_slot) -> None:
+    def _compute(
+        self, step, flow, residents, inputs, ctx, incoming, produced, param_grads, loss_slot
+    ) -> None:
         pipe, dev = self.pipe, self.device
         t = flow.task
         layer_name = None
