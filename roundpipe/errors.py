@@ -48,7 +48,13 @@ class DeviceOutOfMemory(RoundpipeError, MemoryError):
     """
 
     def __init__(self, device: str, what: str, nbytes: int, in_use: int, capacity: int):
-        self.device, self.what, self.nbytes, self.in_use, self.capacity = device, what, nbytes, in_use, capacity
+        self.device, self.what, self.nbytes, self.in_use, self.capacity = (
+            device,
+            what,
+            nbytes,
+            in_use,
+            capacity,
+        )
         super().__init__(
             f"{device} is out of memory placing {what}: needs {nbytes:,} bytes, holds {in_use:,} of "
             f"{capacity:,}. Use a device with more memory, more microbatches or shorter sequences, "
@@ -69,7 +75,13 @@ class StageError(RoundpipeError, RuntimeError):
         device: str | None = None,
         task: str | None = None,
     ):
-        self.stage, self.layer, self.microbatch, self.device, self.task = stage, layer, microbatch, device, task
+        self.stage, self.layer, self.microbatch, self.device, self.task = (
+            stage,
+            layer,
+            microbatch,
+            device,
+            task,
+        )
         where = ", ".join(
             f"{k}={v}"
             for k, v in (

@@ -31,7 +31,9 @@ def trainable_weights(model) -> dict[str, torch.Tensor]:
 def reference_train(model, batch: dict, steps: int, *, max_grad_norm=None, autocast_dtype=None) -> RunResult:
     """Train a copy of ``model`` with HF's forward + loss and ``torch.optim.AdamW`` on one device."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=0.0
+    )
     losses = []
     for _ in range(steps):
         if autocast_dtype is None:
@@ -64,7 +66,9 @@ def pipeline_train(model, batch: dict, steps: int, *, max_grad_norm=None, **conf
     return RunResult(losses, trainable_weights(model))
 
 
-def assert_same_run(got: RunResult, want: RunResult, *, loss_rtol=1e-5, weight_rtol=1e-4, weight_atol=WEIGHT_ATOL):
+def assert_same_run(
+    got: RunResult, want: RunResult, *, loss_rtol=1e-5, weight_rtol=1e-4, weight_atol=WEIGHT_ATOL
+):
     torch.testing.assert_close(
         torch.tensor(got.losses, dtype=torch.float64),
         torch.tensor(want.losses, dtype=torch.float64),
@@ -74,5 +78,9 @@ def assert_same_run(got: RunResult, want: RunResult, *, loss_rtol=1e-5, weight_r
     assert got.weights.keys() == want.weights.keys()
     for name in want.weights:
         torch.testing.assert_close(
-            got.weights[name], want.weights[name], rtol=weight_rtol, atol=weight_atol, msg=lambda m, n=name: f"{n}: {m}"
+            got.weights[name],
+            want.weights[name],
+            rtol=weight_rtol,
+            atol=weight_atol,
+            msg=lambda m, n=name: f"{n}: {m}",
         )

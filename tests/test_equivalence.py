@@ -75,11 +75,15 @@ def test_gradients_equal_plain_backward_before_any_step():
     ref(**batch, use_cache=False).loss.backward()
     want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
     with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=4)) as pipe:
-        pipe.forward_backward(batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"])
+        pipe.forward_backward(
+            batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"]
+        )
         got = {e.name: e.grad for e in pipe.store.entries if e.trainable}
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            got[name], want[name], rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])

@@ -25,7 +25,9 @@ torch.set_num_threads(1)
 
 
 def _fb(pipe, batch):
-    return pipe.forward_backward(batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"])
+    return pipe.forward_backward(
+        batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"]
+    )
 
 
 # ----------------------------------------------------------------------------- memory
@@ -49,7 +51,9 @@ def test_a_worker_holds_only_the_running_layer_and_the_prefetched_one(microbatch
                 following = next((f.layers for f in flows[k + 1 :] if f.layers != flow.layers), range(0))
                 allowed = {names[i] for i in [*flow.layers, *following]}
                 assert {names[i] for i in flow.layers} <= resident, f"{what}: weights not resident"
-                assert resident <= allowed, f"{what}: holds {sorted(resident - allowed)} besides the current and next layer"
+                assert resident <= allowed, (
+                    f"{what}: holds {sorted(resident - allowed)} besides the current and next layer"
+                )
                 k += 1
         assert k == len(flows)
         assert ledger.in_use == 0, "everything placed on the device was released"
@@ -65,7 +69,9 @@ def test_a_device_as_small_as_two_layers_plus_activations_still_trains():
     probe = roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1"))
     need = sum(sorted(probe.store.layer_bytes)[-2:]) + 200_000
     probe.close()
-    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, device_capacity=need)) as pipe:
+    with roundpipe.wrap(
+        model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, device_capacity=need)
+    ) as pipe:
         out = _fb(pipe, batch)
         assert out.loss > 0
         assert all(d.memory.peak <= need for d in pipe.backend.devices)
@@ -196,7 +202,9 @@ def test_an_error_inside_a_layer_reaches_the_caller_with_where_it_happened():
 
 
 def test_an_optimizer_error_names_the_layer():
-    with roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(devices="cpu:1", num_microbatches=2)) as pipe:
+    with roundpipe.wrap(
+        make_model("llama"), roundpipe.RunConfig(devices="cpu:1", num_microbatches=2)
+    ) as pipe:
         pipe.configure_optimizer(lr=1e-3)
         last = max(pipe._optimizer.optimizers)
 

@@ -89,7 +89,11 @@ class LayerwiseAdamW:
         return total
 
     def grads_finite(self) -> bool:
-        return all(bool(torch.isfinite(self.store.entries[k].grad).all()) for keys in self.groups.values() for k in keys)
+        return all(
+            bool(torch.isfinite(self.store.entries[k].grad).all())
+            for keys in self.groups.values()
+            for k in keys
+        )
 
     def set_lr(self, lr: float) -> None:
         for opt in self.optimizers.values():

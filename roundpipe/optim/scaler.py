@@ -6,7 +6,13 @@ from __future__ import annotations
 class DynamicLossScaler:
     """Multiply the loss by ``scale``; on overflow skip the step and back off; grow after a calm run."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
         self.scale = init_scale
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
