@@ -12,10 +12,14 @@ ORDERS = ("strict",)
 OPTIMIZER_MODES = ("sync",)
 
 
+# Policies whose tables the runtime cannot execute yet (zb splits backward into I and W tasks).
+_NOT_EXECUTABLE = {"zb": "it splits the backward into I/W tasks, which the runtime does not execute yet"}
+
+
 def known_policies() -> list[str]:
     from roundpipe.schedule.policies import POLICIES
 
-    return sorted(POLICIES)
+    return sorted(p for p in POLICIES if p not in _NOT_EXECUTABLE)
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,11 @@ class RunConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.policy in _NOT_EXECUTABLE:
+            raise ConfigError(
+                f"policy {self.policy!r} cannot run yet: {_NOT_EXECUTABLE[self.policy]}; "
+                f"choose one of {', '.join(known_policies())} (the simulator still models it)"
+            )
         if self.policy not in known_policies():
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(known_policies())}")
         if self.order not in ORDERS:

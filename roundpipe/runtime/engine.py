@@ -21,6 +21,7 @@ from roundpipe.backend import make_backend
 from roundpipe.backend.cpu import Aborted
 from roundpipe.config import RunConfig
 from roundpipe.errors import (
+    ConfigError,
     DeviceOutOfMemory,
     InputError,
     OptimizerError,
@@ -268,14 +269,29 @@ class Pipeline:
     def _flow_plan(self, num_microbatches: int) -> FlowPlan:
         plan = self._plans.get(num_microbatches)
         if plan is None:
-            n = len(self.adapter.layers)
-            part = Partition.per_layer(n)
+            part = self._default_partition()
             policy = POLICIES[self.config.policy]
             table = policy(
                 part, part, len(self.backend.devices), num_microbatches, **self.config.policy_options
             )
             plan = self._plans[num_microbatches] = build_flow_plan(table)
         return plan
+
+    def _default_partition(self) -> Partition:
+        """Until the partitioner drives the runtime: one layer per stage for ``roundpipe`` (it streams
+        any number of stages), else as many even stages as the policy places on the devices."""
+        n, d, opts = len(self.adapter.layers), len(self.backend.devices), self.config.policy_options
+        stages = {
+            "roundpipe": n,
+            "interleaved": d * (opts.get("virtual_stages") or 2),
+            "hanayo": 2 * d * (opts.get("waves") or 1),
+        }.get(self.config.policy, d)
+        if stages > n:
+            raise ConfigError(
+                f"policy {self.config.policy!r} on {d} devices needs {stages} stages but the model has only {n} "
+                "layers; use fewer devices or the 'roundpipe' policy"
+            )
+        return Partition.from_sizes([n // stages + (1 if i < n % stages else 0) for i in range(stages)])
 
     def _check_capacity(self) -> None:
         cap = self.backend.devices[0].memory.capacity
