@@ -216,3 +216,28 @@ def test_an_optimizer_error_names_the_layer():
             _fb(pipe, make_batch(batch=4))
         assert info.value.layer == pipe.adapter.layers[last].name
     assert _threads_of(pipe) == []
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_a_checkpoint_resumes_training_exactly():
+    import copy
+
+    model = make_model("llama", lora="default")
+    batch = make_batch(batch=4)
+    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2)
+
+    def train(pipe, steps):
+        return [(_fb(pipe, batch).loss, pipe.step())[0] for _ in range(steps)]
+
+    with roundpipe.wrap(copy.deepcopy(model), config) as pipe:
+        pipe.configure_optimizer(lr=1e-2)
+        straight = train(pipe, 4)
+    with roundpipe.wrap(copy.deepcopy(model), config) as pipe:
+        pipe.configure_optimizer(lr=1e-2)
+        first = train(pipe, 2)
+        checkpoint = pipe.state_dict()
+    with roundpipe.wrap(copy.deepcopy(model), config) as pipe:
+        pipe.configure_optimizer(lr=1e-2)
+        pipe.load_state_dict(checkpoint)
+        resumed = first + train(pipe, 2)
+    assert resumed == pytest.approx(straight, rel=1e-6)
