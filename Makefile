@@ -18,9 +18,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
+LINT_PATHS := $(wildcard roundpipe tests benchmarks scripts)
+
 lint: $(STAMP)
-	.venv/bin/ruff format --check roundpipe tests benchmarks scripts
-	.venv/bin/ruff check roundpipe tests benchmarks scripts
+	.venv/bin/ruff format --check $(LINT_PATHS)
+	.venv/bin/ruff check $(LINT_PATHS)
 
 clean:
 	rm -rf .venv build *.egg-info
