@@ -1,0 +1,37 @@
+"""The ``roundpipe`` command: ``roundpipe demo`` and ``roundpipe partition``.
+
+``roundpipe plan | simulate | train`` arrive with the simulator, tuner and trainer; until then the
+command offers what exists and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+COMMANDS = {
+    "demo": ("roundpipe.demo", "LoRA-fine-tune a small model built from a config (what `make demo` runs)"),
+    "partition": ("roundpipe.partition.__main__", "print balanced partition plans for preset models"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="roundpipe",
+        description="Fine-tune Hugging Face LLMs on GPUs far smaller than the model.",
+        epilog="Run `roundpipe COMMAND --help` for a command's options. "
+        "plan, simulate and train are not available yet.",
+    )
+    parser.add_argument(
+        "command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items())
+    )
+    args, rest = parser.parse_known_args(argv[:1])
+    import importlib
+
+    module = importlib.import_module(COMMANDS[args.command][0])
+    module.main(argv[1:] + rest)
+
+
+if __name__ == "__main__":
+    main()
