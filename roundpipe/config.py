@@ -8,8 +8,8 @@ from typing import Any
 from roundpipe.errors import ConfigError
 
 DTYPES = ("fp32", "bf16", "fp16")
-ORDERS = ("strict",)
-OPTIMIZER_MODES = ("sync",)
+ORDERS = ("strict", "ready")
+OPTIMIZER_MODES = ("sync", "async")
 
 
 # Policies whose tables the runtime cannot execute yet (zb splits backward into I and W tasks).
@@ -31,14 +31,30 @@ class RunConfig:
         num_microbatches: how many slices ``forward_backward`` cuts each batch into.
         policy: dispatch policy (``"roundpipe"`` streams stages round-robin over stateless workers).
         dtype: compute precision; master weights and optimizer state are always fp32 on the CPU.
-        order: ``"strict"``: each worker runs its tasks in table order.
-        optimizer_mode: ``"sync"``: exact, every step sees the latest weights.
+        order: ``"strict"``: each worker runs its tasks in table order; ``"ready"``: the first task
+            in table order whose inputs are ready (the table is a hint; irregular tables cannot
+            deadlock).
+        optimizer_mode: ``"sync"``: exact, every step sees the latest weights (the next step's first
+            layer waits for its update: a fill/drain bubble per step). ``"async"``: ``step()``
+            returns at once and the update runs on the CPU while the next step computes on the
+            weights from one update earlier (staleness exactly 1, as in the RoundPipe paper).
         device_capacity: bytes each device may hold (default: the GPU's memory; unlimited for
             virtual cpu devices). Set it on ``cpu:N`` to rehearse a small GPU.
         head_chunk_tokens: tokens per chunk of the fused LM head + loss (bounds the logits memory).
         prefetch: upload the next stage's weights while the current one computes.
+        weight_cache_bytes: for weight-bound policies (all but ``roundpipe``), how many bytes of
+            weights a device may keep resident across its tasks of one step (default: half the
+            device capacity; unlimited on cpu devices without a capacity).
         watchdog_s: a step with no progress for this long fails with ``WatchdogTimeout``.
         seed: base seed of the dropout masks, so recomputation replays them exactly.
+        policy_options: extra arguments of the policy (e.g. ``{"virtual_stages": 2}``).
+        partition: layers per forward stage, e.g. ``(3, 4, 4, 3)`` (default: one layer per stage
+            for roundpipe, even stages for the others). Layers are embed, each block, the head.
+        backward_partition: layers per backward stage (default: ``partition``); roundpipe allows
+            it to differ (backward stages are usually smaller).
+        schedule: a hand-written ``ScheduleTable`` to run instead of a policy's; its partitions and
+            microbatch count are used. Checked before it runs: strict order rejects a table that
+            would deadlock, naming the waiting cycle.
     """
 
     devices: str = "auto"
@@ -50,9 +66,13 @@ class RunConfig:
     device_capacity: int | None = None
     head_chunk_tokens: int = 1024
     prefetch: bool = True
+    weight_cache_bytes: int | None = None
     watchdog_s: float = 300.0
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)
+    partition: tuple[int, ...] | None = None
+    backward_partition: tuple[int, ...] | None = None
+    schedule: Any = None  # a roundpipe.schedule.ScheduleTable written by hand
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -76,6 +96,17 @@ class RunConfig:
             raise ConfigError(f"head_chunk_tokens must be a positive int, got {self.head_chunk_tokens!r}")
         if self.device_capacity is not None and self.device_capacity <= 0:
             raise ConfigError(f"device_capacity must be a positive byte count, got {self.device_capacity!r}")
+        for name in ("partition", "backward_partition"):
+            sizes = getattr(self, name)
+            if sizes is not None and (not sizes or any(not isinstance(n, int) or n < 1 for n in sizes)):
+                raise ConfigError(f"{name} must list a positive number of layers per stage, got {sizes!r}")
+        if self.backward_partition is not None and self.partition is None:
+            raise ConfigError("backward_partition needs partition too (the forward stages)")
+        if self.schedule is not None and self.schedule.num_microbatches != self.num_microbatches:
+            raise ConfigError(
+                f"the schedule is written for {self.schedule.num_microbatches} microbatches but "
+                f"num_microbatches={self.num_microbatches}; make them equal"
+            )
         if self.watchdog_s <= 0:
             raise ConfigError(f"watchdog_s must be positive, got {self.watchdog_s!r}")
 

@@ -84,3 +84,30 @@ def assert_same_run(
             atol=weight_atol,
             msg=lambda m, n=name: f"{n}: {m}",
         )
+
+
+def reference_train_one_step_stale(model, batch: dict, steps: int) -> RunResult:
+    """Plain PyTorch with the async optimizer's delay: iteration t computes its loss and gradients on
+    the weights from before update t-1 (W_{t-1}; W_0 for the first two), and AdamW applies them to
+    the latest weights W_t."""
+    latest = copy.deepcopy(model)  # holds W_t, stepped by the optimizer
+    runner = copy.deepcopy(model)  # computes on the stale weights
+    params = [p for p in latest.parameters() if p.requires_grad]
+    run_params = [p for p in runner.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.0)
+    stale = [p.detach().clone() for p in params]  # W_{t-1}
+    losses = []
+    for _ in range(steps):
+        with torch.no_grad():
+            for rp, w in zip(run_params, stale):
+                rp.copy_(w)
+        loss = runner(**batch, use_cache=False).loss
+        loss.backward()
+        for p, rp in zip(params, run_params):
+            p.grad = rp.grad
+            rp.grad = None
+        stale = [p.detach().clone() for p in params]  # W_t, read by the next iteration
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return RunResult(losses, trainable_weights(latest))

@@ -39,7 +39,7 @@ def test_a_worker_holds_only_the_running_layer_and_the_prefetched_one(microbatch
         ledger = pipe.backend.devices[0].memory
         ledger.trace = []
         _fb(pipe, batch)
-        flows = pipe._flow_plan(microbatches).flows[0]
+        flows = pipe.last_plan.flows[0]
         names = [layer.name for layer in pipe.adapter.layers]
         resident: set[str] = set()
         k = 0

@@ -94,8 +94,12 @@ class Stream(ABC):
         self.device, self.name, self.priority = device, name, priority
 
     @abstractmethod
-    def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` after everything submitted to this stream before it."""
+    def submit(self, fn: Callable[[], None], label: tuple[str, str] | None = None) -> None:
+        """Run ``fn`` after everything submitted to this stream before it.
+
+        ``label`` = ``(name, kind)`` (e.g. ``("F3.1", "F")``) records the work's start and end on
+        this stream's lane of the device timeline while the backend is recording.
+        """
 
     @abstractmethod
     def record_event(self) -> Event: ...
@@ -119,6 +123,8 @@ class Device(ABC):
         self.torch_device = torch_device
         self.memory = MemoryLedger(name, capacity)
         self.streams: dict[str, Stream] = {}
+        self.bytes_in = 0  # host -> device bytes copied (counted by to_device)
+        self.bytes_out = 0  # device -> host bytes copied (counted by to_host)
 
     @abstractmethod
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -146,6 +152,20 @@ class Backend(ABC):
     name: str
     devices: list[Device]
     aborted: bool = False
+    recording: bool = False
+
+    def start_recording(self) -> None:
+        """Begin a timeline: spans of labelled work are kept from now on (times from now)."""
+        self._spans: list = []
+        self.recording = True
+
+    def collect_spans(self) -> list[tuple[int, str, str, str, float, float]]:
+        """Stop recording; ``(device, lane, name, kind, start_s, end_s)`` of every labelled work.
+
+        Call after every stream has finished the recorded work.
+        """
+        self.recording = False
+        return sorted(getattr(self, "_spans", []), key=lambda s: (s[0], s[4]))
 
     @abstractmethod
     def pin(self, t: torch.Tensor) -> torch.Tensor:

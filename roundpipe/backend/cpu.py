@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -61,8 +62,8 @@ class CpuStream(Stream):
         )
         self._thread.start()
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        self._queue.put(("run", fn))
+    def submit(self, fn: Callable[[], None], label: tuple[str, str] | None = None) -> None:
+        self._queue.put(("run", (fn, label)))
 
     def record_event(self) -> CpuEvent:
         ev = CpuEvent(self.device.backend)
@@ -95,12 +96,27 @@ class CpuStream(Stream):
                 except Aborted as e:
                     self._error = e
             else:
+                fn, label = arg
+                backend = self.device.backend
+                start = time.perf_counter()
                 try:
-                    arg()
+                    fn()
                 except BaseException as e:  # carried to whoever synchronizes, never swallowed
                     self._error = e
                     if not isinstance(e, Aborted):
-                        self.device.backend.report(e)
+                        backend.report(e)
+                if label is not None and backend.recording:
+                    t0 = backend.recording_origin
+                    backend.record_span(
+                        (
+                            self.device.index,
+                            self.name,
+                            label[0],
+                            label[1],
+                            start - t0,
+                            time.perf_counter() - t0,
+                        )
+                    )
 
     def reset(self) -> None:
         self.synchronize_quietly()
@@ -117,11 +133,13 @@ class CpuDevice(Device):
         self.streams = {n: CpuStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        self.bytes_in += host.numel() * host.element_size()
         out = torch.empty(host.shape, dtype=dtype or host.dtype)
         out.copy_(host)
         return out
 
     def to_host(self, dev: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        self.bytes_out += dev.numel() * dev.element_size()
         out = torch.empty(dev.shape, dtype=dtype or dev.dtype)
         out.copy_(dev)
         return out
@@ -147,6 +165,15 @@ class CpuBackend(Backend):
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def start_recording(self) -> None:
+        self._span_lock = threading.Lock()
+        self.recording_origin = time.perf_counter()
+        super().start_recording()
+
+    def record_span(self, span: tuple) -> None:
+        with self._span_lock:
+            self._spans.append(span)
 
     def abort(self) -> None:
         self.aborted = True

@@ -38,12 +38,21 @@ class CudaStream(Stream):
             self.stream = torch.cuda.Stream(device=device.torch_device, priority=priority)
         self._error: BaseException | None = None
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def submit(self, fn: Callable[[], None], label: tuple[str, str] | None = None) -> None:
         if self._error is not None:
             return
+        backend = self.device.backend
+        timed = label is not None and backend.recording
         try:
             with torch.cuda.stream(self.stream):
+                if timed:
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(self.stream)
                 fn()
+                if timed:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record(self.stream)
+                    backend._pending_spans.append((self.device, self.name, label, start, end))
         except BaseException as e:  # same semantics as the cpu backend: poison, carry to the waiter
             self._error = e
             self.device.backend.report(e)
@@ -69,10 +78,12 @@ class CudaDevice(Device):
         self.streams = {n: CudaStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        self.bytes_in += host.numel() * host.element_size()
         out = host.to(self.torch_device, non_blocking=True)
         return out if dtype is None or dtype == out.dtype else out.to(dtype)
 
     def to_host(self, dev: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        self.bytes_out += dev.numel() * dev.element_size()
         src = dev if dtype is None or dtype == dev.dtype else dev.to(dtype)
         out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
         out.copy_(src, non_blocking=True)
@@ -106,6 +117,34 @@ class CudaBackend(Backend):
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.is_pinned() else t.pin_memory()
+
+    def start_recording(self) -> None:
+        """Timing events mark each labelled work; an origin event per device anchors them."""
+        self._pending_spans = []
+        self._origins = {}
+        for dev in self.devices:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(dev.streams["compute"].stream)
+            self._origins[dev.index] = ev
+        super().start_recording()
+
+    def collect_spans(self) -> list[tuple[int, str, str, str, float, float]]:
+        for dev in self.devices:
+            torch.cuda.synchronize(dev.torch_device)
+        for dev, lane, label, start, end in self._pending_spans:
+            origin = self._origins[dev.index]
+            self._spans.append(
+                (
+                    dev.index,
+                    lane,
+                    label[0],
+                    label[1],
+                    origin.elapsed_time(start) / 1e3,
+                    origin.elapsed_time(end) / 1e3,
+                )
+            )
+        self._pending_spans = []
+        return super().collect_spans()
 
     def reset(self) -> None:
         for dev in self.devices:

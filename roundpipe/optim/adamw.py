@@ -62,10 +62,11 @@ class LayerwiseAdamW:
             for layer, keys in groups.items()
         }
 
-    def step_group(self, layer: int, grad_factor: float = 1.0) -> None:
+    def step_group(self, layer: int, grad_factor: float = 1.0, publish_to: int | None = None) -> None:
         """Step the parameters owned by ``layer`` with their accumulated gradients times ``grad_factor``.
 
-        Zeroes those gradients afterwards and refreshes the compute copies the next upload reads.
+        Zeroes those gradients afterwards and copies the new weights into compute copy
+        ``publish_to`` (all copies when None) for the uploads that read it next.
         """
         keys = self.groups[layer]
         for k in keys:
@@ -78,7 +79,7 @@ class LayerwiseAdamW:
             e = self.store.entries[k]
             e.master.grad = None
             e.grad.zero_()
-        self.store.refresh_compute(keys)
+        self.store.refresh_compute(keys, publish_to)
 
     def grad_norm_sq(self) -> float:
         total = 0.0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from roundpipe.backend import make_backend
+from roundpipe.backend import MemoryLedger, make_backend
 from roundpipe.backend.cpu import Aborted
 from roundpipe.config import RunConfig
 from roundpipe.errors import (
@@ -84,6 +84,10 @@ class StepRun:
 
     def _accumulate(self, flow: TaskFlow, host_grads: Slot, host_loss: Slot) -> None:
         """Host thread: add gradients into the fp32 buffers; step groups that became final."""
+        with self.pipe._host_span(f"acc:{flow.task}", "accumulate"):
+            self._accumulate_now(flow, host_grads, host_loss)
+
+    def _accumulate_now(self, flow: TaskFlow, host_grads: Slot, host_loss: Slot) -> None:
         store = self.pipe.store
         if host_grads.value:
             for k, g in host_grads.value.items():
@@ -111,7 +115,12 @@ class Pipeline:
         self.adapter = adapt_model(model)
         self.backend = make_backend(self.config.devices, self.config.device_capacity)
         try:
-            self.store = ParameterStore(self.adapter, self.config.torch_dtype, self.backend)
+            self.store = ParameterStore(
+                self.adapter,
+                self.config.torch_dtype,
+                self.backend,
+                double_buffer=self.config.optimizer_mode == "async",
+            )
             self.store_num_layers = len(self.adapter.layers)
             self._check_capacity()
             self.random_layers = _layers_with_dropout(self.adapter)
@@ -120,14 +129,24 @@ class Pipeline:
         except BaseException:
             self.backend.close()
             raise
+        self.host_memory = MemoryLedger("host", None)  # hand-offs (activations, gradients) held on the CPU
         self._optimizer: LayerwiseAdamW | None = None
         self._scaler = DynamicLossScaler() if self.config.dtype == "fp16" else None
-        self._plans: dict[int, FlowPlan] = {}
+        self._plans: dict[tuple, FlowPlan] = {}
+        self._start_device = 0  # roundpipe rotates the device the next iteration starts on
+        self.weight_bound = False
+        capacity = self.backend.devices[0].memory.capacity
+        self.weight_cache_bytes = self.config.weight_cache_bytes or (capacity // 2 if capacity else None)
         self._steps_run = 0
         self._grads_pending = False  # forward_backward ran since the last step
         self._stepped_eagerly = False
         self.last_step_skipped = False
         self._closed = False
+        self._recording_origin = None
+        self._host_spans: list = []
+        self._last_spans: list = []
+        self._last_wall = 0.0
+        self._bytes_at_start: dict = {}
 
     # ----------------------------------------------------------------- public API
     def configure_optimizer(
@@ -170,9 +189,22 @@ class Pipeline:
             )
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
         plan = self._flow_plan(len(microbatches))
-        eager = self._optimizer is not None and not accumulate and self._can_step_eagerly()
+        eager = (
+            self._optimizer is not None
+            and not accumulate
+            and self.config.optimizer_mode == "sync"
+            and self._can_step_eagerly()
+        )
+        self.store.set_read_buffer(self._steps_run)
         step = StepRun(self, self._steps_run, microbatches, total, plan, eager)
-        self._execute(step)
+        self.weight_bound = plan.table.weight_bound
+        self.last_plan = plan
+        self._begin_recording()
+        try:
+            self._execute(step)
+        finally:
+            self._end_recording()
+        self._advance_start_device(plan)
         self._steps_run += 1
         self._grads_pending = True
         self._stepped_eagerly = eager
@@ -185,7 +217,12 @@ class Pipeline:
         if not self._grads_pending:
             raise PipelineStateError("step() needs gradients: call forward_backward first")
         self.last_step_skipped = False
-        if not self._stepped_eagerly:
+        if self.config.optimizer_mode == "async":
+            # Publish into the copy this iteration read: the iteration after next reads it, while
+            # the next one computes on the other copy (staleness exactly 1).
+            publish_to = self._steps_run - 1
+            self._hostq.submit(lambda: self._deferred_step(publish_to))
+        elif not self._stepped_eagerly:
             self._deferred_step()
         self._grads_pending = False
         self._stepped_eagerly = False
@@ -196,6 +233,7 @@ class Pipeline:
 
     def export_to(self, model: nn.Module) -> None:
         """Write the trained fp32 masters into ``model`` (the wrapped HF / peft model, or a copy of it)."""
+        self._hostq.drain()  # an async update still running must land first
         own = {id(e.tensor): e for e in self.store.entries}
         by_name = {e.name: e for e in self.store.entries if e.trainable}
         written = 0
@@ -213,6 +251,7 @@ class Pipeline:
 
     def state_dict(self) -> dict:
         """fp32 masters and optimizer state keyed by parameter name (a checkpoint)."""
+        self._hostq.drain()  # an async update still running must land first
         sd = {
             "masters": {e.name: e.master.detach().clone() for e in self.store.entries if e.trainable},
             "steps_run": self._steps_run,
@@ -225,6 +264,7 @@ class Pipeline:
 
     def load_state_dict(self, sd: dict) -> None:
         masters = sd["masters"]
+        self._hostq.drain()  # an async update still running must land first
         with torch.no_grad():
             for e in self.store.entries:
                 if e.trainable:
@@ -241,12 +281,65 @@ class Pipeline:
             self._scaler.load_state_dict(sd["loss_scaler"])
 
     def stats(self) -> dict:
+        """Figures of the last ``forward_backward``: per device busy (compute) time, idle (bubble)
+        time within the step, bytes copied each way, peak bytes held; and host-side time."""
+        wall = self._last_wall
+        devices = []
+        for d in self.backend.devices:
+            busy = sum(
+                e - s for dev, lane, _, _, s, e in self._last_spans if dev == d.index and lane == "compute"
+            )
+            devices.append(
+                {
+                    "device": d.name,
+                    "busy_s": busy,
+                    "idle_s": max(0.0, wall - busy),
+                    "bubble_fraction": (max(0.0, wall - busy) / wall) if wall else 0.0,
+                    "bytes_to_device": d.bytes_in - self._bytes_at_start.get(d.index, (0, 0))[0],
+                    "bytes_to_host": d.bytes_out - self._bytes_at_start.get(d.index, (0, 0))[1],
+                    "peak_bytes": d.memory.peak,
+                }
+            )
+        host = sum(e - s for dev, lane, _, _, s, e in self._last_spans if lane == "host")
         return {
-            "devices": [
-                {"device": d.name, "peak_bytes": d.memory.peak, "in_use_bytes": d.memory.in_use}
-                for d in self.backend.devices
-            ]
+            "step_s": wall,
+            "devices": devices,
+            "host_busy_s": host,
+            "host_handoff_peak_bytes": self.host_memory.peak,
         }
+
+    def last_timeline(self):
+        """Every labelled piece of work of the last step: a ``roundpipe.schedule.timeline.Timeline``
+        (device lanes ``compute``/``h2d``/``d2h``, and the ``host`` lane as device -1)."""
+        from roundpipe.schedule.timeline import Span, Timeline
+
+        spans = [
+            Span(dev, lane, name, kind, start, end) for dev, lane, name, kind, start, end in self._last_spans
+        ]
+        return Timeline(
+            spans,
+            {
+                "source": "runtime",
+                "backend": self.backend.name,
+                "policy": self.config.policy,
+                "devices": [d.name for d in self.backend.devices],
+            },
+        )
+
+    def _begin_recording(self) -> None:
+        self.host_memory.reset_peak()
+        for d in self.backend.devices:
+            d.memory.reset_peak()
+        self._bytes_at_start = {d.index: (d.bytes_in, d.bytes_out) for d in self.backend.devices}
+        self._host_spans = []
+        self.backend.start_recording()
+        self._recording_origin = getattr(self.backend, "recording_origin", time.perf_counter())
+        self._step_started = time.perf_counter()
+
+    def _end_recording(self) -> None:
+        self._last_wall = time.perf_counter() - self._step_started
+        self._last_spans = self.backend.collect_spans() + self._host_spans
+        self._recording_origin = None
 
     def close(self) -> None:
         if self._closed:
@@ -267,15 +360,60 @@ class Pipeline:
 
     # ----------------------------------------------------------------- planning
     def _flow_plan(self, num_microbatches: int) -> FlowPlan:
-        plan = self._plans.get(num_microbatches)
+        options = dict(self.config.policy_options)
+        if self.config.policy == "roundpipe":
+            options.setdefault("start_device", self._start_device)
+        key = (num_microbatches, tuple(sorted(options.items())))
+        plan = self._plans.get(key)
         if plan is None:
-            part = self._default_partition()
-            policy = POLICIES[self.config.policy]
-            table = policy(
-                part, part, len(self.backend.devices), num_microbatches, **self.config.policy_options
-            )
-            plan = self._plans[num_microbatches] = build_flow_plan(table)
+            table = self.config.schedule
+            if table is None:
+                forward, backward = self._partitions()
+                policy = POLICIES[self.config.policy]
+                table = policy(forward, backward, len(self.backend.devices), num_microbatches, **options)
+            else:
+                self._check_schedule(table)
+            plan = self._plans[key] = build_flow_plan(table)
         return plan
+
+    def _check_schedule(self, table) -> None:
+        from roundpipe.schedule.check import validate_table
+
+        n, d = len(self.adapter.layers), len(self.backend.devices)
+        if table.forward.num_layers != n:
+            raise ConfigError(
+                f"the schedule's partitions cut {table.forward.num_layers} layers; this model has {n}"
+            )
+        if table.num_devices != d:
+            raise ConfigError(
+                f"the schedule has {table.num_devices} device rows; devices={self.config.devices!r} gives {d}"
+            )
+        validate_table(table, in_order=self.config.order == "strict")
+
+    def _partitions(self) -> tuple[Partition, Partition]:
+        if self.config.partition is None:
+            part = self._default_partition()
+            return part, part
+        n = len(self.adapter.layers)
+        sizes = {
+            "partition": self.config.partition,
+            "backward_partition": self.config.backward_partition or self.config.partition,
+        }
+        for name, sz in sizes.items():
+            if sum(sz) != n:
+                raise ConfigError(
+                    f"{name}={tuple(sz)} covers {sum(sz)} layers but the model has {n} "
+                    f"({', '.join(layer.name for layer in self.adapter.layers[:3])}, ..., {self.adapter.layers[-1].name})"
+                )
+        return Partition.from_sizes(sizes["partition"]), Partition.from_sizes(sizes["backward_partition"])
+
+    def _advance_start_device(self, plan: FlowPlan) -> None:
+        """Deal the next iteration's first stage to the device after the one that ran the last
+        backward stage, so one step's tail and the next step's head land on different workers."""
+        if self.config.policy == "roundpipe":
+            t = plan.table
+            deals = t.forward.num_stages + t.backward.num_stages - 1
+            self._start_device = (self._start_device + deals) % t.num_devices
 
     def _default_partition(self) -> Partition:
         """Until the partitioner drives the runtime: one layer per stage for ``roundpipe`` (it streams
@@ -437,6 +575,8 @@ class Pipeline:
             w.status = "idle"
             w.device.memory.in_use = 0
             w.device.memory.by_tag.clear()
+        self.host_memory.in_use = 0
+        self.host_memory.by_tag.clear()
 
     def _root_error(self, timed_out, errors) -> BaseException:
         candidates = (
@@ -472,9 +612,21 @@ class Pipeline:
     def _loss_scale(self) -> float:
         return self._scaler.scale if self._scaler is not None else 1.0
 
-    def _step_group(self, owner: int, factor: float = 1.0) -> None:
+    @contextlib.contextmanager
+    def _host_span(self, name: str, kind: str):
+        """Time host-side work (accumulation, optimizer steps) onto the timeline's host lane."""
+        start = time.perf_counter()
         try:
-            self._optimizer.step_group(owner, factor)
+            yield
+        finally:
+            if self._recording_origin is not None:
+                t0 = self._recording_origin
+                self._host_spans.append((-1, "host", name, kind, start - t0, time.perf_counter() - t0))
+
+    def _step_group(self, owner: int, factor: float = 1.0, publish_to: int | None = None) -> None:
+        try:
+            with self._host_span(f"optim:{self.adapter.layers[owner].name}", "optim"):
+                self._optimizer.step_group(owner, factor, publish_to)
         except BaseException as e:
             raise OptimizerError(
                 f"{type(e).__name__} while stepping layer {self.adapter.layers[owner].name}: {e}",
@@ -482,7 +634,7 @@ class Pipeline:
                 device="host",
             ) from e
 
-    def _deferred_step(self) -> None:
+    def _deferred_step(self, publish_to: int | None = None) -> None:
         factor = 1.0 / self._loss_scale()
         if self._scaler is not None:
             finite = self._optimizer.grads_finite()
@@ -496,7 +648,7 @@ class Pipeline:
             self.last_grad_norm = norm
             factor *= clip_factor(norm, self._optimizer.config.max_grad_norm)
         for owner in sorted(self._optimizer.groups, reverse=True):
-            self._step_group(owner, factor)
+            self._step_group(owner, factor, publish_to)
 
     def _require_optimizer(self, what: str) -> None:
         if self._optimizer is None:

@@ -24,6 +24,33 @@ class Slot:
         self.value = value
 
 
+class HandOff(Slot):
+    """A host tensor handed from one task to its consumers (an activation or a gradient).
+
+    The producer's download fills it and books its bytes on the host ledger; each consumer calls
+    ``take()`` once it has copied the tensor to its device; after the last one the host memory is
+    released, so the CPU holds a hand-off only while someone still needs it.
+    """
+
+    __slots__ = ("uses", "ledger", "what", "_lock")
+
+    def __init__(self, uses: int, ledger, what: str):
+        super().__init__()
+        self.uses, self.ledger, self.what = uses, ledger, what
+        self._lock = threading.Lock()
+
+    def fill(self, tensor) -> None:
+        self.ledger.reserve(tensor.numel() * tensor.element_size(), self.what, "handoffs")
+        self.value = tensor
+
+    def take(self) -> None:
+        with self._lock:
+            self.uses -= 1
+            if self.uses == 0 and self.value is not None:
+                self.ledger.release(self.value.numel() * self.value.element_size(), self.what, "handoffs")
+                self.value = None
+
+
 class AbortedWait(RuntimeError):
     """Raised in a worker waiting for a hand-off when the pipeline aborts."""
 
@@ -60,6 +87,13 @@ class Exchange:
             if e.remaining == 0:
                 del self._entries[key]
             return e.slot, e.event
+
+    def wait_for_change(self, timeout: float = 0.05) -> None:
+        """Block until something is put (or ``timeout``); raises AbortedWait on abort."""
+        with self._cond:
+            if self._is_aborted():
+                raise AbortedWait("abandoned waiting for a ready task")
+            self._cond.wait(timeout)
 
     def has(self, key: tuple) -> bool:
         with self._cond:

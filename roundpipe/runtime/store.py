@@ -28,10 +28,16 @@ class Entry:
     tensor: torch.Tensor  # the model's own Parameter / buffer (CPU)
     trainable: bool
     is_buffer: bool
-    compute: torch.Tensor  # what uploads read
+    buffers: list[torch.Tensor]  # compute copies in the run dtype; uploads read buffers[read]
     master: nn.Parameter | None = None
     grad: torch.Tensor | None = None
     users: list[int] = field(default_factory=list)  # layer indices that use it
+    read: int = 0
+
+    @property
+    def compute(self) -> torch.Tensor:
+        """The copy uploads read this iteration (async mode alternates between two)."""
+        return self.buffers[self.read]
 
     @property
     def owner(self) -> int:
@@ -54,8 +60,15 @@ class Binding:
 
 
 class ParameterStore:
-    def __init__(self, adapter: ModelAdapter, dtype: torch.dtype, backend: Backend):
+    """All tensors of the model, once each. ``double_buffer`` (async optimizer) gives every
+    trainable entry two compute copies: iteration ``t`` reads copy ``t % 2`` while the optimizer
+    publishes the next weights into the other (see ``Pipeline`` for the staleness contract)."""
+
+    def __init__(
+        self, adapter: ModelAdapter, dtype: torch.dtype, backend: Backend, double_buffer: bool = False
+    ):
         self.dtype = dtype
+        self.double_buffer = double_buffer
         self.entries: list[Entry] = []
         self.bindings: list[list[Binding]] = []  # per layer
         by_id: dict[int, Entry] = {}
@@ -91,17 +104,20 @@ class ParameterStore:
         floating = t.is_floating_point()
         if trainable:
             master = nn.Parameter(t.detach().to(torch.float32, copy=True))
-            compute = (
-                master.data if self.dtype == torch.float32 else backend.pin(master.detach().to(self.dtype))
-            )
-            return Entry(key, name, t, True, is_buffer, compute, master, torch.zeros_like(master.data))
+            if self.double_buffer:
+                buffers = [backend.pin(master.detach().to(self.dtype, copy=True)) for _ in range(2)]
+            elif self.dtype == torch.float32:
+                buffers = [master.data]  # fp32 sync: the master itself is what uploads read
+            else:
+                buffers = [backend.pin(master.detach().to(self.dtype))]
+            return Entry(key, name, t, True, is_buffer, buffers, master, torch.zeros_like(master.data))
         data = t.detach()
         if floating and data.dtype != self.dtype:
-            return Entry(key, name, t, False, is_buffer, backend.pin(data.to(self.dtype)))
+            return Entry(key, name, t, False, is_buffer, [backend.pin(data.to(self.dtype))])
         pinned = backend.pin(data)
         if pinned.data_ptr() != data.data_ptr():
             t.data = pinned  # stored once: the model's own tensor now lives in pinned memory
-        return Entry(key, name, t, False, is_buffer, pinned)
+        return Entry(key, name, t, False, is_buffer, [pinned])
 
     def layer_keys(self, layer: int) -> list[int]:
         """Distinct entry keys used by a layer (in first-use order)."""
@@ -115,12 +131,20 @@ class ParameterStore:
                     keys[k] = None
         return list(keys)
 
-    def refresh_compute(self, keys) -> None:
-        """After an optimizer step: bring the compute copies up to date with the masters."""
+    def refresh_compute(self, keys, into: int | None = None) -> None:
+        """After an optimizer step: copy the masters into compute copy ``into`` (default: all)."""
         for k in keys:
             e = self.entries[k]
-            if e.compute.data_ptr() != e.master.data_ptr():
-                e.compute.copy_(e.master.data)
+            targets = e.buffers if into is None else [e.buffers[into % len(e.buffers)]]
+            for buf in targets:
+                if buf.data_ptr() != e.master.data_ptr():
+                    buf.copy_(e.master.data)
+
+    def set_read_buffer(self, index: int) -> None:
+        """Which compute copy this iteration's uploads read (``index % 2`` in async mode)."""
+        for e in self.entries:
+            if e.trainable:
+                e.read = index % len(e.buffers)
 
     def zero_grads(self) -> None:
         for e in self.entries:

@@ -11,6 +11,7 @@ recomputes from the saved input; the head's forward and backward run back to bac
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,7 +21,8 @@ from torch import nn
 
 from roundpipe.backend import Device, tensor_bytes
 from roundpipe.errors import StageError
-from roundpipe.runtime.exchange import Slot
+from roundpipe.models.base import MicrobatchInputs
+from roundpipe.runtime.exchange import HandOff, Slot
 from roundpipe.runtime.plan import TaskFlow
 
 if TYPE_CHECKING:
@@ -75,7 +77,7 @@ class Worker:
                 tensors[k] = t
             slot.value = tensors
 
-        self.streams["h2d"].submit(upload)
+        self.streams["h2d"].submit(upload, (f"W:{name}", "upload"))
         self.resident[layer] = Resident(slot, self.streams["h2d"].record_event(), nbytes)
 
     def _evict(self, layer: int) -> None:
@@ -88,9 +90,30 @@ class Worker:
 
         self.streams["compute"].submit(free)
 
-    def _ensure(self, need: range, keep: set[int]) -> list[Resident]:
-        """Make ``need`` resident; release what is neither needed nor in ``keep`` first."""
-        evict = [i for i in self.resident if i not in keep and i not in need]
+    def _ensure(self, need: range, upcoming: range | None, remaining: list[TaskFlow]) -> list[Resident]:
+        """Make ``need`` resident, deciding first which resident layers to release.
+
+        Always kept: ``need`` and, with prefetch, ``upcoming`` (the next task's layers). Streaming
+        tables (roundpipe) release everything else. Weight-bound tables also keep layers this device
+        will run again later in the step, as long as the weight cache budget allows, releasing the
+        ones needed furthest in the future first (Belady). Residency thus follows from the table
+        and a budget, with no per-policy rule.
+        """
+        keep = set(need) | (set(upcoming) if upcoming is not None else set())
+        evict = [i for i in self.resident if i not in keep]
+        if self.pipe.weight_bound and evict:
+            next_use: dict[int, int] = {}
+            for pos, f in enumerate(remaining):
+                for i in f.layers:
+                    next_use.setdefault(i, pos)
+            layer_bytes = self.pipe.store.layer_bytes
+            held = [i for i in evict if i in next_use]
+            total = sum(layer_bytes[i] for i in keep) + sum(layer_bytes[i] for i in held)
+            budget = self.pipe.weight_cache_bytes
+            held.sort(key=lambda i: next_use[i], reverse=True)
+            while held and budget is not None and total > budget:
+                total -= layer_bytes[held.pop(0)]
+            evict = [i for i in evict if i not in held]
         for i in evict:
             self._evict(i)
         missing = [i for i in need if i not in self.resident]
@@ -160,7 +183,12 @@ class Worker:
         inputs, ctx = Slot(), Slot()
 
         def upload():
-            inputs.value = host_inputs.to(dev.torch_device)
+            inputs.value = MicrobatchInputs(
+                *(
+                    None if t is None else dev.to_device(t)
+                    for t in (getattr(host_inputs, f.name) for f in dataclasses.fields(host_inputs))
+                )
+            )
 
         def build():
             c = adapter.build_context(module.value, inputs.value, dtype)
@@ -169,7 +197,7 @@ class Worker:
 
         self.streams["h2d"].submit(upload)
         self.streams["compute"].wait_event(self.streams["h2d"].record_event())
-        self.streams["compute"].submit(build)
+        self.streams["compute"].submit(build, (f"ctx.{mb}", "context"))
         self._ctx = (mb, inputs, ctx)
         return inputs, ctx
 
@@ -186,16 +214,38 @@ class Worker:
 
     # ----------------------------------------------------------------- tasks
     def run(self, step: StepRun, flows: list[TaskFlow]) -> None:
-        """Issue every task of this device for one step (worker thread)."""
-        for n, flow in enumerate(flows):
-            upcoming = next((f.layers for f in flows[n + 1 :] if f.layers != flow.layers), None)
-            self._issue(step, flow, upcoming)
+        """Issue every task of this device for one step (worker thread).
+
+        ``order="strict"`` issues the table's order; ``order="ready"`` issues the first task in
+        table order whose incoming hand-offs have all been issued by their producers (the table is
+        a hint, readiness decides), so an order that would deadlock strictly still completes.
+        """
+        remaining = list(flows)
+        ready = self.pipe.config.order == "ready"
+        while remaining:
+            flow = remaining.pop(self._pick_ready(step, remaining) if ready else 0)
+            upcoming = None
+            if self.pipe.config.prefetch:
+                upcoming = next((f.layers for f in remaining if f.layers != flow.layers), None)
+            self._issue(step, flow, upcoming, remaining)
             self.tasks_done += 1
         self.release_all()
         self.status = "done"
 
-    def _issue(self, step: StepRun, flow: TaskFlow, upcoming: range | None) -> None:
-        pipe, dev, streams = self.pipe, self.device, self.streams
+    def _pick_ready(self, step: StepRun, remaining: list[TaskFlow]) -> int:
+        while True:
+            for n, f in enumerate(remaining):
+                if all(step.exchange.has(k) for k in f.consumes):
+                    return n
+            self.status = "ready order: no task ready; waiting for " + ", ".join(
+                f"{f.task}" for f in remaining[:4]
+            )
+            step.exchange.wait_for_change()
+
+    def _issue(
+        self, step: StepRun, flow: TaskFlow, upcoming: range | None, remaining: list[TaskFlow]
+    ) -> None:
+        dev, streams = self.device, self.streams
         t, mb = flow.task, flow.task.microbatch
         label = f"{t}" + (f"+{flow.fused_with}" if flow.fused_with else "")
         self.status = f"{label}: preparing"
@@ -204,8 +254,7 @@ class Worker:
         if len(layers_all) == 0 or (flow.task.kind == "B" and not needs_grad):
             self._issue_empty(step, flow)
             return
-        keep = set(upcoming) if (upcoming is not None and pipe.config.prefetch) else set()
-        residents = self._ensure(layers_all, keep)
+        residents = self._ensure(layers_all, upcoming, remaining)
         inputs, ctx = self._context(step, mb)
 
         # Incoming hand-offs (activation and/or gradient), uploaded on h2d in that order.
@@ -221,13 +270,14 @@ class Worker:
                 t_host = host_slot.value
                 dev.memory.reserve(tensor_bytes(t_host), f"{key[0]}[{key[1]}].{key[2]}", "activations")
                 dev_slot.value = dev.to_device(t_host)
+                host_slot.take()
 
-            streams["h2d"].submit(up)
+            streams["h2d"].submit(up, (f"{key[0]}[{key[1]}].{key[2]}", "upload"))
             incoming[key] = dev_slot
         streams["compute"].wait_event(streams["h2d"].record_event())
         for r in residents:
             streams["compute"].wait_event(r.event)
-        if keep:
+        if upcoming is not None:
             self._prefetch(upcoming)
 
         produced = {key: Slot() for key in flow.produces}
@@ -240,9 +290,13 @@ class Worker:
                 step, flow, residents, inputs.value, ctx.value, incoming, produced, param_grads, loss_slot
             )
 
-        streams["compute"].submit(compute)
+        kind = "F+B" if flow.fused_with else t.kind
+        streams["compute"].submit(compute, (label, kind))
         streams["d2h"].wait_event(streams["compute"].record_event())
-        host_out = {key: Slot() for key in produced}
+        host_out = {
+            key: HandOff(step.flow_plan.consumers[key], self.pipe.host_memory, f"{key[0]}[{key[1]}].{key[2]}")
+            for key in produced
+        }
         host_grads = Slot()
         host_loss = Slot()
 
@@ -250,7 +304,7 @@ class Worker:
             try:
                 for key, s in produced.items():
                     v = s.value
-                    host_out[key].value = dev.to_host(v)
+                    host_out[key].fill(dev.to_host(v))
                     s.value = None
                     dev.memory.release(tensor_bytes(v), f"{key[0]}[{key[1]}].{key[2]}", "activations")
                 if param_grads.value is not None:
@@ -264,7 +318,7 @@ class Worker:
             except BaseException as e:
                 raise StageError(f"download after {label} failed: {e}", task=label, device=dev.name) from e
 
-        streams["d2h"].submit(download)
+        streams["d2h"].submit(download, (f"out:{label}", "download"))
         done = streams["d2h"].record_event()
         for key, s in host_out.items():
             step.exchange.put(key, s, done, step.flow_plan.consumers[key])
@@ -275,7 +329,10 @@ class Worker:
         """A task with nothing to compute (the backward of a frozen embedding, a forward whose
         outputs nobody needs): take its hand-offs so they are freed, and account a backward."""
         for key in flow.consumes:
-            step.exchange.get(key)
+            host_slot, event = step.exchange.get(key)
+            if event is not None:
+                self.streams["h2d"].wait_event(event)
+            self.streams["h2d"].submit(host_slot.take)
         if flow.task.kind == "B":
             step.on_backward_issued(flow, Slot(), Slot(), None)
 

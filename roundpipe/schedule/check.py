@@ -106,12 +106,14 @@ def check_complete(table: ScheduleTable, located: dict[TaskKey, tuple[int, int]]
         raise ScheduleError(f"{len(missing)} required task(s) missing: {_listing(missing)} ({rule})")
 
 
-def validate_table(table: ScheduleTable) -> None:
-    """Raise ScheduleError with the first reason ``table`` cannot run in strict in-order mode."""
+def validate_table(table: ScheduleTable, *, in_order: bool = True) -> None:
+    """Raise ScheduleError with the first reason ``table`` cannot run: in strict in-order mode
+    (default), or with ``in_order=False`` when tasks run ready-first (only a cycle in the dependency
+    graph itself can then stop it)."""
     check_shape(table)
     located = check_tasks(table)
     check_complete(table, located)
-    _dry_run(table, located, in_order=True)
+    _dry_run(table, located, in_order=in_order)
 
 
 def _deps_of(table: ScheduleTable) -> dict[TaskKey, list[TaskKey]]:
