@@ -1,5 +1,8 @@
 """One generic adapter for decoder-only HF causal LMs: ``[embed, layers.0 .. layers.L-1, head]``.
 
+With ``head_shards=k > 1`` the single ``head`` becomes ``head.0 .. head.{k-1}``, vocabulary shards
+of the LM head + loss that hand a packed tensor to each other (see ``head_shards.py``).
+
 The layers reproduce the HF forward of the supported families step for step (see
 ``families.py``): ``embed_tokens(ids)``; position ids (given, or ``arange(T)[None]`` -- not
 padding-aware, as in HF); one mask per attention type from ``transformers.masking_utils``; rotary
@@ -22,10 +25,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from roundpipe.errors import InputError, UnsupportedModel
+from roundpipe.errors import ConfigError, InputError, UnsupportedModel
 from roundpipe.models.base import Layer, LayerContext, MicrobatchInputs, ModelAdapter
 from roundpipe.models.families import FAMILIES, SLIDING, FamilySpec, supported_families
 from roundpipe.models.head import IGNORE_INDEX, chunked_lm_loss
+from roundpipe.models.head_shards import head_tensors, vocab_ranges, vocab_shard_forward
 
 
 class EmbedLayer(Layer):
@@ -86,6 +90,52 @@ class HeadLayer(Layer):
         )
 
 
+class HeadShardLayer(Layer):
+    """One vocabulary shard of the LM head + loss (``head.{shard}`` of ``num_shards``).
+
+    ``module`` is ``nn.ModuleDict({"norm": ..., "lm_head": ...})`` for shard 0 and
+    ``nn.ModuleDict({"lm_head": ...})`` for the others, holding the model's own modules: every
+    shard holds the *whole* head (the same Parameters; the tied embedding weight when tied) and uses
+    rows ``[vocab_start, vocab_stop)`` of it at compute time. Input/output: shard 0 takes hidden
+    [b, T, H] (run dtype); every shard but the last returns the packed fp32 [b, T, H + 2]; the last
+    returns the 0-dim fp32 loss sum (see ``head_shards.py``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        module: nn.Module,
+        *,
+        shard: int,
+        num_shards: int,
+        vocab_range: tuple[int, int],
+        config: Any,
+        softcapping: bool,
+    ):
+        super().__init__(name, index, "head", module)
+        self.shard = shard
+        self.num_shards = num_shards
+        self.vocab_start, self.vocab_stop = vocab_range
+        self.config = config
+        self.softcapping = softcapping
+
+    def forward(self, module: nn.Module, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        softcap = getattr(self.config, "final_logit_softcapping", None) if self.softcapping else None
+        first = self.shard == 0
+        return vocab_shard_forward(
+            x,
+            ctx.shift_labels,
+            module["lm_head"],
+            vocab_range=(self.vocab_start, self.vocab_stop),
+            first=first,
+            last=self.shard == self.num_shards - 1,
+            chunk_tokens=ctx.head_chunk_tokens,
+            softcap=softcap,
+            norm=module["norm"] if first else None,
+        )
+
+
 class DecoderOnlyAdapter(ModelAdapter):
     """A supported HF ``*ForCausalLM`` seen as ``[embed, layers.0, ..., layers.{L-1}, head]``.
 
@@ -94,15 +144,18 @@ class DecoderOnlyAdapter(ModelAdapter):
         config: ``model.config``.
         family: the HF ``model_type`` (a key of ``families.FAMILIES``).
         spec: the family's ``FamilySpec``.
-        layers: embed (index 0), one block per decoder layer, head (last index).
+        head_shards: how many layers the head + loss is cut into (1: one ``head`` layer).
+        layers: embed (index 0), one block per decoder layer, then ``head`` (``head_shards=1``) or
+            ``head.0 .. head.{k-1}`` (vocabulary shards, ``HeadShardLayer``).
         context_module: ``nn.ModuleDict({"rotary_emb": <the model's rotary module>})``; buffers only.
     """
 
-    def __init__(self, model: nn.Module, spec: FamilySpec):
+    def __init__(self, model: nn.Module, spec: FamilySpec, head_shards: int = 1):
         self.model = model
         self.config = model.config
         self.family = spec.model_type
         self.spec = spec
+        self.head_shards = head_shards
         base = model.model
         blocks = list(base.layers)[: self.config.num_hidden_layers]
         self.layers: list[Layer] = [EmbedLayer("embed", 0, "embed", base.embed_tokens)]
@@ -111,10 +164,31 @@ class DecoderOnlyAdapter(ModelAdapter):
             self.layers.append(
                 BlockLayer(f"layers.{i}", i + 1, block, attention_type=attention_type, config=self.config)
             )
-        head = nn.ModuleDict({"norm": base.norm, "lm_head": model.lm_head})
-        self.layers.append(
-            HeadLayer("head", len(self.layers), head, config=self.config, softcapping=spec.logit_softcapping)
-        )
+        if head_shards == 1:
+            head = nn.ModuleDict({"norm": base.norm, "lm_head": model.lm_head})
+            self.layers.append(
+                HeadLayer(
+                    "head", len(self.layers), head, config=self.config, softcapping=spec.logit_softcapping
+                )
+            )
+        else:
+            ranges = vocab_ranges(head_tensors(model.lm_head).vocab, head_shards)
+            for j, vocab_range in enumerate(ranges):
+                parts = (
+                    {"norm": base.norm, "lm_head": model.lm_head} if j == 0 else {"lm_head": model.lm_head}
+                )
+                self.layers.append(
+                    HeadShardLayer(
+                        f"head.{j}",
+                        len(self.layers),
+                        nn.ModuleDict(parts),
+                        shard=j,
+                        num_shards=head_shards,
+                        vocab_range=vocab_range,
+                        config=self.config,
+                        softcapping=spec.logit_softcapping,
+                    )
+                )
         self.attention_types = sorted(
             {layer.attention_type for layer in self.layers if isinstance(layer, BlockLayer)}
         )
@@ -217,20 +291,29 @@ def _unwrap_peft(model: Any) -> Any:
     return model
 
 
-def adapt_model(model: nn.Module) -> ModelAdapter:
+def adapt_model(model: nn.Module, head_shards: int = 1) -> ModelAdapter:
     """Wrap a HF causal LM (or a peft model around one) as a list of layers, without copying.
 
     Args:
         model: a ``*ForCausalLM`` of a supported family, optionally inside ``peft.PeftModel``.
+        head_shards: cut the LM head + loss into this many vocabulary shards ``head.0 ..
+            head.{k-1}`` (near-equal contiguous row ranges, the first ``V % k`` one row larger) so
+            the head can be balanced like other layers; the loss and gradients stay exact. 1 (the
+            default) keeps one ``head`` layer.
 
     Returns:
         A ``DecoderOnlyAdapter`` whose ``model`` is the unwrapped HF module.
 
     Raises:
+        ConfigError: ``head_shards`` is not an int in ``1..vocab_size``.
         UnsupportedModel: the model is not a causal LM of a supported family (the message lists
             the families and how to add one), or its config asks for behaviour the layers would not
-            reproduce exactly (the message names the setting to change).
+            reproduce exactly (the message names the setting to change), or ``head_shards > 1`` and
+            the ``lm_head`` is a kind of module the shards cannot slice (the message says to use
+            ``head_shards=1``).
     """
+    if isinstance(head_shards, bool) or not isinstance(head_shards, int) or head_shards < 1:
+        raise ConfigError(f"head_shards must be a positive int (1: one head layer), got {head_shards!r}")
     causal_lm = _unwrap_peft(model)
     config = getattr(causal_lm, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -261,4 +344,4 @@ def adapt_model(model: nn.Module) -> ModelAdapter:
             f"{type(causal_lm).__name__} lacks {', '.join(missing)}, so it does not follow the "
             f"{model_type} layout this adapter expects. {_how_to_add()}"
         )
-    return DecoderOnlyAdapter(causal_lm, spec)
+    return DecoderOnlyAdapter(causal_lm, spec, head_shards)

@@ -1,7 +1,8 @@
 """The contract between a Hugging Face model and the runtime: a list of layers.
 
 A model is cut into layers: ``embed``, one ``block`` per decoder layer, and ``head`` (final norm +
-LM head + loss). The runtime never calls the HF model's own ``forward``; it calls
+LM head + loss) -- or, with ``adapt_model(model, head_shards=k)``, ``head.0 .. head.{k-1}``: the
+head + loss cut into vocabulary shards (kind ``"head"`` too; see ``head_shards.py``). The runtime never calls the HF model's own ``forward``; it calls
 ``Layer.forward(module, x, ctx)`` on a *device shell* of ``layer.module`` whose parameters are the
 copies it uploaded to a worker. ``layer.module`` itself is the model's own module (CPU, never moved).
 
@@ -86,6 +87,8 @@ class Layer(ABC):
         loss sum over the microbatch's label tokens, computed in token chunks of
         ``ctx.head_chunk_tokens`` so that [tokens x vocab] logits never exist for the whole
         microbatch; differentiable w.r.t. ``x`` and the module's trainable parameters.
+        Head shards: ``head.0`` hidden -> packed fp32 [b, T, H + 2]; a middle shard packed ->
+        packed; the last shard packed -> the same 0-dim fp32 loss sum (format in ``head_shards.py``).
         """
 
     def __repr__(self) -> str:
