@@ -221,6 +221,8 @@ class Worker:
         a hint, readiness decides), so an order that would deadlock strictly still completes.
         """
         remaining = list(flows)
+        self._computed: list = []  # compute-done event of each issued task, in issue order
+        self._downloaded: list = []  # downloads-done event of each issued task
         ready = self.pipe.config.order == "ready"
         while remaining:
             flow = remaining.pop(self._pick_ready(step, remaining) if ready else 0)
@@ -257,6 +259,15 @@ class Worker:
         residents = self._ensure(layers_all, upcoming, remaining)
         inputs, ctx = self._context(step, mb)
 
+        # At most two tasks in flight per device: the inputs of this task may only arrive once the
+        # compute two tasks back is done, and this compute may only start once the downloads two
+        # tasks back are done; otherwise the copy streams run ahead and device memory grows with the
+        # number of microbatches.
+        if len(self._computed) >= 2:
+            streams["h2d"].wait_event(self._computed[-2])
+        if len(self._downloaded) >= 2:
+            streams["compute"].wait_event(self._downloaded[-2])
+
         # Incoming hand-offs (activation and/or gradient), uploaded on h2d in that order.
         incoming: dict[tuple, Slot] = {}
         for key in flow.consumes:
@@ -292,7 +303,9 @@ class Worker:
 
         kind = "F+B" if flow.fused_with else t.kind
         streams["compute"].submit(compute, (label, kind))
-        streams["d2h"].wait_event(streams["compute"].record_event())
+        computed = streams["compute"].record_event()
+        self._computed.append(computed)
+        streams["d2h"].wait_event(computed)
         host_out = {
             key: HandOff(step.flow_plan.consumers[key], self.pipe.host_memory, f"{key[0]}[{key[1]}].{key[2]}")
             for key in produced
@@ -320,6 +333,7 @@ class Worker:
 
         streams["d2h"].submit(download, (f"out:{label}", "download"))
         done = streams["d2h"].record_event()
+        self._downloaded.append(done)
         for key, s in host_out.items():
             step.exchange.put(key, s, done, step.flow_plan.consumers[key])
         if flow.layers_bwd:
@@ -427,7 +441,8 @@ class Worker:
         for k, g in zip(keys, grads):
             if g is not None:
                 out[k] = g
-        dev.memory.reserve(sum(tensor_bytes(g) for g in out.values()), str(t), "grads")
+        label = str(t) + (f"+{flow.fused_with}" if flow.fused_with else "")
+        dev.memory.reserve(sum(tensor_bytes(g) for g in out.values()), label, "grads")
         param_grads.value = out
 
     def _run_layer_named(self, step, i, weights, x, ctx, mb, t):

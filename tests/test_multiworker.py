@@ -1,0 +1,252 @@
+"""Many stateless workers: every policy x devices x microbatches, orders, irregular tables, the
+asynchronous optimizer, memory behaviour and what a run reports about itself."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import (
+    assert_same_run,
+    pipeline_train,
+    reference_train,
+    reference_train_one_step_stale,
+)
+from tiny_models import make_batch, make_model
+
+import roundpipe
+from roundpipe.errors import ConfigError, ScheduleError
+from roundpipe.schedule import Partition, ScheduleTable, build_table
+
+torch.set_num_threads(1)
+
+STEPS = 3
+NUM_LAYERS = 8  # embed + 6 blocks + head: enough stages for hanayo / interleaved on 4 devices
+_refs: dict = {}
+
+
+def _reference(lora):
+    if lora not in _refs:
+        model = make_model("qwen3", num_layers=NUM_LAYERS - 2, tied=True, lora=lora)
+        batch = make_batch(batch=8, padding="left")
+        _refs[lora] = (model, batch, reference_train(model, batch, STEPS))
+    return _refs[lora]
+
+
+def _matrix():
+    """Every (policy, devices, microbatches) the policy accepts; LoRA/full x strict/ready rotate
+    over the grid so each policy meets all four combinations without running 4x the cases."""
+    variants = itertools.cycle(
+        [(None, "strict"), ("default", "ready"), ("default", "strict"), (None, "ready")]
+    )
+    cases = []
+    for policy in ("roundpipe", "gpipe", "1f1b", "interleaved", "chimera", "hanayo"):
+        for devices in (1, 2, 3, 4):
+            for microbatches in (1, 2, 4, 8):
+                lora, order = next(variants)
+                cases.append(
+                    pytest.param(
+                        policy,
+                        devices,
+                        microbatches,
+                        lora,
+                        order,
+                        id=f"{policy}-d{devices}-m{microbatches}-{lora or 'full'}-{order}",
+                    )
+                )
+    return cases
+
+
+def _policy_accepts(policy, devices, microbatches) -> bool:
+    stages = {"interleaved": 2 * devices, "hanayo": 2 * devices}.get(policy, devices)
+    part = Partition.from_sizes([1] * stages)
+    try:
+        build_table(policy, part, part, devices, microbatches)
+    except ScheduleError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("policy", "devices", "microbatches", "lora", "order"), _matrix())
+def test_every_policy_trains_like_plain_pytorch(policy, devices, microbatches, lora, order):
+    if not _policy_accepts(policy, devices, microbatches):
+        with pytest.raises((ScheduleError, ConfigError)):
+            model, batch, _ = _reference(lora)
+            pipeline_train(
+                model, batch, 1, devices=f"cpu:{devices}", num_microbatches=microbatches, policy=policy
+            )
+        return
+    model, batch, want = _reference(lora)
+    got = pipeline_train(
+        model,
+        batch,
+        STEPS,
+        devices=f"cpu:{devices}",
+        num_microbatches=microbatches,
+        policy=policy,
+        order=order,
+    )
+    assert_same_run(got, want)
+
+
+def test_asymmetric_partitions_with_smaller_backward_stages():
+    model, batch, want = _reference(None)
+    got = pipeline_train(
+        model,
+        batch,
+        STEPS,
+        devices="cpu:3",
+        num_microbatches=4,
+        partition=(3, 3, 2),
+        backward_partition=(2, 1, 2, 1, 2),
+    )
+    assert_same_run(got, want)
+
+
+def test_a_partition_that_misses_layers_is_rejected():
+    model, batch, _ = _reference(None)
+    with pytest.raises(ConfigError, match=r"partition=\(3, 3\) covers 6 layers but the model has 8"):
+        pipeline_train(model, batch, 1, devices="cpu:2", num_microbatches=2, partition=(3, 3))
+
+
+def test_a_policy_the_runtime_cannot_run_says_so():
+    with pytest.raises(ConfigError, match="'zb' cannot run yet"):
+        roundpipe.RunConfig(policy="zb")
+
+
+def test_too_many_stages_for_the_model_is_a_config_error():
+    model = make_model("llama", num_layers=2)  # 4 layers: embed, 2 blocks, head
+    with (
+        roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:3", policy="interleaved")) as pipe,
+        pytest.raises(ConfigError, match="needs 6 stages but the model has only 4 layers"),
+    ):
+        pipe.forward_backward(make_batch(batch=2)["input_ids"], labels=make_batch(batch=2)["labels"])
+
+
+# ----------------------------------------------------------------------------- hand-written tables
+def _irregular_table() -> ScheduleTable:
+    """Two devices, four stages, two microbatches, dealt by hand in an order no policy produces:
+    device 1 lists a backward before the forward it waits on from device 0."""
+    part = Partition.from_sizes([2, 2, 2, 2])
+    text = """
+    d0: F0.0 F0.1 F2.0 F2.1 B1.1 B1.0 B0.0 B0.1
+    d1: B2.1 F1.0 F1.1 F3.1 B3.1 F3.0 B3.0 B2.0
+    """
+    return ScheduleTable.from_text(text, part, part, 2)
+
+
+def test_an_irregular_hand_written_table_runs_ready_first_and_matches():
+    model, batch, want = _reference(None)
+    table = _irregular_table()
+    got = pipeline_train(
+        model, batch, STEPS, devices="cpu:2", num_microbatches=2, schedule=table, order="ready"
+    )
+    assert_same_run(got, want)
+
+
+def test_the_same_table_in_strict_order_is_rejected_with_the_waiting_cycle():
+    model, batch, _ = _reference(None)
+    with pytest.raises(ScheduleError, match="waiting cycle"):
+        pipeline_train(model, batch, 1, devices="cpu:2", num_microbatches=2, schedule=_irregular_table())
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    devices=st.integers(1, 3),
+    policy=st.sampled_from(["roundpipe", "1f1b", "gpipe"]),
+)
+def test_ready_order_completes_any_shuffle_of_a_valid_table(seed, devices, policy):
+    """Shuffling each device's list keeps the dependency graph acyclic, so ready-first must finish."""
+    model, batch, want = _reference(None)
+    stages = NUM_LAYERS if policy == "roundpipe" else devices
+    part = Partition.from_sizes(
+        [NUM_LAYERS // stages + (1 if i < NUM_LAYERS % stages else 0) for i in range(stages)]
+    )
+    base = build_table(policy, part, part, devices, 2)
+    rng = random.Random(seed)
+    rows = [list(r) for r in base.devices]
+    for r in rows:
+        rng.shuffle(r)
+    table = ScheduleTable(tuple(tuple(r) for r in rows), part, part, 2, policy="shuffled")
+    got = pipeline_train(
+        model, batch, 1, devices=f"cpu:{devices}", num_microbatches=2, schedule=table, order="ready"
+    )
+    assert got.losses[0] == pytest.approx(want.losses[0], rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- async optimizer
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:3"])
+def test_async_optimizer_equals_plain_pytorch_with_a_one_step_delay(devices):
+    model, batch, _ = _reference(None)
+    want = reference_train_one_step_stale(model, batch, 5)
+    got = pipeline_train(model, batch, 5, devices=devices, num_microbatches=4, optimizer_mode="async")
+    assert_same_run(got, want)
+
+
+# ----------------------------------------------------------------------------- memory
+def _peaks(policy, microbatches, devices="cpu:2"):
+    model, batch, _ = _reference(None)
+    batch = make_batch(batch=8)
+    with roundpipe.wrap(
+        model, roundpipe.RunConfig(devices=devices, num_microbatches=microbatches, policy=policy)
+    ) as pipe:
+        pipe.forward_backward(
+            batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"]
+        )
+        stats = pipe.stats()
+        largest = sorted(pipe.store.layer_bytes)
+    return max(d["peak_bytes"] for d in stats["devices"]), stats["host_handoff_peak_bytes"], largest
+
+
+def test_roundpipe_device_memory_does_not_grow_with_microbatches():
+    """A worker holds two stages' weights (current + prefetched) and at most two tasks in flight:
+    the weight gradients of the running stage and of the one still downloading, plus their inputs
+    and outputs (a few KB here). None of it depends on the number of microbatches."""
+    for microbatches in (2, 4, 8):
+        peak, _, layer_bytes = _peaks("roundpipe", microbatches)
+        largest = layer_bytes[-1]
+        activations = 4 * (8 // microbatches) * 12 * 64 * 4  # two tasks' inputs and outputs
+        assert peak <= 2 * largest + 2 * largest + activations, microbatches
+
+
+def test_gpipe_keeps_every_microbatch_while_1f1b_keeps_only_the_pipeline_depth():
+    """What the CPU holds between stages (hand-offs), on 2 devices with a batch of 8 samples.
+
+    One sample's activation at a stage boundary is 12 tokens x 64 hidden x 4 bytes. GPipe runs every
+    forward before any backward, so it holds one boundary activation for every microbatch: the whole
+    batch, however it is cut. 1F1B keeps at most as many microbatches in flight as there are
+    devices, so what it holds shrinks with the microbatch.
+    """
+    sample = 12 * 64 * 4
+    for microbatches in (4, 8):
+        per_microbatch = sample * 8 // microbatches
+        _, gpipe, _ = _peaks("gpipe", microbatches)
+        _, one_f_one_b, _ = _peaks("1f1b", microbatches)
+        assert gpipe == microbatches * per_microbatch == 8 * sample
+        assert one_f_one_b <= 2 * per_microbatch
+
+
+# ----------------------------------------------------------------------------- reporting
+def test_stats_and_timeline_describe_the_last_step():
+    model, batch, _ = _reference(None)
+    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=4)) as pipe:
+        pipe.forward_backward(
+            batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"]
+        )
+        stats = pipe.stats()
+        timeline = pipe.last_timeline()
+        flows = pipe.last_plan.flows
+    assert stats["step_s"] > 0
+    for d in stats["devices"]:
+        assert 0 < d["busy_s"] <= stats["step_s"]
+        assert d["busy_s"] + d["idle_s"] == pytest.approx(stats["step_s"])
+        assert d["bytes_to_device"] > 0 and d["bytes_to_host"] > 0
+    compute = [s for s in timeline.spans if s.lane == "compute" and s.kind in ("F", "B", "F+B")]
+    assert len(compute) == sum(len(f) for f in flows)
+    assert all(s.end >= s.start >= 0 for s in timeline.spans)
+    assert {s.lane for s in timeline.spans} >= {"compute", "h2d", "d2h", "host"}
