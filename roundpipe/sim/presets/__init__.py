@@ -126,6 +126,9 @@ class Server:
     host_memory_bw: float
     cpu_cores: int
     source: str
+    max_gpus: int | None = None  # the most GPUs such a server holds (None: not limited)
+    host_memory_bytes: int | None = None  # host RAM (None: not modelled)
+    optimizer_efficiency: float = 0.5  # share of host_memory_bw the CPU AdamW step reaches
 
     @property
     def name(self) -> str:
@@ -140,6 +143,11 @@ class Server:
         if not 0 <= gpu_index < self.num_gpus:
             raise ConfigError(f"GPU index {gpu_index} is outside a server of {self.num_gpus} GPUs")
         return gpu_index // self.gpus_per_switch
+
+    @property
+    def uplink_bw_effective(self) -> float:
+        """Per-direction rate of a switch uplink, derated like the GPU links (nominal -> effective)."""
+        return self.switch_uplink_bw * self.gpu.host_link_bw_effective / self.gpu.host_link_bw
 
     # The single-GPU view, so a Server can stand in wherever a GPU is expected.
     @property
@@ -228,10 +236,24 @@ def load_hardware(spec: str, **overrides: Any) -> Server:
             host_memory_bw=topo["host_memory_bw_gbs"] * _GIGA,
             cpu_cores=int(topo["cpu_cores"]),
             source=topo["_source"],
+            max_gpus=int(topo["max_gpus"]) if topo.get("max_gpus") else None,
+            host_memory_bytes=int(topo["host_memory_gb"] * GIB) if topo.get("host_memory_gb") else None,
+            optimizer_efficiency=float(
+                topo.get(
+                    "cpu_optimizer_efficiency",
+                    _read("hardware.json")["_defaults"]["cpu_optimizer_efficiency"],
+                )
+            ),
         )
-        return replace(server, **server_over) if server_over else server
+        server = replace(server, **server_over) if server_over else server
     except TypeError as exc:
         raise ConfigError(f"bad hardware override for {spec!r}: {exc}") from None
+    if server.max_gpus is not None and server.num_gpus > server.max_gpus:
+        raise ConfigError(
+            f"hardware spec {spec!r} asks for {server.num_gpus} GPUs, but a {gpu.name} server holds at most "
+            f"{server.max_gpus}; use 1..{server.max_gpus} (or override max_gpus=...)"
+        )
+    return server
 
 
 def _normalize_model_name(name: str) -> str:

@@ -1,0 +1,176 @@
+"""``simulate(table, workload, hardware)``: one training step on modelled hardware -> :class:`SimResult`.
+
+The event engine is ``engine.py``; this module decides what to simulate (how many steps, which
+devices keep their weights resident), runs it and turns the counters into the reported figures.
+Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from roundpipe.errors import ConfigError
+from roundpipe.schedule import build_table
+from roundpipe.schedule.table import ScheduleTable
+from roundpipe.schedule.timeline import Timeline
+from roundpipe.sim.engine import SimOptions, SimResult, _Sim
+from roundpipe.sim.presets import GIB, Server
+from roundpipe.sim.workload import Workload, device_ops
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def resident_bytes(table: ScheduleTable, work: Workload) -> list[int]:
+    """Per device, what keeping every one of its layers resident costs at the worst task: all its
+    weights plus the largest working set, gradients and activations of one of its tasks."""
+    ly = work.layers
+    out = []
+    for ops in device_ops(table):
+        layers = set()
+        worst = 0
+        for op in ops:
+            layers.update(op.layers)
+            saved = sum(ly[i].saved_bytes for i in op.bwd_layers)
+            trans = max((ly[i].transient_bytes for i in op.bwd_layers), default=0)
+            fwd = max((ly[i].fwd_work_bytes for i in op.fwd_layers), default=0)
+            grads = sum(ly[i].grad_bytes for i in op.bwd_layers) if op.weight_grads else 0
+            io = sum(ly[k[1]].act_in_bytes for k in op.consumes + op.produces if k[1] < len(ly))
+            worst = max(worst, max(fwd, saved + trans) + grads + io)
+        out.append(sum(ly[i].param_bytes for i in layers) + worst)
+    return out
+
+
+def _iteration_tables(table: ScheduleTable, n: int) -> list[ScheduleTable]:
+    """The tables of ``n`` consecutive steps: RoundPipe continues its deal where the last step ended."""
+    if n == 1 or table.policy != "roundpipe":
+        return [table] * n
+    deals = table.forward.num_stages + table.backward.num_stages - 1
+    start = int(table.options.get("start_device", 0))
+    return [
+        build_table(
+            "roundpipe", table.forward, table.backward, table.num_devices, table.num_microbatches,
+            start_device=(start + i * deals) % table.num_devices,
+        )
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def simulate(
+    table: ScheduleTable,
+    workload: Workload,
+    hardware: Server,
+    options: SimOptions | None = None,
+    *,
+    notes: tuple[str, ...] = (),
+) -> SimResult:
+    """Simulate ``table`` (validated) with ``workload`` on ``hardware`` (``num_devices`` of its GPUs).
+
+    Raises :class:`ConfigError` when the table and workload disagree (layer counts) or the table has
+    more devices than the server.
+    """
+    opts = options or SimOptions()
+    if table.forward.num_layers != workload.num_layers:
+        raise ConfigError(
+            f"the table cuts {table.forward.num_layers} layers but the workload has {workload.num_layers}"
+        )
+    if table.num_devices > hardware.num_gpus:
+        raise ConfigError(
+            f"the table has {table.num_devices} devices but the server {hardware.name} has {hardware.num_gpus} GPUs"
+        )
+    n_iter = opts.iterations or (3 if opts.optimizer == "async" else 1)
+    capacity = hardware.memory_bytes - hardware.workspace_reserve_bytes
+    notes = list(notes)
+    if opts.stream_weights is None:
+        if table.weight_bound:
+            need = resident_bytes(table, workload)
+            stream = [n > capacity for n in need]
+            if any(stream):
+                notes.append(
+                    "weights streamed instead of resident on device(s) "
+                    + ", ".join(str(d) for d, s in enumerate(stream) if s)
+                    + f": all their layers need up to {_gib(max(need))} of {_gib(capacity)}"
+                )
+        else:
+            stream = [True] * table.num_devices
+    else:
+        stream = [bool(opts.stream_weights)] * table.num_devices
+    sim = _Sim(_iteration_tables(table, n_iter), workload, hardware, opts, stream)
+    sim.run()
+
+    ends = sim.iter_end
+    iteration_s = ends[0] if n_iter == 1 else (ends[-1] - ends[0]) / (n_iter - 1)
+    n_dev, m = table.num_devices, table.num_microbatches
+    busy = [b / n_iter for b in sim.busy]
+    total_busy = sum(busy)
+    bubble_total = 1.0 - total_busy / (n_dev * iteration_s) if iteration_s > 0 else 0.0
+    bubble_ideal = n_dev * iteration_s / total_busy - 1.0 if total_busy > 0 else 0.0
+    tokens = m * workload.tokens_per_microbatch
+    flops = m * sum(lw.flops for lw in workload.layers)
+    peak_flops = hardware.gpu.peak_flops(workload.dtype)
+    reserve = hardware.workspace_reserve_bytes
+    peak_gpu = tuple(p + reserve for p in sim.mem_peak)
+    reasons = []
+    for d, p in enumerate(peak_gpu):
+        if p > hardware.memory_bytes:
+            label, (w, a, k, g) = sim.mem_peak_at[d]
+            reasons.append(
+                f"device {d} needs {_gib(p)} of {_gib(hardware.memory_bytes)} at {label or 'start'} "
+                f"(weights {_gib(w)}, activations {_gib(a)}, working set {_gib(k)}, gradients {_gib(g)}, "
+                f"workspace {_gib(reserve)})"
+            )
+            break
+    if hardware.host_memory_bytes is not None and sim.host_peak > hardware.host_memory_bytes:
+        reasons.append(
+            f"host memory: needs {_gib(sim.host_peak)} (model state {_gib(workload.host_state_bytes)} + hand-offs "
+            f"and saved inputs) of {_gib(hardware.host_memory_bytes)}"
+        )
+    timeline = None
+    if sim.spans is not None:
+        timeline = Timeline(
+            sim.spans,
+            {
+                "source": "sim",
+                "policy": table.policy,
+                "num_devices": n_dev,
+                "num_microbatches": m,
+                "iterations": n_iter,
+                "iteration_ends": list(ends),
+                "iteration_s": iteration_s,
+                "optimizer": opts.optimizer,
+                "model": workload.name,
+                "hardware": hardware.name,
+            },
+        )
+    return SimResult(
+        policy=table.policy,
+        num_devices=n_dev,
+        num_microbatches=m,
+        iteration_s=iteration_s,
+        tokens_per_s=tokens / iteration_s if iteration_s > 0 else 0.0,
+        mfu=flops / (iteration_s * n_dev * peak_flops) if iteration_s > 0 and peak_flops > 0 else 0.0,
+        bubble_total=bubble_total,
+        bubble_ideal=bubble_ideal,
+        peak_gpu_bytes=peak_gpu,
+        peak_host_bytes=sim.host_peak,
+        peak_activations=tuple(sim.stash_peak),
+        compute_busy_s=tuple(busy),
+        h2d_bytes=sim.moved["h2d"] // n_iter,
+        d2h_bytes=sim.moved["d2h"] // n_iter,
+        optimizer_busy_s=sim.opt_busy / n_iter,
+        weights_streamed=tuple(stream),
+        fits=not reasons,
+        reason="; ".join(reasons),
+        optimizer=opts.optimizer,
+        notes=tuple(notes),
+        timeline=timeline,
+    )
+
+
+def without_costs(options: SimOptions | None = None) -> SimOptions:
+    """``options`` with free copies and optimizer and textbook forward tasks: the closed forms' setting."""
+    return replace(options or SimOptions(), transfers=False, optimizer_time=False, classic_flow=True)
+
+
+__all__ = ["SimOptions", "SimResult", "resident_bytes", "simulate", "without_costs"]

@@ -1,0 +1,234 @@
+"""What the simulator replays: per-layer times and bytes, and per-task operations of a table.
+
+A :class:`Workload` is the model cut into layers (the runtime's layer list) for one microbatch
+shape: for each layer its forward and backward seconds and the bytes that move or sit somewhere.
+Build one from the analytic cost model (:func:`workload_from_costs`, optionally with measured
+per-layer times keyed by layer name, exactly like ``partition.layer_times(..., times=...)``) or
+synthetically (:func:`uniform_workload`, what the closed-form checks use).
+
+:func:`device_ops` turns a schedule table into per-device operations following the runtime's data
+flow (``roundpipe/runtime/plan.py``: which hand-offs a task consumes and produces, which F and B
+run fused, which layers each runs forward and backward). Keys are ``("act", boundary, mb)`` (the
+input of layer ``boundary``) and ``("grad", boundary, mb)`` (the gradient w.r.t. it).
+
+Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from roundpipe.errors import ConfigError
+from roundpipe.partition.cost import LayerCost, layer_times, model_totals
+from roundpipe.schedule.deps import TaskKey
+from roundpipe.schedule.table import ScheduleTable
+from roundpipe.sim.presets import GPU, Server
+
+DEFAULT_W_FRACTION = 0.5  # share of a layer's backward that is weight gradient (I/W split)
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """One layer for one microbatch: seconds and bytes (see ``partition/cost.py`` for the bytes)."""
+
+    name: str
+    fwd_s: float
+    bwd_s: float  # backward alone, without the recompute forward
+    recompute: bool = True  # a backward stage re-runs this layer's forward first
+    param_bytes: int = 0  # weights on the device
+    grad_bytes: int = 0  # weight gradients of one microbatch on the device (sent down)
+    act_in_bytes: int = 0  # the layer's input (a hand-off if a stage starts here)
+    saved_bytes: int = 0  # what autograd keeps for this layer while its stage backpropagates
+    transient_bytes: int = 0  # one layer's backward transient
+    fwd_work_bytes: int = 0  # forward working set without autograd
+    trainable_params: int = 0  # parameters whose optimizer step this layer owns
+    flops: float = 0.0  # useful forward + backward FLOPs (no recompute), for MFU
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The layers of one model at one microbatch shape, plus what the host holds for it."""
+
+    layers: tuple[LayerWork, ...]
+    tokens_per_microbatch: int = 0
+    host_state_bytes: int = 0  # pinned weights + fp32 gradients + AdamW state
+    name: str = "model"
+    dtype: str = "bf16"
+    w_fraction: float = DEFAULT_W_FRACTION
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def scaled(self, fwd: float = 1.0, bwd: float | None = None) -> Workload:
+        """The same workload with compute times multiplied (what-if on a faster or slower device)."""
+        bwd = fwd if bwd is None else bwd
+        layers = tuple(
+            LayerWork(**{**lw.__dict__, "fwd_s": lw.fwd_s * fwd, "bwd_s": lw.bwd_s * bwd})
+            for lw in self.layers
+        )
+        return Workload(
+            layers, self.tokens_per_microbatch, self.host_state_bytes, self.name, self.dtype, self.w_fraction
+        )
+
+
+def workload_from_costs(
+    costs: Sequence[LayerCost],
+    hw: GPU | Server,
+    *,
+    times: Mapping[str, tuple[float, float]] | None = None,
+    efficiency: float | None = None,
+    name: str = "model",
+) -> Workload:
+    """Per-layer times from ``layer_times`` (analytic, or ``times[name] = (forward_s, backward_s)``
+    measured for one microbatch, backward without recompute) and bytes from the cost model."""
+    fwd, bwd_stage = layer_times(list(costs), hw, efficiency=efficiency, times=times)
+    layers = []
+    for c, f, bs in zip(costs, fwd, bwd_stage):
+        layers.append(
+            LayerWork(
+                name=c.name,
+                fwd_s=f,
+                bwd_s=max(0.0, bs - (f if c.recompute else 0.0)),
+                recompute=c.recompute,
+                param_bytes=c.param_bytes,
+                grad_bytes=c.grad_device_bytes,
+                act_in_bytes=c.act_in_bytes,
+                saved_bytes=c.saved_bytes,
+                transient_bytes=c.transient_bytes,
+                fwd_work_bytes=c.fwd_work_bytes,
+                trainable_params=c.optimizer_bytes // 12,
+                flops=c.fwd_flops + c.bwd_flops,
+            )
+        )
+    totals = model_totals(list(costs))
+    return Workload(
+        tuple(layers),
+        tokens_per_microbatch=costs[0].tokens if costs else 0,
+        host_state_bytes=int(totals["host_bytes"]),
+        name=name,
+        dtype=costs[0].dtype if costs else "bf16",
+    )
+
+
+def uniform_workload(
+    num_layers: int,
+    fwd_s: float = 1.0,
+    bwd_s: float = 2.0,
+    *,
+    recompute: bool = False,
+    **bytes_per_layer: int,
+) -> Workload:
+    """``num_layers`` identical, trainable layers (the closed forms' setting); bytes default to zero."""
+    if num_layers < 1:
+        raise ConfigError(f"num_layers must be >= 1, got {num_layers}")
+    bytes_per_layer.setdefault("trainable_params", 1)
+    layers = tuple(
+        LayerWork(f"layers.{i}", fwd_s, bwd_s, recompute=recompute, **bytes_per_layer)
+        for i in range(num_layers)
+    )
+    return Workload(layers, name=f"uniform{num_layers}")
+
+
+@dataclass
+class Op:
+    """One unit of device work: a task, or a fused F+B pair. Built by :func:`device_ops`."""
+
+    device: int
+    label: str
+    kind: str  # F, B, FB, I, W
+    tasks: tuple[TaskKey, ...]
+    fwd_layers: range = range(0)  # run forward without autograd
+    bwd_layers: range = range(0)  # run with autograd and backpropagated
+    recompute: bool = True  # bwd_layers re-run their forward first (False when fused)
+    consumes: list[tuple] = field(default_factory=list)
+    produces: list[tuple] = field(default_factory=list)
+    weight_grads: bool = False  # sends weight gradients of bwd_layers down
+    first_forward: bool = False  # B/I whose layers no forward task ran: it pays their forward
+    split: bool = False  # a fused F + I: the weight gradient is left to a W task
+
+    @property
+    def layers(self) -> range:
+        spans = [r for r in (self.fwd_layers, self.bwd_layers) if len(r)]
+        if not spans:
+            return range(0)
+        return range(min(r.start for r in spans), max(r.stop for r in spans))
+
+
+def device_ops(table: ScheduleTable, *, classic: bool = False) -> list[list[Op]]:
+    """Per device, the operations the runtime issues for ``table``, in order (see module docstring).
+
+    ``classic=True`` is the textbook pipeline instead (the closed forms' setting): every forward
+    task runs all its stage's layers, so a backward re-runs only layers marked ``recompute``. The
+    runtime's last forward stage, unless fused, runs nothing at all (nobody needs its output) and
+    its backward runs the head's forward too (``first_forward``).
+
+    Mirrors ``roundpipe/runtime/plan.py``: ``F(last_f, j)`` directly followed by the last backward
+    stage's ``B``/``I`` of the same microbatch is one fused op (forward ``[a, c)``, forward+backward
+    ``[c, n)`` without recompute); a forward stage leaves its output boundary and every backward
+    stage start inside it on the host and runs only as far as the last of them; a backward stage
+    ``[c, d)`` consumes ``act[c]`` and ``grad[d]`` and produces ``grad[c]``. With the backward
+    split, ``I`` does that and ``W`` (weight gradients) needs nothing but its ``I``.
+    """
+    fwd, bwd = table.forward, table.backward
+    n = fwd.num_layers
+    last_f, last_b = fwd.num_stages - 1, bwd.num_stages - 1
+    bwd_starts = set(bwd.bounds[1:-1])
+    out: list[list[Op]] = []
+    for d, row in enumerate(table.devices):
+        ops: list[Op] = []
+        i = 0
+        while i < len(row):
+            t, nxt = row[i], row[i + 1] if i + 1 < len(row) else None
+            if t.kind == "F":
+                a, e = fwd.bounds[t.stage], fwd.bounds[t.stage + 1]
+                c = bwd.bounds[last_b]
+                fused = (
+                    t.stage == last_f
+                    and nxt is not None
+                    and nxt.kind in ("B", "I")
+                    and nxt.stage == last_b
+                    and nxt.microbatch == t.microbatch
+                    and a <= c
+                )
+                j = t.microbatch
+                if fused:
+                    op = Op(
+                        d, f"{t}+{nxt}", "FB", (t.key, nxt.key), range(a, c), range(c, n), recompute=False
+                    )
+                    op.produces += [("act", b, j) for b in sorted(bwd_starts) if a < b < c]
+                    if c > 0:
+                        op.produces.append(("grad", c, j))
+                    op.weight_grads = nxt.kind == "B"
+                    op.split = nxt.kind == "I"
+                    i += 2
+                else:
+                    outs = sorted({b for b in bwd_starts if a < b < e} | ({e} if e < n else set()))
+                    run_to = e if classic else (outs[-1] if outs else a)
+                    op = Op(d, str(t), "F", (t.key,), range(a, run_to))
+                    op.produces += [("act", b, j) for b in outs]
+                    i += 1
+                if a > 0:
+                    op.consumes.append(("act", a, j))
+            elif t.kind in ("B", "I"):
+                c, e = bwd.bounds[t.stage], bwd.bounds[t.stage + 1]
+                j = t.microbatch
+                op = Op(d, str(t), t.kind, (t.key,), bwd_layers=range(c, e), weight_grads=t.kind == "B")
+                op.first_forward = t.stage == last_b and not classic
+                if c > 0:
+                    op.consumes.append(("act", c, j))
+                    op.produces.append(("grad", c, j))
+                if t.stage < last_b:
+                    op.consumes.append(("grad", e, j))
+                i += 1
+            else:  # W: weight gradients of a stage whose I ran before, on this device
+                c, e = bwd.bounds[t.stage], bwd.bounds[t.stage + 1]
+                op = Op(d, str(t), "W", (t.key,), bwd_layers=range(c, e), weight_grads=True)
+                i += 1
+            ops.append(op)
+        out.append(ops)
+    return out
+
+
+__all__ = ["LayerWork", "Op", "Workload", "device_ops", "uniform_workload", "workload_from_costs"]
