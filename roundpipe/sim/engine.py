@@ -46,6 +46,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from roundpipe.errors import ConfigError
+from roundpipe.schedule.deps import TaskKey
 from roundpipe.schedule.table import ScheduleTable
 from roundpipe.schedule.timeline import HOST_DEVICE, Span, Timeline
 from roundpipe.sim.presets import Server
@@ -73,6 +74,8 @@ class SimOptions:
     iterations: int | None = None
     record_timeline: bool = True
     classic_flow: bool = False  # textbook forward tasks (closed forms' setting), see workload.device_ops
+    accumulate_grads: bool = False  # what-if: sum weight gradients on the device over a run of tasks
+    # of the same stage and download them once (the runtime downloads them per microbatch)
     stream_weights: bool | None = None  # None: stream unless the table is weight-bound and fits
 
     def __post_init__(self):
@@ -115,7 +118,15 @@ class SimResult:
     reason: str = ""
     optimizer: str = "sync"
     notes: tuple[str, ...] = ()
-    timeline: Timeline | None = field(default=None, compare=False, repr=False)
+    raw_spans: list | None = field(default=None, compare=False, repr=False)  # Span fields, built lazily
+    timeline_meta: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The simulated step(s) as a :class:`Timeline` (None when not recorded); built on each access."""
+        if self.raw_spans is None:
+            return None
+        return Timeline([Span(*t) for t in self.raw_spans], dict(self.timeline_meta))
 
     @property
     def peak_gpu(self) -> int:
@@ -167,7 +178,7 @@ class _OpState:
 
     __slots__ = ("op", "it", "pos", "dur", "keys", "ins", "outs", "wgrad", "trainable", "work", "hold", "deps",
                  "dependents", "host_wait", "up_wait", "lookahead_ok", "started", "ended", "group", "ctx_bytes",
-                 "stash_add", "stash_drop", "last_of_iter")  # fmt: skip
+                 "stash_add", "stash_drop", "last_of_iter", "alloc", "flush")  # fmt: skip
 
 
 class _Sim:
@@ -180,12 +191,15 @@ class _Sim:
         self.events: list = []
         self.seq = 0
         self.now = 0.0
-        self.spans: list[Span] | None = [] if opts.record_timeline else None
+        self.spans: list[tuple] | None = [] if opts.record_timeline else None  # Span fields
         self.link_bw = hw.gpu.host_link_bw_effective if opts.transfers else _INF
         self.uplink_bw = hw.uplink_bw_effective if opts.transfers else _INF
         per_switch = max(1, hw.gpus_per_switch)
         self.switch = [d // per_switch for d in range(self.n_dev)]
-        self.flows: dict[tuple[int, str], list[_Copy]] = defaultdict(list)
+        self.flows: dict[tuple[int, str], list[_Copy]] = defaultdict(list)  # in flight per switch direction
+        self.sw_rate: dict[tuple[int, str], float] = {}
+        self.sw_t0: dict[tuple[int, str], float] = {}
+        self.sw_ver: dict[tuple[int, str], int] = {}
         self.lane_heap: dict[tuple[int, str], list] = {
             (d, ln): [] for d in range(self.n_dev) for ln in ("h2d", "d2h")
         }
@@ -212,31 +226,45 @@ class _Sim:
         by_task: dict[tuple, _OpState] = {}
         self.consumers: dict[tuple, int] = defaultdict(int)
         self.grad_count: dict[tuple[int, int], int] = defaultdict(int)
+        shape_cache: dict[tuple, tuple] = {}  # every microbatch of a stage costs the same
         for it, table in enumerate(self.tables):
             for d, ops in enumerate(device_ops(table, classic=self.opts.classic_flow)):
                 for op in ops:
                     st = _OpState()
                     st.op, st.it, st.pos = op, it, len(self.ops[d])
-                    st.dur = self._duration(op)
-                    trainable = [
-                        i for i in op.bwd_layers if layers[i].grad_bytes > 0 or layers[i].trainable_params > 0
-                    ]
-                    if (
-                        op.kind in ("B", "I")
-                        and op.bwd_layers.start == 0
-                        and not trainable
-                        and not op.produces
-                    ):
-                        st.dur, op.bwd_layers = 0.0, range(0)  # frozen embedding alone: nothing to run
-                    st.trainable = trainable if op.weight_grads else []
-                    st.wgrad = sum(layers[i].grad_bytes for i in st.trainable)
-                    st.work, st.hold = self._work_bytes(op)
-                    st.keys = [(it, i) for i in op.layers] if st.dur > 0 else []
+                    shape = (
+                        op.kind,
+                        op.fwd_layers,
+                        op.bwd_layers,
+                        op.first_forward,
+                        op.split,
+                        op.weight_grads,
+                    )
+                    cached = shape_cache.get(shape)
+                    if cached is None:
+                        dur = self._duration(op)
+                        bwd = op.bwd_layers
+                        trainable = [
+                            i for i in bwd if layers[i].grad_bytes > 0 or layers[i].trainable_params > 0
+                        ]
+                        if op.kind in ("B", "I") and bwd.start == 0 and not trainable and not op.produces:
+                            dur, bwd = 0.0, range(0)  # frozen embedding alone: nothing to run
+                        trainable = trainable if op.weight_grads else []
+                        wgrad = sum(layers[i].grad_bytes for i in trainable)
+                        cached = (
+                            dur,
+                            bwd,
+                            trainable,
+                            wgrad,
+                            self._work_bytes(op),
+                            list(op.layers) if dur > 0 else [],
+                        )
+                        shape_cache[shape] = cached
+                    st.dur, op.bwd_layers, st.trainable, st.wgrad, (st.work, st.hold), lay = cached
+                    st.keys = [(it, i) for i in lay]
                     st.ins = [(it, *k) for k in op.consumes]
                     st.outs = [(it, *k) for k in op.produces]
-                    for i in st.trainable:
-                        if layers[i].trainable_params > 0:
-                            self.grad_count[(it, i)] += 1
+                    st.alloc = st.flush = True
                     st.deps, st.dependents = 0, []
                     st.host_wait, st.up_wait = len(st.ins), -1
                     st.lookahead_ok = st.pos == 0
@@ -251,6 +279,16 @@ class _Sim:
                     self.ops[d].append(st)
         self.host_waiters: dict[tuple, list[_OpState]] = defaultdict(list)
         for d in range(self.n_dev):
+            if self.opts.accumulate_grads:  # one gradient buffer per run of tasks over the same layers
+                with_grads = [st for st in self.ops[d] if st.trainable]
+                for a, b in zip(with_grads, with_grads[1:]):
+                    if a.it == b.it and a.op.bwd_layers == b.op.bwd_layers:
+                        a.flush = b.alloc = False
+            for st in self.ops[d]:
+                if st.flush:
+                    for i in st.trainable:
+                        if layers[i].trainable_params > 0:
+                            self.grad_count[(st.it, i)] += 1
             for st in self.ops[d]:
                 for k in st.ins:
                     self.host_waiters[k].append(st)
@@ -261,13 +299,19 @@ class _Sim:
         # Control dependencies (deps.py) and the stash a device keeps between F and B of a stage.
         for it, table in enumerate(self.tables):
             closing = "W" if table.split_backward else "B"
+            dep_cache: dict[tuple[str, int], list[tuple[str, int]]] = {}
             for d in range(self.n_dev):
                 for st in self.ops[d]:
                     if st.it != it:
                         continue
-                    own = set(st.op.tasks)
-                    for t in st.op.tasks:
-                        for k in table.dependencies(t):
+                    own = st.op.tasks
+                    for t in own:
+                        dk = (t.kind, t.stage)
+                        deps = dep_cache.get(dk)
+                        if deps is None:
+                            deps = dep_cache[dk] = [(k.kind, k.stage) for k in table.dependencies(t)]
+                        for kind, stage in deps:
+                            k = TaskKey(kind, stage, t.microbatch)
                             if k not in own:
                                 by_task[(it, *k)].dependents.append(st)
                                 st.deps += 1
@@ -397,7 +441,7 @@ class _Sim:
 
     def _span(self, dev: int, lane: str, name: str, kind: str, start: float, end: float) -> None:
         if self.spans is not None:
-            self.spans.append(Span(dev, lane, name, kind, start, end))
+            self.spans.append((dev, lane, name, kind, start, end))
 
     def _end(self, it: int) -> None:
         if self.now > self.iter_end[it]:
@@ -418,42 +462,56 @@ class _Sim:
         c = heapq.heappop(heap)[2]
         self.lane_busy[key] = True
         c.piece = min(c.left, self.opts.chunk_bytes) if c.kind == "upload" else c.left
-        c.t0 = c.t_pick = self.now
+        c.t_pick = self.now
         if self.link_bw == _INF or c.piece <= 0:
-            c.rate = _INF
-            self._at(self.now, 1, c, c.ver)
+            self._at(self.now, 1, c, None)
             return
-        flows = self.flows[(self.switch[d], lane)]
-        self._settle(flows)
+        sw = (self.switch[d], lane)
+        flows = self.flows[sw]
+        self._settle(sw, flows)
         flows.append(c)
-        self._reschedule(flows)
+        self._next_completion(sw, flows)
 
-    def _settle(self, flows: list[_Copy]) -> None:
-        now = self.now
-        for f in flows:
-            f.piece -= f.rate * (now - f.t0)
-            f.t0 = now
+    def _settle(self, sw: tuple[int, str], flows: list[_Copy]) -> None:
+        """Advance every copy in flight on switch direction ``sw`` to now (they share one rate)."""
+        moved = self.sw_rate.get(sw, 0.0) * (self.now - self.sw_t0.get(sw, self.now))
+        if moved:
+            for f in flows:
+                f.piece -= moved
+        self.sw_t0[sw] = self.now
 
-    def _reschedule(self, flows: list[_Copy]) -> None:
+    def _next_completion(self, sw: tuple[int, str], flows: list[_Copy]) -> None:
+        """Re-share ``sw`` among its copies and schedule the earliest completion (one event per switch)."""
+        ver = self.sw_ver.get(sw, 0) + 1
+        self.sw_ver[sw] = ver
         if not flows:
+            self.sw_rate[sw] = 0.0
             return
         rate = min(self.link_bw, self.uplink_bw / len(flows))
-        for f in flows:
-            if f.rate == rate and f.ver:
-                continue  # unchanged rate: its completion event still holds
-            f.rate = rate
-            f.ver += 1
-            self._at(self.now + max(0.0, f.piece) / rate, 1, f, f.ver)
+        self.sw_rate[sw] = rate
+        first = min(f.piece for f in flows)
+        self._at(self.now + (first if first > 0 else 0.0) / rate, 1, sw, ver)
 
-    def _flow_end(self, c: _Copy, ver: int) -> None:
-        if ver != c.ver:
+    def _flow_end(self, sw, ver) -> None:
+        if ver is None:  # a free copy (no bandwidth modelled): ``sw`` is the copy itself
+            self._copy_done(sw)
             return
+        if ver != self.sw_ver.get(sw):
+            return
+        flows = self.flows[sw]
+        self._settle(sw, flows)
+        eps = 1e-6 * self.sw_rate[sw] * 1e-6 + 1.0  # within a byte (or a picosecond) counts as done
+        done = [f for f in flows if f.piece <= eps]
+        if not done:
+            done = [min(flows, key=lambda f: f.piece)]
+        for f in done:
+            flows.remove(f)
+        self._next_completion(sw, flows)
+        for f in done:
+            self._copy_done(f)
+
+    def _copy_done(self, c: _Copy) -> None:
         d, lane = c.dev, c.lane
-        if c.rate != _INF:
-            flows = self.flows[(self.switch[d], lane)]
-            self._settle(flows)
-            flows.remove(c)
-            self._reschedule(flows)
         moved = min(c.left, self.opts.chunk_bytes) if c.kind == "upload" else c.left
         c.left -= moved
         self.moved[lane] += moved
@@ -461,7 +519,6 @@ class _Sim:
             self._span(d, lane, c.name, c.kind, c.t_pick, self.now)
         self._end(c.it)
         self.lane_busy[(d, lane)] = False
-        c.rate, c.ver = 0.0, 0
         if c.left > 0:
             self.seq += 1
             heapq.heappush(self.lane_heap[(d, lane)], (c.prio, self.seq, c))
@@ -537,45 +594,30 @@ class _Sim:
         return self.w.layers[b].act_in_bytes if b < self.n_layers else 0
 
     def _check_inputs(self, st: _OpState) -> None:
-        """Issue ``st``'s input uploads once its producers' outputs are on the host (and lookahead allows)."""
+        """Issue ``st``'s inputs (one copy) once its producers' outputs are on the host and lookahead allows."""
         if not st.lookahead_ok or st.host_wait > 0 or st.up_wait >= 0:
             return
-        d, mb = st.op.device, st.op.tasks[0].microbatch
-        copies = []
-        for k in st.ins:
-            c = _Copy(
-                d,
-                "h2d",
-                f"{k[1]}[{k[2]}].{k[3]}",
-                "act",
-                self._key_bytes(k),
-                (P_ACT, st.pos),
-                self._input_done,
-                st.it,
-            )
-            c.key = k
-            copies.append(c)
-        if st.ctx_bytes:
-            copies.append(
-                _Copy(d, "h2d", f"ids.{mb}", "act", st.ctx_bytes, (P_ACT, st.pos), self._input_done, st.it)
-            )
-        st.up_wait = len(copies)
-        for c in copies:
-            c.owner = st
-            self._mem(d, 1, c.nbytes, st.op.label)
-            self._enqueue(c)
-        if not copies:
+        d = st.op.device
+        if not st.ins and not st.ctx_bytes:
+            st.up_wait = 0
             self._try_compute(d)
+            return
+        nbytes = sum(self._key_bytes(k) for k in st.ins) + st.ctx_bytes
+        st.up_wait = 1
+        c = _Copy(d, "h2d", f"in:{st.op.label}", "act", nbytes, (P_ACT, st.pos), self._input_done, st.it)
+        c.key, c.owner = st.ins, st
+        self._mem(d, 1, nbytes, st.op.label)
+        self._enqueue(c)
 
     def _input_done(self, c: _Copy) -> None:
         st = c.owner
-        st.up_wait -= 1
-        if c.key is not None:
-            self.consumers[c.key] -= 1
-            if self.consumers[c.key] == 0:
-                self._host(-c.nbytes)
-        if st.up_wait == 0:
-            self._try_compute(st.op.device)
+        st.up_wait = 0
+        consumers = self.consumers
+        for k in c.key:
+            consumers[k] -= 1
+            if consumers[k] == 0:
+                self._host(-self._key_bytes(k))
+        self._try_compute(st.op.device)
 
     # ------------------------------------------------------------------ compute
     def _try_compute(self, d: int) -> None:
@@ -592,7 +634,8 @@ class _Sim:
                 return
         st.started = self.now
         self._mem(d, 2, st.work, st.op.label)
-        self._mem(d, 3, st.wgrad, st.op.label)
+        if st.alloc:
+            self._mem(d, 3, st.wgrad, st.op.label)
         if st.stash_add:
             self.stash[d] += 1
             if self.stash[d] > self.stash_peak[d]:
@@ -620,23 +663,26 @@ class _Sim:
             self.stash[d] -= 1
         self.ops_left -= 1
         self.cursor[d] += 1
-        for k in st.outs:
-            nbytes = self._key_bytes(k)
-            urgent = k[1] == "grad" or k[2] in self.tables[k[0]].forward.bounds
-            prio, kind = (P_ACT, "act") if urgent else (P_STASH, "stash")
-            c = _Copy(
-                d, "d2h", f"{k[1]}[{k[2]}].{k[3]}", kind, nbytes, (prio, st.pos), self._output_done, st.it
-            )
-            c.key = k
-            self._mem(d, 1, nbytes, op.label)
-            self._enqueue(c)
-        if st.wgrad:
+        if st.outs:
+            fwd_bounds = self.tables[st.it].forward.bounds
+            urgent = [k for k in st.outs if k[1] == "grad" or k[2] in fwd_bounds]
+            later = [k for k in st.outs if not (k[1] == "grad" or k[2] in fwd_bounds)]
+            for keys, prio, kind in ((urgent, P_ACT, "act"), (later, P_STASH, "stash")):
+                if keys:
+                    nbytes = sum(self._key_bytes(k) for k in keys)
+                    c = _Copy(
+                        d, "d2h", f"out:{op.label}", kind, nbytes, (prio, st.pos), self._output_done, st.it
+                    )
+                    c.key = keys
+                    self._mem(d, 1, nbytes, op.label)
+                    self._enqueue(c)
+        if st.wgrad and st.flush:
             c = _Copy(
                 d, "d2h", f"grad:{op.label}", "download", st.wgrad, (P_WGRAD, st.pos), self._wgrad_done, st.it
             )
             c.owner = st
             self._enqueue(c)
-        elif st.trainable:
+        elif st.trainable and st.flush:
             self._grads_final(st)
         for dep in st.dependents:
             dep.deps -= 1
@@ -646,13 +692,13 @@ class _Sim:
         self._try_compute(d)
 
     def _output_done(self, c: _Copy) -> None:
-        k = c.key
         self._mem(c.dev, 1, -c.nbytes, "")
-        if self.consumers.get(k, 0) > 0:
-            self._host(c.nbytes)
-        for st in self.host_waiters.pop(k, ()):
-            st.host_wait -= 1
-            self._check_inputs(st)
+        for k in c.key:
+            if self.consumers.get(k, 0) > 0:
+                self._host(self._key_bytes(k))
+            for st in self.host_waiters.pop(k, ()):
+                st.host_wait -= 1
+                self._check_inputs(st)
 
     def _wgrad_done(self, c: _Copy) -> None:
         self._mem(c.dev, 3, -c.nbytes, "")

@@ -12,7 +12,6 @@ from dataclasses import replace
 from roundpipe.errors import ConfigError
 from roundpipe.schedule import build_table
 from roundpipe.schedule.table import ScheduleTable
-from roundpipe.schedule.timeline import Timeline
 from roundpipe.sim.engine import SimOptions, SimResult, _Sim
 from roundpipe.sim.presets import GIB, Server
 from roundpipe.sim.workload import Workload, device_ops
@@ -126,23 +125,18 @@ def simulate(
             f"host memory: needs {_gib(sim.host_peak)} (model state {_gib(workload.host_state_bytes)} + hand-offs "
             f"and saved inputs) of {_gib(hardware.host_memory_bytes)}"
         )
-    timeline = None
-    if sim.spans is not None:
-        timeline = Timeline(
-            sim.spans,
-            {
-                "source": "sim",
-                "policy": table.policy,
-                "num_devices": n_dev,
-                "num_microbatches": m,
-                "iterations": n_iter,
-                "iteration_ends": list(ends),
-                "iteration_s": iteration_s,
-                "optimizer": opts.optimizer,
-                "model": workload.name,
-                "hardware": hardware.name,
-            },
-        )
+    meta = {
+        "source": "sim",
+        "policy": table.policy,
+        "num_devices": n_dev,
+        "num_microbatches": m,
+        "iterations": n_iter,
+        "iteration_ends": list(ends),
+        "iteration_s": iteration_s,
+        "optimizer": opts.optimizer,
+        "model": workload.name,
+        "hardware": hardware.name,
+    }
     return SimResult(
         policy=table.policy,
         num_devices=n_dev,
@@ -164,7 +158,8 @@ def simulate(
         reason="; ".join(reasons),
         optimizer=opts.optimizer,
         notes=tuple(notes),
-        timeline=timeline,
+        raw_spans=sim.spans,
+        timeline_meta=meta,
     )
 
 

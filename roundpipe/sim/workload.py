@@ -16,6 +16,7 @@ Pure Python.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -174,7 +175,11 @@ def device_ops(table: ScheduleTable, *, classic: bool = False) -> list[list[Op]]
     fwd, bwd = table.forward, table.backward
     n = fwd.num_layers
     last_f, last_b = fwd.num_stages - 1, bwd.num_stages - 1
-    bwd_starts = set(bwd.bounds[1:-1])
+    starts = list(bwd.bounds[1:-1])  # backward-stage starts inside the model, ascending
+
+    def starts_inside(lo: int, hi: int) -> list[int]:
+        return starts[bisect_right(starts, lo) : bisect_left(starts, hi)]
+
     out: list[list[Op]] = []
     for d, row in enumerate(table.devices):
         ops: list[Op] = []
@@ -197,14 +202,14 @@ def device_ops(table: ScheduleTable, *, classic: bool = False) -> list[list[Op]]
                     op = Op(
                         d, f"{t}+{nxt}", "FB", (t.key, nxt.key), range(a, c), range(c, n), recompute=False
                     )
-                    op.produces += [("act", b, j) for b in sorted(bwd_starts) if a < b < c]
+                    op.produces += [("act", b, j) for b in starts_inside(a, c)]
                     if c > 0:
                         op.produces.append(("grad", c, j))
                     op.weight_grads = nxt.kind == "B"
                     op.split = nxt.kind == "I"
                     i += 2
                 else:
-                    outs = sorted({b for b in bwd_starts if a < b < e} | ({e} if e < n else set()))
+                    outs = starts_inside(a, e) + ([e] if e < n else [])
                     run_to = e if classic else (outs[-1] if outs else a)
                     op = Op(d, str(t), "F", (t.key,), range(a, run_to))
                     op.produces += [("act", b, j) for b in outs]

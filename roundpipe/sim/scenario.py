@@ -1,0 +1,229 @@
+"""From a question ("Qwen3-8B, 8x RTX 4090, 1F1B, seq 4096, batch 64") to a simulated step.
+
+:class:`Scenario` names the model, the hardware, the policy and the batch; :func:`prepare` turns it
+into what the simulator replays (partitions from the partitioner, the policy's table, per-layer
+work from the cost model) and :func:`run_scenario` simulates it. Settings the hardware or the policy
+cannot take raise :class:`ConfigError`; a model that cannot be cut to fit comes back as a result
+with ``fits=False`` and the partitioner's reason, so a table of policies can show it.
+
+Partitions per policy: ``roundpipe`` uses the memory-aware planner (``partition.plan``: separate
+forward and backward partitions, auto stage counts and head shards); the weight-bound policies cut
+the model into their fixed stage count (``D``; ``2D`` for interleaved and hanayo unless ``stages``
+says otherwise) with one partition balanced on forward + backward time, and the simulator judges
+memory. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
+from roundpipe.partition.cost import layer_times, model_costs
+from roundpipe.partition.partitioner import HEAD_SHARD_CANDIDATES, optimal_partition, plan
+from roundpipe.schedule import POLICIES, build_table
+from roundpipe.schedule.table import Partition, ScheduleTable
+from roundpipe.sim.engine import SimOptions, SimResult
+from roundpipe.sim.presets import Server, load_hardware, load_model_config, normalize_dtype
+from roundpipe.sim.simulate import simulate
+from roundpipe.sim.workload import Workload, workload_from_costs
+
+DEFAULT_VIRTUAL_STAGES = 2  # interleaved: stages per device; hanayo: 2 x waves
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One question for the simulator. ``global_batch`` is in sequences per optimizer step.
+
+    ``microbatches`` defaults to ``global_batch`` (one sequence per microbatch) and must divide it.
+    ``stages``: an int (or a ``(forward, backward)`` pair for roundpipe) overrides the policy's
+    default stage count. ``times`` are measured per-layer ``(forward_s, backward_s)`` keyed by layer
+    name (see ``partition.layer_times``).
+    """
+
+    model: str | Mapping[str, Any]
+    hardware: str | Server = "8xrtx4090"
+    policy: str = "roundpipe"
+    seq_len: int = 4096
+    global_batch: int = 64
+    microbatches: int | None = None
+    lora_rank: int | None = None
+    dtype: str = "bf16"
+    optimizer: str = "sync"
+    num_devices: int | None = None
+    head_shards: int | str = "auto"
+    stages: int | tuple[int, int] | None = None
+    times: Mapping[str, tuple[float, float]] | None = field(default=None, compare=False)
+    efficiency: float | None = None
+
+    @property
+    def model_name(self) -> str:
+        if isinstance(self.model, Mapping):
+            return str(self.model.get("_name_or_path") or self.model.get("model_type") or "model")
+        return str(self.model)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare` built: the table, the per-layer work and the server it runs on."""
+
+    scenario: Scenario
+    hardware: Server
+    table: ScheduleTable
+    workload: Workload
+    micro_batch_size: int
+    head_shards: int
+    notes: tuple[str, ...] = ()
+
+
+def resolve_hardware(scenario: Scenario) -> Server:
+    hw = load_hardware(scenario.hardware) if isinstance(scenario.hardware, str) else scenario.hardware
+    n = scenario.num_devices
+    if n is None:
+        return hw
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"num_devices must be a positive integer, got {n!r}")
+    if n > hw.num_gpus:
+        raise ConfigError(
+            f"{n} devices asked for, but the hardware {hw.name!r} has {hw.num_gpus}; use at most {hw.num_gpus} "
+            f"or a larger server spec such as '{n}x{hw.gpu.name}'"
+        )
+    return replace(hw, num_gpus=n)
+
+
+def check_scenario(s: Scenario) -> tuple[Server, int, int]:
+    """Validate the numbers; return (server, microbatches, micro_batch_size)."""
+    if s.policy not in POLICIES:
+        raise ConfigError(f"unknown policy {s.policy!r}; known policies: {', '.join(POLICIES)}")
+    for name in ("seq_len", "global_batch"):
+        v = getattr(s, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer, got {v!r}")
+    if s.lora_rank is not None and (not isinstance(s.lora_rank, int) or s.lora_rank < 1):
+        raise ConfigError(
+            f"lora rank must be a positive integer (or omitted for full fine-tuning), got {s.lora_rank!r}"
+        )
+    normalize_dtype(s.dtype)
+    if s.optimizer not in ("sync", "async"):
+        raise ConfigError(f"optimizer must be 'sync' or 'async', got {s.optimizer!r}")
+    m = s.microbatches if s.microbatches is not None else s.global_batch
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ConfigError(f"microbatches must be a positive integer, got {m!r}")
+    if s.global_batch % m:
+        divisors = [k for k in range(1, s.global_batch + 1) if s.global_batch % k == 0]
+        raise ConfigError(
+            f"{m} microbatches do not divide the global batch of {s.global_batch} sequences; use one of {divisors}"
+        )
+    return resolve_hardware(s), m, s.global_batch // m
+
+
+def _classic_stages(policy: str, n_dev: int, stages) -> int:
+    if stages is not None:
+        if not isinstance(stages, int):
+            raise ConfigError(f"{policy} uses one partition for forward and backward: give stages as an int")
+        return stages
+    return n_dev * (DEFAULT_VIRTUAL_STAGES if policy in ("interleaved", "hanayo") else 1)
+
+
+def _classic_partition(
+    s: Scenario, hw: Server, config: dict, mbs: int, n_stages: int
+) -> tuple[Partition, int, list]:
+    """Balance ``n_stages`` stages on forward + backward time; head shards: the fewest within 1% of the best."""
+    shard_options = [s.head_shards] if s.head_shards != "auto" else list(HEAD_SHARD_CANDIDATES[:8])
+    best = None
+    for k in shard_options:
+        costs = model_costs(config, s.seq_len, mbs, dtype=s.dtype, lora_rank=s.lora_rank, head_shards=k)
+        if n_stages > len(costs):
+            continue
+        f, b = layer_times(costs, hw, efficiency=s.efficiency, times=s.times)
+        res = optimal_partition([x + y for x, y in zip(f, b)], n_stages)
+        if best is None or res.bottleneck < best[0] * 0.99:
+            best = (res.bottleneck, res.partition, k, costs)
+    if best is None:
+        raise PlanError(f"{s.policy} needs {n_stages} stages but the model has fewer layers")
+    return best[1], best[2], best[3]
+
+
+def prepare(s: Scenario) -> Prepared:
+    """Partitions, table and workload for ``s``. Raises ConfigError (bad settings), PlanError (the
+    model cannot be cut to fit) or ScheduleError (the policy cannot take this shape)."""
+    hw, m, mbs = check_scenario(s)
+    config = dict(s.model) if isinstance(s.model, Mapping) else load_model_config(s.model)
+    n_dev = hw.num_gpus
+    notes: list[str] = []
+    if s.policy == "roundpipe":
+        p = plan(
+            config,
+            hw,
+            seq_len=s.seq_len,
+            micro_batch_size=mbs,
+            num_devices=n_dev,
+            dtype=s.dtype,
+            lora_rank=s.lora_rank,
+            stages=s.stages,
+            head_shards=s.head_shards,
+            microbatches=m,
+            efficiency=s.efficiency,
+            times=s.times,
+        )
+        forward, backward, shards = p.forward, p.backward, p.head_shards
+        costs = model_costs(config, s.seq_len, mbs, dtype=s.dtype, lora_rank=s.lora_rank, head_shards=shards)
+        notes += list(p.notes)
+        table = build_table("roundpipe", forward, backward, n_dev, m)
+    else:
+        n_stages = _classic_stages(s.policy, n_dev, s.stages)
+        part, shards, costs = _classic_partition(s, hw, config, mbs, n_stages)
+        table = build_table(s.policy, part, part, n_dev, m)
+    work = workload_from_costs(costs, hw, times=s.times, efficiency=s.efficiency, name=s.model_name)
+    return Prepared(s, hw, table, work, mbs, shards, tuple(notes))
+
+
+def run_scenario(s: Scenario, options: SimOptions | None = None) -> SimResult:
+    """Simulate ``s``. A model that cannot be partitioned to fit, or a shape the policy cannot
+    schedule, comes back as a result with ``fits=False``, infinite step time and the reason."""
+    opts = replace(options or SimOptions(), optimizer=s.optimizer)
+    check_scenario(s)
+    try:
+        prep = prepare(s)
+    except (PlanError, ScheduleError) as err:
+        return failed_result(s, str(err))
+    return simulate(prep.table, prep.workload, prep.hardware, opts, notes=prep.notes)
+
+
+def failed_result(s: Scenario, reason: str) -> SimResult:
+    hw, m, _ = check_scenario(s)
+    n = hw.num_gpus
+    return SimResult(
+        policy=s.policy,
+        num_devices=n,
+        num_microbatches=m,
+        iteration_s=math.inf,
+        tokens_per_s=0.0,
+        mfu=0.0,
+        bubble_total=math.nan,
+        bubble_ideal=math.nan,
+        peak_gpu_bytes=(0,) * n,
+        peak_host_bytes=0,
+        peak_activations=(0,) * n,
+        compute_busy_s=(0.0,) * n,
+        h2d_bytes=0,
+        d2h_bytes=0,
+        optimizer_busy_s=0.0,
+        weights_streamed=(False,) * n,
+        fits=False,
+        reason=reason,
+        optimizer=s.optimizer,
+    )
+
+
+def safe_run(s: Scenario, options: SimOptions | None = None) -> SimResult:
+    """:func:`run_scenario`, but any roundpipe error becomes a not-fitting result (for tables)."""
+    try:
+        return run_scenario(s, options)
+    except RoundpipeError as err:
+        return failed_result(s, f"{type(err).__name__}: {err}")
+
+
+__all__ = ["Prepared", "Scenario", "check_scenario", "failed_result", "prepare", "run_scenario", "safe_run"]

@@ -1,0 +1,420 @@
+"""The tuner: which policy, partition, microbatch count and stage grain to run, decided by simulation.
+
+Search (everything under the memory limits the simulator checks):
+
+1. **Grid.** For each policy, microbatch counts that divide the global batch (``D``, ``2D``, ``4D``,
+   ``8D`` and one sequence per microbatch, filtered by what the policy accepts) and stage grains:
+   ``roundpipe`` tries the planner's automatic stage counts (memory-aware, head shards chosen by
+   the planner) and ``(kD, k'D)`` forward/backward stage counts; interleaved and hanayo try 2 and 4
+   stages per device; the others run one stage per device. A finer backward grain is a finer
+   recompute grain: each backward stage recomputes from its own saved input. Each candidate starts
+   from balanced partitions (the partitioner's) and is simulated once.
+2. **Bubble-aware refinement.** For the best candidates, the simulated timeline shows where devices
+   wait: a task that waits for its input blames the stage that produced it. The most-blamed stage
+   gives one layer to its lighter neighbour; the move is kept if the simulated step gets faster
+   (and still fits), and the loop repeats while it improves (a bounded number of rounds).
+3. **Rank.** Fitting candidates first, by tokens/s; the rest after, with their reasons.
+
+``max_seq_len`` finds the longest sequence that fits (binary search on the simulator's verdict).
+Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
+from roundpipe.schedule import POLICIES, build_table
+from roundpipe.schedule.table import Partition, ScheduleTable
+from roundpipe.sim.engine import SimOptions, SimResult
+from roundpipe.sim.scenario import Prepared, Scenario, check_scenario, failed_result, prepare
+from roundpipe.sim.simulate import simulate
+
+DEFAULT_TIME_BUDGET_S = 45.0
+REFINE_ROUNDS = 8
+REFINE_TOP = 2
+SEQ_LEN_GRAIN = 128
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One simulated configuration. ``forward``/``backward`` are partition bounds (empty if it
+    could not be built); ``refined`` counts accepted boundary moves."""
+
+    policy: str
+    microbatches: int
+    stages: tuple[int, int]
+    head_shards: int
+    forward: tuple[int, ...]
+    backward: tuple[int, ...]
+    result: SimResult
+    refined: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.result.fits
+
+    def summary(self) -> dict:
+        r = self.result
+        return {
+            "policy": self.policy,
+            "num_microbatches": self.microbatches,
+            "stages": list(self.stages),
+            "head_shards": self.head_shards,
+            "tokens_per_s": r.tokens_per_s,
+            "iteration_s": r.iteration_s,
+            "bubble_fraction": r.bubble_total,
+            "peak_gpu_bytes": r.peak_gpu,
+            "peak_host_bytes": r.peak_host_bytes,
+            "fits": r.fits,
+            "reason": r.reason,
+            "refined_moves": self.refined,
+            "forward": list(self.forward),
+            "backward": list(self.backward),
+        }
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The best candidate and every candidate ranked (fitting first, by tokens/s)."""
+
+    best: Candidate
+    ranked: tuple[Candidate, ...]
+    elapsed_s: float
+    notes: tuple[str, ...] = ()
+
+
+def _rank_key(c: Candidate) -> tuple:
+    return (not c.fits, -c.result.tokens_per_s, c.policy, c.microbatches)
+
+
+def microbatch_options(policy: str, n_dev: int, global_batch: int) -> list[int]:
+    """Microbatch counts worth trying: divisors of the global batch near multiples of the devices."""
+    wanted = {n_dev, 2 * n_dev, 4 * n_dev, 8 * n_dev, global_batch}
+    out = sorted(m for m in wanted if 1 <= m <= global_batch and global_batch % m == 0)
+    if policy == "chimera":
+        out = [m for m in out if m % 2 == 0]
+    if policy == "interleaved":
+        out = [m for m in out if m % n_dev == 0]
+    return out or [global_batch]
+
+
+def stage_options(policy: str, n_dev: int) -> list:
+    if policy == "roundpipe":
+        return [None, (n_dev, n_dev), (2 * n_dev, 2 * n_dev), (n_dev, 2 * n_dev), (4 * n_dev, 4 * n_dev)]
+    if policy in ("interleaved", "hanayo"):
+        return [2 * n_dev, 4 * n_dev]
+    return [None]
+
+
+def _candidate(prep: Prepared | None, s: Scenario, result: SimResult, refined: int = 0) -> Candidate:
+    if prep is None:
+        return Candidate(s.policy, result.num_microbatches, (0, 0), 0, (), (), result, refined)
+    t = prep.table
+    return Candidate(
+        s.policy,
+        t.num_microbatches,
+        (t.forward.num_stages, t.backward.num_stages),
+        prep.head_shards,
+        t.forward.bounds,
+        t.backward.bounds,
+        result,
+        refined,
+    )
+
+
+def _evaluate(s: Scenario, opts: SimOptions) -> tuple[Prepared | None, SimResult]:
+    try:
+        prep = prepare(s)
+    except (PlanError, ScheduleError) as err:
+        return None, failed_result(s, str(err))
+    return prep, simulate(prep.table, prep.workload, prep.hardware, opts, notes=prep.notes)
+
+
+# --------------------------------------------------------------------------------------- refinement
+
+
+def stage_blame(result: SimResult, table: ScheduleTable) -> tuple[dict[int, float], dict[int, float]]:
+    """Seconds devices waited, blamed on the forward / backward stage whose output they waited for.
+
+    A compute span that starts after the previous one on its device ended waited that long; if the
+    task is ``F(s, j)`` the wait is blamed on forward stage ``s - 1``, if ``B(s, j)`` on backward stage
+    ``s + 1`` (the fused head's wait on the forward stage before it).
+    """
+    fwd_blame: dict[int, float] = defaultdict(float)
+    bwd_blame: dict[int, float] = defaultdict(float)
+    tl = result.timeline
+    if tl is None:
+        return fwd_blame, bwd_blame
+    last_f, last_b = table.forward.num_stages - 1, table.backward.num_stages - 1
+    by_dev: dict[int, list] = defaultdict(list)
+    for sp in tl.spans:
+        if sp.lane == "compute":
+            by_dev[sp.device].append(sp)
+    for spans in by_dev.values():
+        spans.sort(key=lambda sp: sp.start)
+        prev_end = 0.0
+        for sp in spans:
+            wait = sp.start - prev_end
+            prev_end = sp.end
+            if wait <= 0:
+                continue
+            head = sp.name.split("+")[0]
+            kind, rest = head[0], head[1:]
+            stage = int(rest.split(".")[0])
+            if kind == "F" and stage > 0:
+                fwd_blame[stage - 1] += wait
+            elif kind in ("B", "I") and stage < last_b:
+                bwd_blame[stage + 1] += wait
+            elif kind in ("B", "I") and stage == last_b and last_f > 0:
+                fwd_blame[last_f - 1] += wait
+    return fwd_blame, bwd_blame
+
+
+def _move(bounds: tuple[int, ...], stage: int, times: Sequence[float]) -> list[tuple[int, ...]]:
+    """Partitions where ``stage`` gives one layer to a neighbour, lighter neighbour first."""
+    b = list(bounds)
+    n_st = len(b) - 1
+    if b[stage + 1] - b[stage] < 2:
+        return []
+
+    def stage_time(k: int) -> float:
+        return sum(times[b[k] : b[k + 1]])
+
+    options = []
+    if stage > 0:
+        options.append((stage_time(stage - 1), "left"))
+    if stage < n_st - 1:
+        options.append((stage_time(stage + 1), "right"))
+    out = []
+    for _, side in sorted(options):
+        nb = list(b)
+        if side == "left":
+            nb[stage] += 1
+        else:
+            nb[stage + 1] -= 1
+        out.append(tuple(nb))
+    return out
+
+
+def refine(prep: Prepared, result: SimResult, opts: SimOptions, deadline: float, rounds: int = REFINE_ROUNDS):
+    """Move stage boundaries away from the bubbles while the simulated step improves.
+
+    Returns ``(table, result, accepted_moves)``.
+    """
+    table, best = prep.table, result
+    work = prep.workload
+    f_times = [lw.fwd_s for lw in work.layers]
+    b_times = [lw.fwd_s + lw.bwd_s for lw in work.layers]
+    same = table.forward == table.backward
+    options = {k: v for k, v in table.options.items() if k != "weight_bound"}
+    accepted = 0
+    timed = replace(opts, record_timeline=True)
+    if best.timeline is None:
+        best = simulate(table, work, prep.hardware, timed, notes=best.notes)
+    for _ in range(rounds):
+        if time.monotonic() > deadline:
+            break
+        fb, bb = stage_blame(best, table)
+        tries: list[tuple[float, str, int]] = [(w, "F", s) for s, w in fb.items()] + [
+            (w, "B", s) for s, w in bb.items()
+        ]
+        tries.sort(reverse=True)
+        improved = False
+        for _, which, stage in tries[:3]:
+            part = table.forward if which == "F" else table.backward
+            times = (
+                [x + y for x, y in zip(f_times, b_times)] if same else (f_times if which == "F" else b_times)
+            )
+            for bounds in _move(part.bounds, stage, times):
+                new = Partition(bounds)
+                fwd, bwd = (
+                    (new, new) if same else ((new, table.backward) if which == "F" else (table.forward, new))
+                )
+                try:
+                    cand_table = build_table(
+                        table.policy, fwd, bwd, table.num_devices, table.num_microbatches, **options
+                    )
+                except ScheduleError:
+                    continue
+                res = simulate(cand_table, work, prep.hardware, timed, notes=best.notes)
+                if res.fits and res.iteration_s < best.iteration_s * (1 - 1e-6):
+                    table, best, improved = cand_table, res, True
+                    accepted += 1
+                    break
+                if time.monotonic() > deadline:
+                    break
+            if improved or time.monotonic() > deadline:
+                break
+        if not improved:
+            break
+    return table, best, accepted
+
+
+# --------------------------------------------------------------------------------------- search
+
+
+def tune(
+    model,
+    hardware="8xrtx4090",
+    *,
+    seq_len: int,
+    global_batch: int = 64,
+    lora_rank: int | None = None,
+    dtype: str = "bf16",
+    optimizer: str = "sync",
+    num_devices: int | None = None,
+    policies: Sequence[str] | None = None,
+    options: SimOptions | None = None,
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+    refine_top: int = REFINE_TOP,
+) -> TuneResult:
+    """Search policy x partition x microbatches x stage grain (head shards with the partition) and
+    return the best plan and a ranked table of alternatives (see the module docstring).
+
+    Raises :class:`ConfigError` on bad settings (unknown model, hardware or policy, seq len < 1, more
+    devices than the server holds); configurations that do not fit are ranked last, not raised.
+    """
+    t0 = time.monotonic()
+    deadline = t0 + time_budget_s
+    base = Scenario(
+        model, hardware, "roundpipe", seq_len=seq_len, global_batch=global_batch, lora_rank=lora_rank,
+        dtype=dtype, optimizer=optimizer, num_devices=num_devices,
+    )  # fmt: skip
+    hw, _, _ = check_scenario(base)
+    n_dev = hw.num_gpus
+    names = list(policies) if policies else list(POLICIES)
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown:
+        raise ConfigError(f"unknown policies {unknown}; known policies: {', '.join(POLICIES)}")
+    opts = replace(options or SimOptions(), optimizer=optimizer, record_timeline=False)
+    notes: list[str] = []
+    found: list[tuple[Candidate, Prepared | None]] = []
+    seen: set[tuple] = set()
+    for policy in names:
+        for m in microbatch_options(policy, n_dev, global_batch):
+            for stages in stage_options(policy, n_dev):
+                if time.monotonic() > deadline and found:
+                    notes.append(f"time budget of {time_budget_s:.0f} s reached; the grid was cut short")
+                    break
+                s = replace(base, policy=policy, microbatches=m, stages=stages)
+                try:
+                    prep, res = _evaluate(s, opts)
+                except RoundpipeError as err:
+                    prep, res = None, failed_result(s, f"{type(err).__name__}: {err}")
+                cand = _candidate(prep, s, res)
+                key = (policy, m, cand.forward, cand.backward, cand.head_shards)
+                if key in seen:
+                    continue
+                seen.add(key)
+                found.append((cand, prep))
+    found.sort(key=lambda cp: _rank_key(cp[0]))
+    # Refine the best few distinct policies.
+    refined: dict[int, Candidate] = {}
+    done_policies: set[str] = set()
+    for idx, (cand, prep) in enumerate(found):
+        if len(done_policies) >= refine_top or time.monotonic() > deadline:
+            break
+        if not cand.fits or prep is None or cand.policy in done_policies:
+            continue
+        done_policies.add(cand.policy)
+        table, res, moves = refine(prep, cand.result, opts, deadline)
+        if moves:
+            refined[idx] = Candidate(
+                cand.policy, cand.microbatches, cand.stages, cand.head_shards,
+                table.forward.bounds, table.backward.bounds, res, moves,
+            )  # fmt: skip
+    ranked = [refined.get(i, c) for i, (c, _) in enumerate(found)]
+    ranked.sort(key=_rank_key)
+    if not ranked:
+        raise PlanError("no configuration could be evaluated")
+    if not ranked[0].fits:
+        notes.append("nothing fits: " + ranked[0].result.reason)
+    return TuneResult(ranked[0], tuple(ranked), time.monotonic() - t0, tuple(notes))
+
+
+def max_seq_len(
+    model,
+    hardware="8xrtx4090",
+    *,
+    global_batch: int = 64,
+    microbatches: int | None = None,
+    lora_rank: int | None = None,
+    dtype: str = "bf16",
+    policy: str = "roundpipe",
+    num_devices: int | None = None,
+    upper: int | None = None,
+    grain: int = SEQ_LEN_GRAIN,
+) -> tuple[int, SimResult | None]:
+    """The longest sequence (a multiple of ``grain``) whose step fits device and host memory, and
+    its simulated result; ``(0, None)`` if not even ``grain`` tokens fit.
+
+    Binary search on the simulator's verdict; ``upper`` defaults to the model's
+    ``max_position_embeddings`` (or 1M tokens).
+    """
+    base = Scenario(
+        model, hardware, policy, seq_len=grain, global_batch=global_batch, microbatches=microbatches,
+        lora_rank=lora_rank, dtype=dtype, num_devices=num_devices,
+    )  # fmt: skip
+    check_scenario(base)
+    if upper is None:
+        from roundpipe.sim.presets import load_model_config
+
+        cfg = dict(model) if isinstance(model, dict) else load_model_config(model)
+        upper = int(cfg.get("max_position_embeddings") or (1 << 20))
+    opts = SimOptions(record_timeline=False)
+
+    def attempt(n: int) -> SimResult:
+        try:
+            return _evaluate(replace(base, seq_len=n * grain), opts)[1]
+        except RoundpipeError as err:
+            return failed_result(replace(base, seq_len=n * grain), str(err))
+
+    lo, hi = 0, max(1, upper // grain)
+    best: SimResult | None = None
+    top = attempt(hi)
+    if top.fits:
+        return hi * grain, top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        r = attempt(mid)
+        if r.fits:
+            lo, best = mid, r
+        else:
+            hi = mid
+    return lo * grain, best
+
+
+def format_ranked(result: TuneResult, limit: int = 15) -> str:
+    """The ranked candidates as a readable table."""
+    rows = [
+        f"{'#':>2} {'policy':<12} {'mb':>4} {'stages F/B':>10} {'shards':>6} {'tokens/s':>10} {'step s':>8} "
+        f"{'bubble':>7} {'GPU GiB':>8} {'host GiB':>8}  fits"
+    ]
+    for i, c in enumerate(result.ranked[:limit], 1):
+        r = c.result
+        step = f"{r.iteration_s:8.2f}" if math.isfinite(r.iteration_s) else f"{'-':>8}"
+        bubble = f"{r.bubble_total:7.1%}" if math.isfinite(r.bubble_total) else f"{'-':>7}"
+        rows.append(
+            f"{i:>2} {c.policy:<12} {c.microbatches:>4} {c.stages[0]:>4}/{c.stages[1]:<5} {c.head_shards:>6} "
+            f"{r.tokens_per_s:>10.0f} {step} {bubble} {r.peak_gpu / 2**30:>8.2f} {r.peak_host_bytes / 2**30:>8.1f}  "
+            + ("yes" if r.fits else "no: " + r.reason[:90])
+            + (f" (+{c.refined} moves)" if c.refined else "")
+        )
+    return "\n".join(rows)
+
+
+__all__ = [
+    "Candidate",
+    "TuneResult",
+    "format_ranked",
+    "max_seq_len",
+    "microbatch_options",
+    "refine",
+    "stage_blame",
+    "tune",
+]
