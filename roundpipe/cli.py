@@ -12,6 +12,11 @@ import sys
 COMMANDS = {
     "demo": ("roundpipe.demo", "LoRA-fine-tune a small model built from a config (what `make demo` runs)"),
     "partition": ("roundpipe.partition.__main__", "print balanced partition plans for preset models"),
+    "simulate": (
+        "roundpipe.sim.simulate_command",
+        "simulate one configuration: step time, tokens/s, memory, fits",
+    ),
+    "plan": ("roundpipe.sim.plan_command", "search policy, partition and microbatches (or --max-seq-len)"),
 }
 
 
