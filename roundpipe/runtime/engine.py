@@ -35,7 +35,7 @@ from roundpipe.models.base import MicrobatchInputs
 from roundpipe.optim import DynamicLossScaler, LayerwiseAdamW, OptimizerConfig, clip_factor
 from roundpipe.runtime.exchange import AbortedWait, Exchange, Slot
 from roundpipe.runtime.hostqueue import HostQueue
-from roundpipe.runtime.plan import FlowPlan, TaskFlow, build_flow_plan
+from roundpipe.runtime.plan import FlowPlan, build_flow_plan
 from roundpipe.runtime.store import ParameterStore
 from roundpipe.runtime.worker import Worker
 from roundpipe.schedule import Partition
@@ -78,30 +78,31 @@ class StepRun:
             for owner, keys in pipe._groups().items()
         }
 
-    def on_backward_issued(self, flow: TaskFlow, host_grads: Slot, host_loss: Slot, event) -> None:
-        """Worker thread: queue the host-side accumulation of a backward task's results."""
-        self.pipe._hostq.submit(lambda: self._accumulate(flow, host_grads, host_loss), event)
+    def on_loss(self, host_loss: Slot, event) -> None:
+        """Worker thread: queue adding a microbatch's loss sum (downloaded with ``event``)."""
+        self.pipe._hostq.submit(lambda: self._add_loss(host_loss), event)
 
-    def _accumulate(self, flow: TaskFlow, host_grads: Slot, host_loss: Slot) -> None:
+    def _add_loss(self, host_loss: Slot) -> None:
+        self.loss_sum += float(host_loss.value)
+
+    def on_grads(self, layers: range, host_grads: Slot, contributions: int, event) -> None:
+        """Worker thread: queue adding a backward stage's weight gradients, summed over
+        ``contributions`` microbatches on the device, into the fp32 buffers."""
+        self.pipe._hostq.submit(lambda: self._accumulate(layers, host_grads, contributions), event)
+
+    def _accumulate(self, layers: range, host_grads: Slot, contributions: int) -> None:
         """Host thread: add gradients into the fp32 buffers; step groups that became final."""
-        with self.pipe._host_span(f"acc:{flow.task}", "accumulate"):
-            self._accumulate_now(flow, host_grads, host_loss)
-
-    def _accumulate_now(self, flow: TaskFlow, host_grads: Slot, host_loss: Slot) -> None:
-        store = self.pipe.store
-        if host_grads.value:
-            for k, g in host_grads.value.items():
+        with self.pipe._host_span(f"acc:{self.pipe.adapter.layers[layers.start].name}", "accumulate"):
+            store = self.pipe.store
+            for k, g in (host_grads.value or {}).items():
                 store.entries[k].grad.add_(g)
-        if host_loss.value is not None:
-            self.loss_sum += float(host_loss.value)
-        owners = store.entries
-        for k in store.trainable_keys(flow.layers_bwd):
-            self.remaining[k] -= 1
-            if self.remaining[k] == 0:
-                owner = owners[k].owner
-                self.group_left[owner] -= 1
-                if self.group_left[owner] == 0 and self.eager:
-                    self.pipe._step_group(owner)
+            for k in store.trainable_keys(layers):
+                self.remaining[k] -= contributions
+                if self.remaining[k] == 0:
+                    owner = store.entries[k].owner
+                    self.group_left[owner] -= 1
+                    if self.group_left[owner] == 0 and self.eager:
+                        self.pipe._step_group(owner)
 
 
 class Pipeline:

@@ -223,6 +223,8 @@ class Worker:
         remaining = list(flows)
         self._computed: list = []  # compute-done event of each issued task, in issue order
         self._downloaded: list = []  # downloads-done event of each issued task
+        self._acc: Slot | None = None  # open weight-gradient accumulator (see _accumulator)
+        self._acc_range, self._acc_count = range(0), 0
         ready = self.pipe.config.order == "ready"
         while remaining:
             flow = remaining.pop(self._pick_ready(step, remaining) if ready else 0)
@@ -231,6 +233,7 @@ class Worker:
                 upcoming = next((f.layers for f in remaining if f.layers != flow.layers), None)
             self._issue(step, flow, upcoming, remaining)
             self.tasks_done += 1
+        self.flush_grads(step)
         self.release_all()
         self.status = "done"
 
@@ -292,7 +295,7 @@ class Worker:
             self._prefetch(upcoming)
 
         produced = {key: Slot() for key in flow.produces}
-        param_grads = Slot()
+        param_grads = self._accumulator(step, flow) if flow.layers_bwd else Slot()
         loss_slot = Slot()
         self.status = f"{label}: issued"
 
@@ -310,7 +313,6 @@ class Worker:
             key: HandOff(step.flow_plan.consumers[key], self.pipe.host_memory, f"{key[0]}[{key[1]}].{key[2]}")
             for key in produced
         }
-        host_grads = Slot()
         host_loss = Slot()
 
         def download():
@@ -320,12 +322,6 @@ class Worker:
                     host_out[key].fill(dev.to_host(v))
                     s.value = None
                     dev.memory.release(tensor_bytes(v), f"{key[0]}[{key[1]}].{key[2]}", "activations")
-                if param_grads.value is not None:
-                    host_grads.value = {k: dev.to_host(g) for k, g in param_grads.value.items()}
-                    dev.memory.release(
-                        sum(tensor_bytes(g) for g in param_grads.value.values()), label, "grads"
-                    )
-                    param_grads.value = None
                 if loss_slot.value is not None:
                     host_loss.value = dev.to_host(loss_slot.value)
             except BaseException as e:
@@ -336,8 +332,45 @@ class Worker:
         self._downloaded.append(done)
         for key, s in host_out.items():
             step.exchange.put(key, s, done, step.flow_plan.consumers[key])
+        if flow.layers_bwd and flow.layers_bwd.stop == self.pipe.store_num_layers:
+            step.on_loss(host_loss, done)
         if flow.layers_bwd:
-            step.on_backward_issued(flow, host_grads, host_loss, done)
+            self._acc_count += 1
+            nxt = remaining[0] if remaining else None
+            if nxt is None or nxt.layers_bwd != flow.layers_bwd:
+                self.flush_grads(step)
+
+    def _accumulator(self, step: StepRun, flow: TaskFlow) -> Slot:
+        """The device-side fp32 sum of this backward stage's weight gradients.
+
+        Consecutive backward tasks of one stage on a device (roundpipe runs a stage for every
+        microbatch in a row) add into it, and it goes down to the CPU once, when the device moves
+        on: M times fewer gradient downloads and host additions than one per microbatch.
+        """
+        if self._acc is not None and self._acc_range != flow.layers_bwd:
+            self.flush_grads(step)
+        if self._acc is None:
+            self._acc, self._acc_range, self._acc_count = Slot({}), flow.layers_bwd, 0
+        return self._acc
+
+    def flush_grads(self, step: StepRun) -> None:
+        """Download the open accumulator and hand it to the host thread (worker thread)."""
+        if self._acc is None:
+            return
+        acc, layers, count = self._acc, self._acc_range, self._acc_count
+        self._acc = None
+        dev, streams = self.device, self.streams
+        host_grads = Slot()
+
+        def download():
+            grads = acc.value
+            host_grads.value = {k: dev.to_host(g) for k, g in grads.items()}
+            dev.memory.release(sum(tensor_bytes(g) for g in grads.values()), f"grads:{layers}", "grads")
+            acc.value = None
+
+        streams["d2h"].wait_event(streams["compute"].record_event())
+        streams["d2h"].submit(download, (f"grads:{self.pipe.adapter.layers[layers.start].name}", "download"))
+        step.on_grads(layers, host_grads, count, streams["d2h"].record_event())
 
     def _issue_empty(self, step: StepRun, flow: TaskFlow) -> None:
         """A task with nothing to compute (the backward of a frozen embedding, a forward whose
@@ -348,7 +381,7 @@ class Worker:
                 self.streams["h2d"].wait_event(event)
             self.streams["h2d"].submit(host_slot.take)
         if flow.task.kind == "B":
-            step.on_backward_issued(flow, Slot(), Slot(), None)
+            step.on_grads(flow.layers_bwd, Slot(), 1, None)
 
     def _backward_needed(self, flow: TaskFlow) -> bool:
         r = flow.layers_bwd
@@ -437,13 +470,15 @@ class Worker:
             dev.memory.reserve(tensor_bytes(gx), f"grad[{r.start}].{mb}", "activations")
             produced[("grad", r.start, mb)].value = gx
             grads = grads[1:]
-        out = {}
+        acc = param_grads.value  # the open accumulator of this stage's weight gradients (fp32)
         for k, g in zip(keys, grads):
-            if g is not None:
-                out[k] = g
-        label = str(t) + (f"+{flow.fused_with}" if flow.fused_with else "")
-        dev.memory.reserve(sum(tensor_bytes(g) for g in out.values()), label, "grads")
-        param_grads.value = out
+            if g is None:
+                continue
+            if k in acc:
+                acc[k].add_(g)
+            else:
+                acc[k] = g if g.dtype == torch.float32 else g.to(torch.float32)
+                dev.memory.reserve(tensor_bytes(acc[k]), f"grads:{t.stage}", "grads")
 
     def _run_layer_named(self, step, i, weights, x, ctx, mb, t):
         try:
