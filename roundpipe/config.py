@@ -41,6 +41,9 @@ class RunConfig:
         device_capacity: bytes each device may hold (default: the GPU's memory; unlimited for
             virtual cpu devices). Set it on ``cpu:N`` to rehearse a small GPU.
         head_chunk_tokens: tokens per chunk of the fused LM head + loss (bounds the logits memory).
+        head_shards: split the LM head + loss into this many vocabulary shards, each its own layer
+            (online log-sum-exp across shards keeps the loss exact), so the partitioner can balance
+            the head against the decoder blocks.
         prefetch: upload the next stage's weights while the current one computes.
         weight_cache_bytes: for weight-bound policies (all but ``roundpipe``), how many bytes of
             weights a device may keep resident across its tasks of one step (default: half the
@@ -65,6 +68,7 @@ class RunConfig:
     optimizer_mode: str = "sync"
     device_capacity: int | None = None
     head_chunk_tokens: int = 1024
+    head_shards: int = 1
     prefetch: bool = True
     weight_cache_bytes: int | None = None
     watchdog_s: float = 300.0
@@ -94,6 +98,8 @@ class RunConfig:
             raise ConfigError(f"num_microbatches must be a positive int, got {self.num_microbatches!r}")
         if not isinstance(self.head_chunk_tokens, int) or self.head_chunk_tokens < 1:
             raise ConfigError(f"head_chunk_tokens must be a positive int, got {self.head_chunk_tokens!r}")
+        if not isinstance(self.head_shards, int) or self.head_shards < 1:
+            raise ConfigError(f"head_shards must be a positive int, got {self.head_shards!r}")
         if self.device_capacity is not None and self.device_capacity <= 0:
             raise ConfigError(f"device_capacity must be a positive byte count, got {self.device_capacity!r}")
         for name in ("partition", "backward_partition"):

@@ -250,3 +250,18 @@ def test_stats_and_timeline_describe_the_last_step():
     assert len(compute) == sum(len(f) for f in flows)
     assert all(s.end >= s.start >= 0 for s in timeline.spans)
     assert {s.lane for s in timeline.spans} >= {"compute", "h2d", "d2h", "host"}
+
+
+# ----------------------------------------------------------------------------- sharded head
+@pytest.mark.parametrize(
+    ("family", "tied", "lora", "shards", "devices"),
+    [("llama", False, None, 3, "cpu:2"), ("qwen3", True, None, 2, "cpu:3"), ("gemma2", True, "default", 5, "cpu:2")],
+)
+def test_a_sharded_chunked_head_trains_like_the_unsharded_plain_model(family, tied, lora, shards, devices):
+    model = make_model(family, tied=tied, lora=lora)
+    batch = make_batch(batch=6, padding="right")
+    want = reference_train(model, batch, STEPS)
+    got = pipeline_train(
+        model, batch, STEPS, devices=devices, num_microbatches=3, head_shards=shards, head_chunk_tokens=5
+    )
+    assert_same_run(got, want)

@@ -113,7 +113,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, config: RunConfig | None = None):
         self.config = config or RunConfig()
-        self.adapter = adapt_model(model)
+        self.adapter = adapt_model(model, head_shards=self.config.head_shards)
         self.backend = make_backend(self.config.devices, self.config.device_capacity)
         try:
             self.store = ParameterStore(
