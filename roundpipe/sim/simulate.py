@@ -111,15 +111,14 @@ def simulate(
     reserve = hardware.workspace_reserve_bytes
     peak_gpu = tuple(p + reserve for p in sim.mem_peak)
     reasons = []
-    for d, p in enumerate(peak_gpu):
-        if p > hardware.memory_bytes:
-            label, (w, a, k, g) = sim.mem_peak_at[d]
-            reasons.append(
-                f"device {d} needs {_gib(p)} of {_gib(hardware.memory_bytes)} at {label or 'start'} "
-                f"(weights {_gib(w)}, activations {_gib(a)}, working set {_gib(k)}, gradients {_gib(g)}, "
-                f"workspace {_gib(reserve)})"
-            )
-            break
+    worst = max(range(n_dev), key=peak_gpu.__getitem__)
+    if peak_gpu[worst] > hardware.memory_bytes:
+        label, (w, a, k, g) = sim.mem_peak_at[worst]
+        reasons.append(
+            f"device {worst} needs {_gib(peak_gpu[worst])} of {_gib(hardware.memory_bytes)} at {label or 'start'} "
+            f"(weights {_gib(w)}, activations {_gib(a)}, working set {_gib(k)}, gradients {_gib(g)}, "
+            f"workspace {_gib(reserve)})"
+        )
     if hardware.host_memory_bytes is not None and sim.host_peak > hardware.host_memory_bytes:
         reasons.append(
             f"host memory: needs {_gib(sim.host_peak)} (model state {_gib(workload.host_state_bytes)} + hand-offs "
