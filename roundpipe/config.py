@@ -53,6 +53,8 @@ class RunConfig:
         policy_options: extra arguments of the policy (e.g. ``{"virtual_stages": 2}``).
         partition: layers per forward stage, e.g. ``(3, 4, 4, 3)`` (default: one layer per stage
             for roundpipe, even stages for the others). Layers are embed, each block, the head.
+            ``"auto"``: profile the layers on the first batch (``Pipeline.profile``) and let the
+            partitioner balance measured stage times within the device capacity.
         backward_partition: layers per backward stage (default: ``partition``); roundpipe allows
             it to differ (backward stages are usually smaller).
         schedule: a hand-written ``ScheduleTable`` to run instead of a policy's; its partitions and
@@ -74,7 +76,7 @@ class RunConfig:
     watchdog_s: float = 300.0
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)
-    partition: tuple[int, ...] | None = None
+    partition: tuple[int, ...] | str | None = None
     backward_partition: tuple[int, ...] | None = None
     schedule: Any = None  # a roundpipe.schedule.ScheduleTable written by hand
 
@@ -102,8 +104,14 @@ class RunConfig:
             raise ConfigError(f"head_shards must be a positive int, got {self.head_shards!r}")
         if self.device_capacity is not None and self.device_capacity <= 0:
             raise ConfigError(f"device_capacity must be a positive byte count, got {self.device_capacity!r}")
+        if isinstance(self.partition, str) and self.partition != "auto":
+            raise ConfigError(f"partition must be layer counts per stage or 'auto', got {self.partition!r}")
+        if self.partition == "auto" and self.backward_partition is not None:
+            raise ConfigError("partition='auto' chooses the backward partition too; drop backward_partition")
         for name in ("partition", "backward_partition"):
             sizes = getattr(self, name)
+            if sizes == "auto":
+                continue
             if sizes is not None and (not sizes or any(not isinstance(n, int) or n < 1 for n in sizes)):
                 raise ConfigError(f"{name} must list a positive number of layers per stage, got {sizes!r}")
         if self.backward_partition is not None and self.partition is None:

@@ -17,7 +17,7 @@ def test_partition_prints_a_plan_as_json(capsys):
 
 def test_an_unknown_command_lists_the_known_ones(capsys):
     with pytest.raises(SystemExit) as info:
-        main(["simulate"])
+        main(["frobnicate"])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "demo" in err and "partition" in err

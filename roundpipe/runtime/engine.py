@@ -26,6 +26,7 @@ from roundpipe.errors import (
     InputError,
     OptimizerError,
     PipelineStateError,
+    PlanError,
     RoundpipeError,
     StageError,
     WatchdogTimeout,
@@ -105,6 +106,79 @@ class StepRun:
                         self.pipe._step_group(owner)
 
 
+@dataclass(frozen=True)
+class RuntimePlan:
+    """What the runtime will run: stages of both partitions with their estimated cost.
+
+    ``est_s`` is per microbatch from measured layer times (None before ``profile``); ``weight_bytes``
+    in the run dtype; ``peak_bytes`` a worker's bound for that stage: its weights, the next stage's
+    (prefetched), and its fp32 weight-gradient accumulator.
+    """
+
+    policy: str
+    devices: tuple[str, ...]
+    rows: tuple[dict, ...]
+
+    @classmethod
+    def build(cls, pipe: Pipeline, forward: Partition, backward: Partition) -> RuntimePlan:
+        names = [layer.name for layer in pipe.adapter.layers]
+        times = pipe.layer_times
+        wbytes = pipe.store.layer_bytes
+        rows = []
+        for kind, part in (("F", forward), ("B", backward)):
+            stage_w = [sum(wbytes[i] for i in part.layers(s)) for s in range(part.num_stages)]
+            for s in range(part.num_stages):
+                layers = part.layers(s)
+                est = None
+                if times is not None:
+                    est = sum(
+                        times[names[i]][0] + (times[names[i]][1] + times[names[i]][0] if kind == "B" else 0)
+                        for i in layers
+                    )
+                grads = (
+                    0
+                    if kind == "F"
+                    else sum(
+                        4 * e.tensor.numel() for e in pipe.store.entries if e.trainable and e.owner in layers
+                    )
+                )
+                nxt = stage_w[s + 1] if s + 1 < part.num_stages else 0
+                rows.append(
+                    {
+                        "kind": kind,
+                        "stage": s,
+                        "layers": f"{names[layers.start]}..{names[layers.stop - 1]}"
+                        if len(layers) > 1
+                        else names[layers.start],
+                        "num_layers": len(layers),
+                        "est_s": est,
+                        "weight_bytes": stage_w[s],
+                        "peak_bytes": stage_w[s] + nxt + grads,
+                    }
+                )
+        return cls(pipe.config.policy, tuple(d.name for d in pipe.backend.devices), tuple(rows))
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(
+            {"policy": self.policy, "devices": list(self.devices), "stages": list(self.rows)}, indent=2
+        )
+
+    def table(self) -> str:
+        head = f"{'stage':>6}  {'layers':<24} {'est. ms':>9} {'weights MiB':>12} {'peak MiB':>9}"
+        lines = [f"plan: policy {self.policy} on {', '.join(self.devices)}", head]
+        for r in self.rows:
+            est = "-" if r["est_s"] is None else f"{r['est_s'] * 1e3:.2f}"
+            lines.append(
+                f"{r['kind']}{r['stage']:>5}  {r['layers']:<24} {est:>9} {r['weight_bytes'] / 2**20:>12.2f} {r['peak_bytes'] / 2**20:>9.2f}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
 class Pipeline:
     """A HF causal LM (optionally peft-wrapped) trained with all state on the CPU.
 
@@ -134,6 +208,9 @@ class Pipeline:
         self._optimizer: LayerwiseAdamW | None = None
         self._scaler = DynamicLossScaler() if self.config.dtype == "fp16" else None
         self._plans: dict[tuple, FlowPlan] = {}
+        self.layer_times: dict[str, tuple[float, float]] | None = None  # measured (see profile)
+        self._profiled_tokens = 1.0
+        self._auto: tuple[Partition, Partition] | None = None
         self._start_device = 0  # roundpipe rotates the device the next iteration starts on
         self.weight_bound = False
         capacity = self.backend.devices[0].memory.capacity
@@ -189,6 +266,8 @@ class Pipeline:
                 "call step() after each forward_backward (or pass accumulate=True to the earlier call)"
             )
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
+        if self.config.partition == "auto" and self.layer_times is None:
+            self.profile(input_ids, labels, attention_mask, position_ids, steps=1)
         plan = self._flow_plan(len(microbatches))
         eager = (
             self._optimizer is not None
@@ -206,6 +285,17 @@ class Pipeline:
         finally:
             self._end_recording()
         self._advance_start_device(plan)
+        if self.layer_times is not None:
+            from roundpipe.runtime.profiler import update_moving_average
+
+            update_moving_average(
+                self.layer_times,
+                self._last_spans,
+                plan.table.forward,
+                plan.table.backward,
+                [layer.name for layer in self.adapter.layers],
+                microbatch_scale=self._profiled_tokens / (input_ids.numel() / len(microbatches)),
+            )
         self._steps_run += 1
         self._grads_pending = True
         self._stepped_eagerly = eager
@@ -395,6 +485,8 @@ class Pipeline:
         if self.config.partition is None:
             part = self._default_partition()
             return part, part
+        if self.config.partition == "auto":
+            return self._auto_partitions()
         n = len(self.adapter.layers)
         sizes = {
             "partition": self.config.partition,
@@ -415,6 +507,109 @@ class Pipeline:
             t = plan.table
             deals = t.forward.num_stages + t.backward.num_stages - 1
             self._start_device = (self._start_device + deals) % t.num_devices
+
+    def _stage_count(self) -> int:
+        n, d, opts = len(self.adapter.layers), len(self.backend.devices), self.config.policy_options
+        return {
+            "roundpipe": d,
+            "interleaved": d * (opts.get("virtual_stages") or 2),
+            "hanayo": 2 * d * (opts.get("waves") or 1),
+        }.get(self.config.policy, min(d, n))
+
+    def _auto_partitions(self) -> tuple[Partition, Partition]:
+        """Balance measured stage times (``self.layer_times``) within the device capacity.
+
+        Forward stages balance forward times; backward stages balance recompute + backward times
+        (roundpipe only: the weight-bound policies need one partition for both, balancing the sum).
+        Too little memory for the policy's stage count raises the count (roundpipe) or PlanError.
+        """
+        from roundpipe.partition.partitioner import optimal_partition
+
+        if self._auto is not None:
+            return self._auto
+        names = [layer.name for layer in self.adapter.layers]
+        fwd = [self.layer_times[n][0] for n in names]
+        bwd = [self.layer_times[n][0] + self.layer_times[n][1] for n in names]
+        cap = self.backend.devices[0].memory.capacity
+        budget = None if cap is None else int(cap * 0.9)
+        weights = self.store.layer_bytes
+        stages = self._stage_count()
+
+        def cut(times, what):
+            s = stages
+            while True:
+                try:
+                    return optimal_partition(
+                        times,
+                        s,
+                        weight_bytes=weights,
+                        added_bytes=weights,
+                        budget=budget,
+                        names=names,
+                        what=what,
+                    ).partition
+                except PlanError as e:
+                    if (
+                        self.config.policy != "roundpipe"
+                        or getattr(e, "min_stages", None) is None
+                        or s >= len(times)
+                    ):
+                        raise
+                    s = min(len(times), max(s + 1, e.min_stages))
+
+        if self.config.policy == "roundpipe":
+            self._auto = (cut(fwd, "forward"), cut(bwd, "backward"))
+        else:
+            both = cut([f + b for f, b in zip(fwd, bwd)], "forward+backward")
+            self._auto = (both, both)
+        return self._auto
+
+    def profile(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        steps: int = 2,
+    ) -> dict[str, tuple[float, float]]:
+        """Measure every layer's forward and backward (without recompute) seconds per microbatch.
+
+        Runs ``steps`` forward/backward passes of this batch on the first worker, one layer per
+        task, and keeps the medians as ``self.layer_times`` (the partitioner's measured costs,
+        then refreshed by a moving average during training). Weights and optimizer state are not
+        touched; the gradients it makes are discarded.
+        """
+        self._check_open()
+        if self._grads_pending:
+            raise PipelineStateError("profile() would mix its gradients with pending ones: call step() first")
+        from roundpipe.runtime.profiler import layer_times_from_spans, profiling_table
+
+        microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
+        table = profiling_table(len(self.adapter.layers), len(self.backend.devices), len(microbatches))
+        plan = build_flow_plan(table, fuse=False)
+        spans = []
+        self.weight_bound = False
+        for _ in range(steps):
+            step = StepRun(self, self._steps_run, microbatches, total, plan, eager=False)
+            self._begin_recording()
+            try:
+                self._execute(step)
+            finally:
+                self._end_recording()
+            spans += self._last_spans
+        self.store.zero_grads()
+        names = [layer.name for layer in self.adapter.layers]
+        self.layer_times = layer_times_from_spans(spans, names)
+        self._profiled_tokens = input_ids.numel() / len(microbatches)
+        self._auto = None
+        self._plans.clear()
+        return dict(self.layer_times)
+
+    @property
+    def plan(self) -> RuntimePlan:
+        """The partitions and per-stage estimates the next step will use (``print(pipe.plan)``)."""
+        forward, backward = self._partitions()
+        return RuntimePlan.build(self, forward, backward)
 
     def _default_partition(self) -> Partition:
         """Until the partitioner drives the runtime: one layer per stage for ``roundpipe`` (it streams

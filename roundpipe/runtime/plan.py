@@ -40,7 +40,9 @@ class FlowPlan:
         return self.table.forward.num_layers
 
 
-def build_flow_plan(table: ScheduleTable) -> FlowPlan:
+def build_flow_plan(table: ScheduleTable, fuse: bool = True) -> FlowPlan:
+    """``fuse=False`` (profiling) runs the head's F and B as separate tasks even when adjacent, and
+    every forward task over its whole stage."""
     fwd, bwd = table.forward, table.backward
     num_layers = fwd.num_layers
     last_f, last_b = fwd.num_stages - 1, bwd.num_stages - 1
@@ -56,7 +58,8 @@ def build_flow_plan(table: ScheduleTable) -> FlowPlan:
                 a, e = fwd.bounds[t.stage], fwd.bounds[t.stage + 1]
                 c = bwd.bounds[last_b]
                 fused = (
-                    t.stage == last_f
+                    fuse
+                    and t.stage == last_f
                     and nxt is not None
                     and nxt.kind == "B"
                     and nxt.stage == last_b
@@ -75,7 +78,9 @@ def build_flow_plan(table: ScheduleTable) -> FlowPlan:
                     i += 2
                 else:
                     outs = sorted({b for b in bwd_starts if a < b < e} | ({e} if e < num_layers else set()))
-                    f.layers_fwd = range(a, outs[-1]) if outs else range(a, a)
+                    # Forward only as far as someone needs (the head's loss is made by its backward),
+                    # except when profiling, which times every layer's forward.
+                    f.layers_fwd = range(a, e if not fuse else (outs[-1] if outs else a))
                     f.produces += [("act", b, t.microbatch) for b in outs]
                     i += 1
                 out.append(f)

@@ -1,0 +1,80 @@
+"""Measured per-layer costs: a profiling pass and a moving average kept up to date in training.
+
+``profile`` runs the model one layer per stage on the first worker, every forward before every
+backward and the head not fused, so each compute span is exactly one layer for one microbatch:
+forward spans give forward times; a backward span recomputes the layer's forward, so the backward
+alone is the span minus the forward. Times are per microbatch of the profiled batch, in seconds,
+in the form ``roundpipe.partition.cost.layer_times(times=...)`` takes.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import defaultdict
+
+from roundpipe.schedule import Partition, ScheduleTable, Task
+
+_TASK = re.compile(r"^([FB])(\d+)\.(\d+)")
+
+
+def profiling_table(num_layers: int, num_devices: int, num_microbatches: int) -> ScheduleTable:
+    """Device 0 runs F of every layer, then B from the last layer down; other devices idle."""
+    rows: list[tuple[Task, ...]] = [() for _ in range(num_devices)]
+    tasks = [Task("F", s, j, 0) for s in range(num_layers) for j in range(num_microbatches)]
+    tasks += [Task("B", s, j, 0) for s in reversed(range(num_layers)) for j in range(num_microbatches)]
+    rows[0] = tuple(tasks)
+    part = Partition.per_layer(num_layers)
+    return ScheduleTable(tuple(rows), part, part, num_microbatches, policy="profile")
+
+
+def layer_times_from_spans(spans, names: list[str]) -> dict[str, tuple[float, float]]:
+    """Median forward and backward-alone seconds per layer from a profiling run's compute spans."""
+    fwd: dict[int, list[float]] = defaultdict(list)
+    bwd: dict[int, list[float]] = defaultdict(list)
+    for _dev, lane, name, kind, start, end in spans:
+        m = _TASK.match(name)
+        if lane != "compute" or not m or kind not in ("F", "B"):
+            continue
+        (fwd if kind == "F" else bwd)[int(m.group(2))].append(end - start)
+    out = {}
+    for i, name in enumerate(names):
+        f = statistics.median(fwd[i]) if fwd[i] else 0.0
+        b = statistics.median(bwd[i]) if bwd[i] else 0.0
+        out[name] = (f, max(0.0, b - f))
+    return out
+
+
+def update_moving_average(
+    times: dict[str, tuple[float, float]],
+    spans,
+    forward: Partition,
+    backward: Partition,
+    names: list[str],
+    microbatch_scale: float = 1.0,
+    alpha: float = 0.1,
+) -> None:
+    """Fold a training step's compute spans into ``times`` (in place).
+
+    A stage span covers several layers: its time is shared among them in proportion to their current
+    estimates. ``microbatch_scale`` converts this run's microbatch size to the profiled one.
+    """
+    for _dev, lane, name, kind, start, end in spans:
+        m = _TASK.match(name)
+        if lane != "compute" or not m or kind not in ("F", "B"):
+            continue
+        stage = int(m.group(2))
+        layers = forward.layers(stage) if kind == "F" else backward.layers(stage)
+        per_layer = [times[names[i]] for i in layers]
+        est = [f if kind == "F" else f + b for f, b in per_layer]  # B spans recompute the forward
+        total = sum(est)
+        if total <= 0:
+            continue
+        measured = (end - start) * microbatch_scale
+        for i, e, (f, b) in zip(layers, est, per_layer):
+            share = measured * e / total
+            if kind == "F":
+                times[names[i]] = ((1 - alpha) * f + alpha * share, b)
+            else:
+                new_b = max(0.0, share - f)
+                times[names[i]] = (f, (1 - alpha) * b + alpha * new_b)

@@ -1,0 +1,119 @@
+"""Measured costs and the plan the runtime runs: profile, partition="auto", pipe.plan."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+from reference import assert_same_run, pipeline_train, reference_train
+from tiny_models import make_batch, make_model
+
+import roundpipe
+
+torch.set_num_threads(1)
+
+
+def _bigger_llama():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def _direct_block_times(pipe, batch, layer_index: int, repeats: int = 7) -> tuple[float, float]:
+    """Wall-clock forward and backward (without recompute) of one block, outside the runtime."""
+    adapter = pipe.adapter
+    mb = pipe._split(batch["input_ids"], batch["labels"], None, None)[0][0]
+    ctx = adapter.build_context(adapter.context_module, mb, torch.float32)
+    with torch.no_grad():
+        x = mb.input_ids
+        for i in range(layer_index):
+            x = adapter.layers[i].forward(adapter.layers[i].module, x, ctx)
+    layer = adapter.layers[layer_index]
+    params = [p for p in layer.module.parameters() if p.requires_grad]
+    fwd, both = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            layer.forward(layer.module, x, ctx)
+        fwd.append(time.perf_counter() - t0)
+        xin = x.detach().requires_grad_(True)
+        t0 = time.perf_counter()
+        y = layer.forward(layer.module, xin, ctx)
+        torch.autograd.grad([y], [xin, *params], grad_outputs=[torch.ones_like(y)])
+        both.append(time.perf_counter() - t0)
+    f = statistics.median(fwd)
+    return f, statistics.median(both) - f
+
+
+def test_profiled_layer_times_match_wall_clock_of_the_same_layers():
+    model = _bigger_llama()
+    batch = {
+        k: v for k, v in make_batch(batch=4, seq=64, vocab=512, padding=None).items() if k != "attention_mask"
+    }
+    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", num_microbatches=1)) as pipe:
+        measured = pipe.profile(batch["input_ids"], batch["labels"], steps=5)
+        for index in (1, 2):  # the two decoder blocks: the layers that carry the time
+            name = pipe.adapter.layers[index].name
+            direct_f, direct_b = _direct_block_times(pipe, batch, index)
+            f, b = measured[name]
+            assert f == pytest.approx(direct_f, rel=0.25), (name, "forward", f, direct_f)
+            assert b == pytest.approx(direct_b, rel=0.25), (name, "backward", b, direct_b)
+
+
+def test_profile_leaves_weights_and_gradients_untouched():
+    model = make_model("llama")
+    batch = make_batch(batch=4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2)) as pipe:
+        times = pipe.profile(batch["input_ids"], batch["labels"], batch["attention_mask"], steps=1)
+        assert set(times) == {layer.name for layer in pipe.adapter.layers}
+        assert all(f > 0 and b >= 0 for f, b in times.values())
+        assert all(float(e.grad.abs().sum()) == 0 for e in pipe.store.entries if e.trainable)
+        pipe.export_to(model)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+@pytest.mark.parametrize(
+    ("policy", "devices"), [("roundpipe", "cpu:2"), ("1f1b", "cpu:2"), ("roundpipe", "cpu:3")]
+)
+def test_auto_partition_profiles_plans_and_trains_exactly(policy, devices):
+    model = make_model("qwen3", num_layers=4, tied=True)
+    batch = make_batch(batch=6)
+    want = reference_train(model, batch, 3)
+    got = pipeline_train(
+        model, batch, 3, devices=devices, num_microbatches=3, policy=policy, partition="auto"
+    )
+    assert_same_run(got, want)
+
+
+def test_plan_prints_a_table_and_serialises():
+    model = make_model("llama", num_layers=3)
+    batch = make_batch(batch=4)
+    with roundpipe.wrap(
+        model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, partition="auto", head_shards=2)
+    ) as pipe:
+        pipe.profile(batch["input_ids"], batch["labels"], batch["attention_mask"], steps=1)
+        plan = pipe.plan
+        text = plan.table()
+        data = json.loads(plan.to_json())
+    assert "est. ms" in text and "head.1" in text
+    kinds = [row["kind"] for row in data["stages"]]
+    assert kinds.count("F") == 2 and kinds.count("B") == 2  # roundpipe on 2 devices: one round
+    assert (
+        sum(row["num_layers"] for row in data["stages"] if row["kind"] == "F") == 6
+    )  # embed, 3 blocks, 2 head shards
+    assert all(row["est_s"] > 0 and row["peak_bytes"] >= row["weight_bytes"] > 0 for row in data["stages"])
