@@ -28,7 +28,9 @@ class RunConfig:
 
     Args:
         devices: ``"auto"``, ``"cpu:N"``, ``"cuda"``, ``"cuda:0,1"``, ``"cuda:0x2"``.
-        num_microbatches: how many slices ``forward_backward`` cuts each batch into.
+        num_microbatches: how many slices ``forward_backward`` cuts each batch into; ``"auto"``:
+            the fewest (at least one per device, at most the batch) that keep the estimated
+            fill/drain bubble under 10% with the measured stage times, else one per device.
         policy: dispatch policy (``"roundpipe"`` streams stages round-robin over stateless workers).
         dtype: compute precision; master weights and optimizer state are always fp32 on the CPU.
         order: ``"strict"``: each worker runs its tasks in table order; ``"ready"``: the first task
@@ -63,7 +65,7 @@ class RunConfig:
     """
 
     devices: str = "auto"
-    num_microbatches: int = 1
+    num_microbatches: int | str = 1
     policy: str = "roundpipe"
     dtype: str = "fp32"
     order: str = "strict"
@@ -96,8 +98,12 @@ class RunConfig:
             raise ConfigError(
                 f"unknown optimizer_mode {self.optimizer_mode!r}; choose one of {', '.join(OPTIMIZER_MODES)}"
             )
-        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
-            raise ConfigError(f"num_microbatches must be a positive int, got {self.num_microbatches!r}")
+        if self.num_microbatches != "auto" and (
+            not isinstance(self.num_microbatches, int) or self.num_microbatches < 1
+        ):
+            raise ConfigError(
+                f"num_microbatches must be a positive int or 'auto', got {self.num_microbatches!r}"
+            )
         if not isinstance(self.head_chunk_tokens, int) or self.head_chunk_tokens < 1:
             raise ConfigError(f"head_chunk_tokens must be a positive int, got {self.head_chunk_tokens!r}")
         if not isinstance(self.head_shards, int) or self.head_shards < 1:

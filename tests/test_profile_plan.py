@@ -117,3 +117,15 @@ def test_plan_prints_a_table_and_serialises():
         sum(row["num_layers"] for row in data["stages"] if row["kind"] == "F") == 6
     )  # embed, 3 blocks, 2 head shards
     assert all(row["est_s"] > 0 and row["peak_bytes"] >= row["weight_bytes"] > 0 for row in data["stages"])
+
+
+def test_auto_microbatches_keeps_every_device_busy_and_trains_exactly():
+    model = make_model("llama", num_layers=3)
+    batch = make_batch(batch=8)
+    want = reference_train(model, batch, 2)
+    got = pipeline_train(model, batch, 2, devices="cpu:2", num_microbatches="auto", partition="auto")
+    assert_same_run(got, want)
+    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:3", num_microbatches="auto")) as pipe:
+        out = pipe.forward_backward(batch["input_ids"], labels=batch["labels"])
+        assert out.num_tokens > 0
+        assert pipe.last_plan.table.num_microbatches == 3  # unprofiled: one per device

@@ -508,6 +508,24 @@ class Pipeline:
             deals = t.forward.num_stages + t.backward.num_stages - 1
             self._start_device = (self._start_device + deals) % t.num_devices
 
+    def _microbatch_count(self, batch: int) -> int:
+        m = self.config.num_microbatches
+        if m != "auto":
+            return m
+        from roundpipe.partition.partitioner import auto_microbatches
+
+        d = len(self.backend.devices)
+        if self.layer_times is None:
+            return min(batch, d)
+        forward, backward = self._partitions()
+        names = [layer.name for layer in self.adapter.layers]
+        f = [sum(self.layer_times[names[i]][0] for i in forward.layers(s)) for s in range(forward.num_stages)]
+        b = [
+            sum(sum(self.layer_times[names[i]]) + self.layer_times[names[i]][0] for i in backward.layers(s))
+            for s in range(backward.num_stages)
+        ]
+        return max(1, min(batch, auto_microbatches(f, b, d)))
+
     def _stage_count(self) -> int:
         n, d, opts = len(self.adapter.layers), len(self.backend.devices), self.config.policy_options
         return {
@@ -660,7 +678,7 @@ class Pipeline:
             position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch)
         ):
             raise InputError(f"position_ids must be [batch or 1, {seq}], got {tuple(position_ids.shape)}")
-        m = self.config.num_microbatches
+        m = self._microbatch_count(batch)
         if m > batch:
             raise InputError(
                 f"num_microbatches={m} is larger than the batch ({batch} samples); "
