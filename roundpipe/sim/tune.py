@@ -9,9 +9,10 @@ Search (everything under the memory limits the simulator checks):
    stages per device; the others run one stage per device. A finer backward grain is a finer
    recompute grain: each backward stage recomputes from its own saved input. Each candidate starts
    from balanced partitions (the partitioner's) and is simulated once.
-2. **Bubble-aware refinement.** For the best candidates, the simulated timeline shows where devices
+2. **Bubble-aware refinement.** For the two best candidates of each of the two best policies, the simulated timeline shows where devices
    wait: a task that waits for its input blames the stage that produced it. The most-blamed stage
-   gives one layer to its lighter neighbour; the move is kept if the simulated step gets faster
+   gives one layer to its lighter neighbour (when no stage is much to blame, the stage of the
+   longest task, e.g. RoundPipe's fused head, does); the move is kept if the simulated step gets faster
    (and still fits), and the loop repeats while it improves (a bounded number of rounds).
 3. **Rank.** Fitting candidates first, by tokens/s; the rest after, with their reasons.
 
@@ -36,7 +37,8 @@ from roundpipe.sim.simulate import simulate
 
 DEFAULT_TIME_BUDGET_S = 45.0
 REFINE_ROUNDS = 8
-REFINE_TOP = 2
+REFINE_TOP = 2  # policies whose best candidates are refined
+REFINE_PER_POLICY = 2  # candidates refined per such policy
 SEQ_LEN_GRAIN = 128
 
 
@@ -175,6 +177,35 @@ def stage_blame(result: SimResult, table: ScheduleTable) -> tuple[dict[int, floa
     return fwd_blame, bwd_blame
 
 
+def heavy_stages(result: SimResult, table: ScheduleTable) -> list[tuple[str, int]]:
+    """Stages of the longest tasks, longest first: a fused head task names both its stages.
+
+    Blame finds who keeps a device waiting; when the waiting is spread thin (every device idles a
+    little behind one slow deal, as behind RoundPipe's fused head) the slow deal itself is the
+    stage to shrink.
+    """
+    tl = result.timeline
+    if tl is None:
+        return []
+    longest: dict[tuple[str, int], float] = {}
+    for sp in tl.spans:
+        if sp.lane != "compute":
+            continue
+        for part in sp.name.split("+"):
+            key = ("F" if part[0] == "F" else "B", int(part[1:].split(".")[0]))
+            longest[key] = max(longest.get(key, 0.0), sp.duration)
+    return sorted(longest, key=longest.__getitem__, reverse=True)[:2]
+
+
+def _unique(tries: list[tuple[float, str, int]]) -> list[tuple[float, str, int]]:
+    seen, out = set(), []
+    for t in tries:
+        if (t[1], t[2]) not in seen:
+            seen.add((t[1], t[2]))
+            out.append(t)
+    return out
+
+
 def _move(bounds: tuple[int, ...], stage: int, times: Sequence[float]) -> list[tuple[int, ...]]:
     """Partitions where ``stage`` gives one layer to a neighbour, lighter neighbour first."""
     b = list(bounds)
@@ -224,8 +255,9 @@ def refine(prep: Prepared, result: SimResult, opts: SimOptions, deadline: float,
             (w, "B", s) for s, w in bb.items()
         ]
         tries.sort(reverse=True)
+        tries = tries[:3] + [(0.0, which, stage) for which, stage in heavy_stages(best, table)]
         improved = False
-        for _, which, stage in tries[:3]:
+        for _, which, stage in _unique(tries):
             part = table.forward if which == "F" else table.backward
             times = (
                 [x + y for x, y in zip(f_times, b_times)] if same else (f_times if which == "F" else b_times)
@@ -315,13 +347,16 @@ def tune(
     found.sort(key=lambda cp: _rank_key(cp[0]))
     # Refine the best few distinct policies.
     refined: dict[int, Candidate] = {}
-    done_policies: set[str] = set()
+    per_policy: dict[str, int] = defaultdict(int)
     for idx, (cand, prep) in enumerate(found):
-        if len(done_policies) >= refine_top or time.monotonic() > deadline:
+        if time.monotonic() > deadline:
+            notes.append("time budget reached during refinement")
             break
-        if not cand.fits or prep is None or cand.policy in done_policies:
+        if not cand.fits or prep is None or per_policy[cand.policy] >= REFINE_PER_POLICY:
             continue
-        done_policies.add(cand.policy)
+        if cand.policy not in per_policy and len(per_policy) >= refine_top:
+            continue
+        per_policy[cand.policy] += 1
         table, res, moves = refine(prep, cand.result, opts, deadline)
         if moves:
             refined[idx] = Candidate(
