@@ -178,7 +178,7 @@ class _OpState:
 
     __slots__ = ("op", "it", "pos", "dur", "keys", "ins", "outs", "wgrad", "trainable", "work", "hold", "deps",
                  "dependents", "host_wait", "up_wait", "lookahead_ok", "started", "ended", "group", "ctx_bytes",
-                 "stash_add", "stash_drop", "last_of_iter", "alloc", "flush")  # fmt: skip
+                 "stash_add", "stash_drop", "last_of_iter", "alloc", "flush", "in_bytes", "out_groups")  # fmt: skip
 
 
 class _Sim:
@@ -365,6 +365,15 @@ class _Sim:
                 mb = (st.it, st.op.tasks[0].microbatch)
                 if st.op.kind != "W" and (st.keys or st.ins) and mb != prev:
                     st.ctx_bytes, prev = ctx, mb
+                st.in_bytes = sum(self._key_bytes(k) for k in st.ins) + st.ctx_bytes
+                st.out_groups = []
+                if st.outs:
+                    bounds = self.tables[st.it].forward.bounds
+                    urgent = [k for k in st.outs if k[1] == "grad" or k[2] in bounds]
+                    later = [k for k in st.outs if not (k[1] == "grad" or k[2] in bounds)]
+                    for keys, prio, kind in ((urgent, P_ACT, "act"), (later, P_STASH, "stash")):
+                        if keys:
+                            st.out_groups.append((keys, prio, kind, sum(self._key_bytes(k) for k in keys)))
 
     def _duration(self, op: Op) -> float:
         ly, wf = self.w.layers, self.w.w_fraction
@@ -602,7 +611,7 @@ class _Sim:
             st.up_wait = 0
             self._try_compute(d)
             return
-        nbytes = sum(self._key_bytes(k) for k in st.ins) + st.ctx_bytes
+        nbytes = st.in_bytes
         st.up_wait = 1
         c = _Copy(d, "h2d", f"in:{st.op.label}", "act", nbytes, (P_ACT, st.pos), self._input_done, st.it)
         c.key, c.owner = st.ins, st
@@ -653,8 +662,10 @@ class _Sim:
         self._end(st.it)
         if st.dur > 0:
             self._span(d, "compute", op.label, op.kind, st.started, self.now)
-        self._mem(d, 2, -st.work, "")
-        self._mem(d, 1, -(sum(self._key_bytes(k) for k in st.ins) + st.ctx_bytes), "")
+        if st.work:
+            self._mem(d, 2, -st.work, "")
+        if st.in_bytes:
+            self._mem(d, 1, -st.in_bytes, "")
         if st.hold:
             self._mem(d, 1, st.hold, op.label)
         if op.kind == "W":
@@ -663,19 +674,11 @@ class _Sim:
             self.stash[d] -= 1
         self.ops_left -= 1
         self.cursor[d] += 1
-        if st.outs:
-            fwd_bounds = self.tables[st.it].forward.bounds
-            urgent = [k for k in st.outs if k[1] == "grad" or k[2] in fwd_bounds]
-            later = [k for k in st.outs if not (k[1] == "grad" or k[2] in fwd_bounds)]
-            for keys, prio, kind in ((urgent, P_ACT, "act"), (later, P_STASH, "stash")):
-                if keys:
-                    nbytes = sum(self._key_bytes(k) for k in keys)
-                    c = _Copy(
-                        d, "d2h", f"out:{op.label}", kind, nbytes, (prio, st.pos), self._output_done, st.it
-                    )
-                    c.key = keys
-                    self._mem(d, 1, nbytes, op.label)
-                    self._enqueue(c)
+        for keys, prio, kind, nbytes in st.out_groups:
+            c = _Copy(d, "d2h", f"out:{op.label}", kind, nbytes, (prio, st.pos), self._output_done, st.it)
+            c.key = keys
+            self._mem(d, 1, nbytes, op.label)
+            self._enqueue(c)
         if st.wgrad and st.flush:
             c = _Copy(
                 d, "d2h", f"grad:{op.label}", "download", st.wgrad, (P_WGRAD, st.pos), self._wgrad_done, st.it
