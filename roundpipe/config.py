@@ -47,6 +47,8 @@ class RunConfig:
             (online log-sum-exp across shards keeps the loss exact), so the partitioner can balance
             the head against the decoder blocks.
         prefetch: upload the next stage's weights while the current one computes.
+        copy_chunk_bytes: weight uploads are cut into copies of at most this size, so that urgent
+            copies (activations, on their own higher-priority stream) pass them.
         weight_cache_bytes: for weight-bound policies (all but ``roundpipe``), how many bytes of
             weights a device may keep resident across its tasks of one step (default: half the
             device capacity; unlimited on cpu devices without a capacity).
@@ -74,6 +76,7 @@ class RunConfig:
     head_chunk_tokens: int = 1024
     head_shards: int = 1
     prefetch: bool = True
+    copy_chunk_bytes: int = 64 << 20
     weight_cache_bytes: int | None = None
     watchdog_s: float = 300.0
     seed: int = 0
@@ -108,6 +111,8 @@ class RunConfig:
             raise ConfigError(f"head_chunk_tokens must be a positive int, got {self.head_chunk_tokens!r}")
         if not isinstance(self.head_shards, int) or self.head_shards < 1:
             raise ConfigError(f"head_shards must be a positive int, got {self.head_shards!r}")
+        if not isinstance(self.copy_chunk_bytes, int) or self.copy_chunk_bytes < 1:
+            raise ConfigError(f"copy_chunk_bytes must be a positive int, got {self.copy_chunk_bytes!r}")
         if self.device_capacity is not None and self.device_capacity <= 0:
             raise ConfigError(f"device_capacity must be a positive byte count, got {self.device_capacity!r}")
         if isinstance(self.partition, str) and self.partition != "auto":

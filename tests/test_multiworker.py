@@ -246,7 +246,7 @@ def test_stats_and_timeline_describe_the_last_step():
         assert 0 < d["busy_s"] <= stats["step_s"]
         assert d["busy_s"] + d["idle_s"] == pytest.approx(stats["step_s"])
         assert d["bytes_to_device"] > 0 and d["bytes_to_host"] > 0
-    compute = [s for s in timeline.spans if s.lane == "compute" and s.kind in ("F", "B", "F+B")]
+    compute = [s for s in timeline.spans if s.lane == "compute" and s.kind in ("F", "B", "FB")]
     assert len(compute) == sum(len(f) for f in flows)
     assert all(s.end >= s.start >= 0 for s in timeline.spans)
     assert {s.lane for s in timeline.spans} >= {"compute", "h2d", "d2h", "host"}
@@ -255,7 +255,11 @@ def test_stats_and_timeline_describe_the_last_step():
 # ----------------------------------------------------------------------------- sharded head
 @pytest.mark.parametrize(
     ("family", "tied", "lora", "shards", "devices"),
-    [("llama", False, None, 3, "cpu:2"), ("qwen3", True, None, 2, "cpu:3"), ("gemma2", True, "default", 5, "cpu:2")],
+    [
+        ("llama", False, None, 3, "cpu:2"),
+        ("qwen3", True, None, 2, "cpu:3"),
+        ("gemma2", True, "default", 5, "cpu:2"),
+    ],
 )
 def test_a_sharded_chunked_head_trains_like_the_unsharded_plain_model(family, tied, lora, shards, devices):
     model = make_model(family, tied=tied, lora=lora)
@@ -264,4 +268,39 @@ def test_a_sharded_chunked_head_trains_like_the_unsharded_plain_model(family, ti
     got = pipeline_train(
         model, batch, STEPS, devices=devices, num_microbatches=3, head_shards=shards, head_chunk_tokens=5
     )
+    assert_same_run(got, want)
+
+
+def test_an_activation_upload_passes_a_large_weight_upload_in_flight():
+    """Activations travel on their own high-priority stream, weights in chunks on another: a small
+    activation queued after a big weight upload arrives first."""
+    import threading
+
+    from roundpipe.backend import make_backend
+
+    backend = make_backend("cpu:1")
+    try:
+        dev = backend.devices[0]
+        big = torch.randn(4096, 4096)  # 64 MiB of weights
+        small = torch.randn(4, 64)
+        done_order: list[str] = []
+        lock = threading.Lock()
+        weights, acts = dev.streams["h2d_weights"], dev.streams["h2d"]
+        dst = torch.empty_like(big)
+        for a in range(0, 4096, 256):  # 16 chunks of 4 MiB, as the worker cuts them
+            weights.submit(lambda a=a: dev.copy_in(dst[a : a + 256], big[a : a + 256]))
+        weights.submit(lambda: (lock.acquire(), done_order.append("weights"), lock.release()))
+        acts.submit(
+            lambda: (dev.to_device(small), lock.acquire(), done_order.append("activation"), lock.release())
+        )
+        weights.synchronize()
+        acts.synchronize()
+        assert done_order == ["activation", "weights"]
+    finally:
+        backend.close()
+
+
+def test_weights_cut_into_small_chunks_train_the_same():
+    model, batch, want = _reference("default")
+    got = pipeline_train(model, batch, STEPS, devices="cpu:2", num_microbatches=4, copy_chunk_bytes=1000)
     assert_same_run(got, want)

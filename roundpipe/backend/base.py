@@ -25,9 +25,12 @@ import torch
 
 from roundpipe.errors import DeviceOutOfMemory
 
-STREAM_NAMES = ("compute", "h2d", "d2h")
-# Lower number = more urgent, as in CUDA. Activations for the next compute go first.
-STREAM_PRIORITIES = {"compute": 0, "h2d": -1, "d2h": 0}
+# Copies go on separate streams by urgency, so an urgent copy never queues behind a bulk one:
+# activations the next compute needs (h2d) > the next stage's weights (h2d_weights, cut into
+# chunks) on the way up; activations and losses (d2h) > weight gradients (d2h_grads) on the way down.
+STREAM_NAMES = ("compute", "h2d", "h2d_weights", "d2h", "d2h_grads")
+# Lower number = more urgent, as in CUDA.
+STREAM_PRIORITIES = {"compute": 0, "h2d": -1, "h2d_weights": 0, "d2h": -1, "d2h_grads": 0}
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:
@@ -133,6 +136,15 @@ class Device(ABC):
     @abstractmethod
     def to_host(self, dev: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Copy a device tensor into (pinned) host memory (call inside a ``d2h`` closure)."""
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor on this device (filled by ``copy_in`` chunks)."""
+        return torch.empty(shape, dtype=dtype, device=self.torch_device)
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy a host (pinned) tensor into a device tensor or a slice of one (inside an h2d closure)."""
+        self.bytes_in += src.numel() * src.element_size()
+        dst.copy_(src, non_blocking=True)
 
     def hand_over(self, t: torch.Tensor, stream: Stream) -> None:  # noqa: B027 (optional hook)
         """Tell the allocator ``t`` (made on another stream) is used on ``stream``. No-op on cpu."""

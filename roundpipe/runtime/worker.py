@@ -60,25 +60,44 @@ class Worker:
 
     # ----------------------------------------------------------------- weights
     def _upload(self, layer: int) -> None:
+        """Queue a layer's weights on the weights stream, cut into chunks of ``copy_chunk_bytes``
+        (large tensors by rows) so that a more urgent copy is never stuck behind a whole layer."""
         store, dev = self.pipe.store, self.device
         keys = store.layer_keys(layer)
         nbytes = store.layer_bytes[layer]
         name = self.pipe.adapter.layers[layer].name
         slot = Slot()
-        compute = self.streams["compute"]
+        stream, compute = self.streams["h2d_weights"], self.streams["compute"]
 
-        def upload():
+        def allocate():
             dev.memory.reserve(nbytes, f"weights:{name}", "weights")
             tensors = {}
             for k in keys:
                 e = store.entries[k]
-                t = nn.Parameter(dev.to_device(e.compute), requires_grad=e.trainable)
+                t = nn.Parameter(dev.empty(e.compute.shape, e.compute.dtype), requires_grad=e.trainable)
                 dev.hand_over(t, compute)
                 tensors[k] = t
             slot.value = tensors
 
-        self.streams["h2d"].submit(upload, (f"W:{name}", "upload"))
-        self.resident[layer] = Resident(slot, self.streams["h2d"].record_event(), nbytes)
+        stream.submit(allocate)
+        chunk = self.pipe.config.copy_chunk_bytes
+        for k in keys:
+            src = store.entries[k]
+            rows = src.compute.shape[0] if src.compute.dim() else 1
+            row_bytes = max(1, src.nbytes // max(rows, 1))
+            step = max(1, chunk // row_bytes)
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
+
+                def copy(k=k, src=src, a=a, b=b):
+                    data = slot.value[k].data
+                    if data.dim() == 0:
+                        dev.copy_in(data, src.compute)
+                    else:
+                        dev.copy_in(data[a:b], src.compute[a:b])
+
+                stream.submit(copy, (f"W:{name}", "upload"))
+        self.resident[layer] = Resident(slot, stream.record_event(), nbytes)
 
     def _evict(self, layer: int) -> None:
         r = self.resident.pop(layer)
@@ -120,7 +139,7 @@ class Worker:
         if evict:
             # Every later upload (needed now or prefetched) may only take memory the released layers
             # gave back, i.e. it waits until the compute that last used them is done.
-            self.streams["h2d"].wait_event(self.streams["compute"].record_event())
+            self.streams["h2d_weights"].wait_event(self.streams["compute"].record_event())
         for i in missing:
             self._upload(i)
         return [self.resident[i] for i in need]
@@ -304,7 +323,7 @@ class Worker:
                 step, flow, residents, inputs.value, ctx.value, incoming, produced, param_grads, loss_slot
             )
 
-        kind = "F+B" if flow.fused_with else t.kind
+        kind = "FB" if flow.fused_with else t.kind
         streams["compute"].submit(compute, (label, kind))
         computed = streams["compute"].record_event()
         self._computed.append(computed)
@@ -368,9 +387,10 @@ class Worker:
             dev.memory.release(sum(tensor_bytes(g) for g in grads.values()), f"grads:{layers}", "grads")
             acc.value = None
 
-        streams["d2h"].wait_event(streams["compute"].record_event())
-        streams["d2h"].submit(download, (f"grads:{self.pipe.adapter.layers[layers.start].name}", "download"))
-        step.on_grads(layers, host_grads, count, streams["d2h"].record_event())
+        grads_stream = streams["d2h_grads"]
+        grads_stream.wait_event(streams["compute"].record_event())
+        grads_stream.submit(download, (f"grads:{self.pipe.adapter.layers[layers.start].name}", "download"))
+        step.on_grads(layers, host_grads, count, grads_stream.record_event())
 
     def _issue_empty(self, step: StepRun, flow: TaskFlow) -> None:
         """A task with nothing to compute (the backward of a frozen embedding, a forward whose

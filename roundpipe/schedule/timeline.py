@@ -35,7 +35,9 @@ from typing import Any
 from roundpipe.errors import ConfigError
 
 FORMAT = "roundpipe.timeline/1"
-LANES = ("compute", "h2d", "d2h", "host")
+# h2d_weights / d2h_grads: the runtime's lower-priority copy streams (bulk weights up, weight
+# gradients down); the simulator folds them into h2d / d2h.
+LANES = ("compute", "h2d", "h2d_weights", "d2h", "d2h_grads", "host")
 HOST_DEVICE = -1
 COMPUTE_KINDS = ("F", "B", "I", "W", "FB")
 
