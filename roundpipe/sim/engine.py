@@ -227,6 +227,7 @@ class _Sim:
         self.consumers: dict[tuple, int] = defaultdict(int)
         self.grad_count: dict[tuple[int, int], int] = defaultdict(int)
         shape_cache: dict[tuple, tuple] = {}  # every microbatch of a stage costs the same
+        key_cache: dict[tuple, list] = {}
         for it, table in enumerate(self.tables):
             for d, ops in enumerate(device_ops(table, classic=self.opts.classic_flow)):
                 for op in ops:
@@ -261,7 +262,10 @@ class _Sim:
                         )
                         shape_cache[shape] = cached
                     st.dur, op.bwd_layers, st.trainable, st.wgrad, (st.work, st.hold), lay = cached
-                    st.keys = [(it, i) for i in lay]
+                    kk = (it, shape)
+                    st.keys = key_cache.get(kk)
+                    if st.keys is None:
+                        st.keys = key_cache[kk] = [(it, i) for i in lay]
                     st.ins = [(it, *k) for k in op.consumes]
                     st.outs = [(it, *k) for k in op.produces]
                     st.alloc = st.flush = True

@@ -132,7 +132,7 @@ def uniform_workload(
     return Workload(layers, name=f"uniform{num_layers}")
 
 
-@dataclass
+@dataclass(slots=True)
 class Op:
     """One unit of device work: a task, or a fused F+B pair. Built by :func:`device_ops`."""
 
