@@ -8,7 +8,8 @@ Search (everything under the memory limits the simulator checks):
    the planner) and ``(kD, k'D)`` forward/backward stage counts; interleaved and hanayo try 2 and 4
    stages per device; the others run one stage per device. A finer backward grain is a finer
    recompute grain: each backward stage recomputes from its own saved input. Each candidate starts
-   from balanced partitions (the partitioner's) and is simulated once.
+   from balanced partitions (the partitioner's) and is simulated once. Around each policy's best,
+   half and twice as many LM-head vocabulary shards are tried too.
 2. **Bubble-aware refinement.** For the two best candidates of each of the two best policies, the simulated timeline shows where devices
    wait: a task that waits for its input blames the stage that produced it. The most-blamed stage
    gives one layer to its lighter neighbour (when no stage is much to blame, the stage of the
@@ -345,9 +346,28 @@ def tune(
                 seen.add(key)
                 found.append((cand, prep))
     found.sort(key=lambda cp: _rank_key(cp[0]))
+    # Head shards: around each policy's best, half and twice as many vocabulary shards.
+    for policy in names:
+        top = next((c for c, p in found if c.policy == policy and c.fits and p is not None), None)
+        if top is None or time.monotonic() > deadline:
+            continue
+        stages = top.stages if policy == "roundpipe" else top.stages[0]
+        for k in sorted({max(1, top.head_shards // 2), top.head_shards * 2} - {top.head_shards}):
+            s = replace(base, policy=policy, microbatches=top.microbatches, stages=stages, head_shards=k)
+            try:
+                prep, res = _evaluate(s, opts)
+            except RoundpipeError:
+                continue
+            cand = _candidate(prep, s, res)
+            key = (policy, cand.microbatches, cand.forward, cand.backward, cand.head_shards)
+            if key not in seen:
+                seen.add(key)
+                found.append((cand, prep))
+    found.sort(key=lambda cp: _rank_key(cp[0]))
     # Refine the best few distinct policies.
     refined: dict[int, Candidate] = {}
     per_policy: dict[str, int] = defaultdict(int)
+    shapes_refined: set[tuple] = set()
     for idx, (cand, prep) in enumerate(found):
         if time.monotonic() > deadline:
             notes.append("time budget reached during refinement")
@@ -356,6 +376,10 @@ def tune(
             continue
         if cand.policy not in per_policy and len(per_policy) >= refine_top:
             continue
+        shape = (cand.policy, cand.microbatches, cand.stages)
+        if shape in shapes_refined:
+            continue  # the same shape with another head shard count: refine one of them
+        shapes_refined.add(shape)
         per_policy[cand.policy] += 1
         table, res, moves = refine(prep, cand.result, opts, deadline)
         if moves:
