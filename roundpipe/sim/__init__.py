@@ -1,4 +1,43 @@
-"""Simulation side of roundpipe: hardware and model presets (``sim.presets``), later the event simulator.
+"""Simulation side of roundpipe: hardware and model presets, the event simulator, the tuner.
 
-Pure Python: nothing here imports torch, so planning and simulation run anywhere.
+- ``sim.presets``: numbers that describe GPUs, servers and models (with sources).
+- ``sim.simulate(table, workload, server, SimOptions(...)) -> SimResult``: one training step of any
+  schedule table, with copy engines, shared PCIe uplinks, host memory and the CPU optimizer.
+- ``sim.Scenario`` / ``sim.run_scenario``: the same from a model name, a hardware spec and a policy.
+- ``sim.tune`` / ``sim.max_seq_len``: the search behind ``roundpipe plan``.
+- ``sim.gantt.save_gantt``: PNG chart of any ``Timeline`` (``roundpipe.schedule.timeline``).
+
+Pure Python: nothing here imports torch. Names are loaded on first use (``partition`` imports
+``sim.presets``, so this package must not import ``partition`` eagerly).
 """
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "SimOptions": "roundpipe.sim.engine",
+    "SimResult": "roundpipe.sim.engine",
+    "simulate": "roundpipe.sim.simulate",
+    "without_costs": "roundpipe.sim.simulate",
+    "LayerWork": "roundpipe.sim.workload",
+    "Workload": "roundpipe.sim.workload",
+    "device_ops": "roundpipe.sim.workload",
+    "uniform_workload": "roundpipe.sim.workload",
+    "workload_from_costs": "roundpipe.sim.workload",
+    "Scenario": "roundpipe.sim.scenario",
+    "prepare": "roundpipe.sim.scenario",
+    "run_scenario": "roundpipe.sim.scenario",
+    "TuneResult": "roundpipe.sim.tune",
+    "max_seq_len": "roundpipe.sim.tune",
+    "tune": "roundpipe.sim.tune",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'roundpipe.sim' has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)
