@@ -27,7 +27,7 @@ from roundpipe.sim.engine import SimOptions
 from roundpipe.sim.gantt import save_gantt
 from roundpipe.sim.report import jsonable
 from roundpipe.sim.scenario import Scenario, prepare
-from roundpipe.sim.simulate import simulate
+from roundpipe.sim.simulator import simulate
 from roundpipe.sim.tune import Candidate, tune
 
 ROOT = Path(__file__).resolve().parents[1]

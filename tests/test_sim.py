@@ -18,7 +18,7 @@ from roundpipe.schedule.timeline import LANES, Span, Timeline
 from roundpipe.sim.engine import SimOptions
 from roundpipe.sim.presets import GIB, load_hardware
 from roundpipe.sim.scenario import Scenario, check_scenario, run_scenario
-from roundpipe.sim.simulate import simulate, without_costs
+from roundpipe.sim.simulator import simulate, without_costs
 from roundpipe.sim.tune import refine, stage_blame, tune
 from roundpipe.sim.workload import Workload, device_ops, uniform_workload, workload_from_costs
 

@@ -18,8 +18,8 @@ import importlib
 _EXPORTS = {
     "SimOptions": "roundpipe.sim.engine",
     "SimResult": "roundpipe.sim.engine",
-    "simulate": "roundpipe.sim.simulate",
-    "without_costs": "roundpipe.sim.simulate",
+    "simulate": "roundpipe.sim.simulator",
+    "without_costs": "roundpipe.sim.simulator",
     "LayerWork": "roundpipe.sim.workload",
     "Workload": "roundpipe.sim.workload",
     "device_ops": "roundpipe.sim.workload",

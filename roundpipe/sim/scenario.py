@@ -27,7 +27,7 @@ from roundpipe.schedule import POLICIES, build_table
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.presets import Server, load_hardware, load_model_config, normalize_dtype
-from roundpipe.sim.simulate import simulate
+from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import Workload, workload_from_costs
 
 DEFAULT_VIRTUAL_STAGES = 2  # interleaved: stages per device; hanayo: 2 x waves

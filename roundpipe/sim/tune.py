@@ -34,7 +34,7 @@ from roundpipe.schedule import POLICIES, build_table
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.scenario import Prepared, Scenario, check_scenario, failed_result, prepare
-from roundpipe.sim.simulate import simulate
+from roundpipe.sim.simulator import simulate
 
 DEFAULT_TIME_BUDGET_S = 45.0
 REFINE_ROUNDS = 8
