@@ -96,7 +96,9 @@ class HeadShardLayer(Layer):
     ``module`` is ``nn.ModuleDict({"norm": ..., "lm_head": ...})`` for shard 0 and
     ``nn.ModuleDict({"lm_head": ...})`` for the others, holding the model's own modules: every
     shard holds the *whole* head (the same Parameters; the tied embedding weight when tied) and uses
-    rows ``[vocab_start, vocab_stop)`` of it at compute time. Input/output: shard 0 takes hidden
+    rows ``[vocab_start, vocab_stop)`` of it. ``row_slices()`` names the tensors it reads only those
+    rows of, so the runtime uploads (and takes gradients of) just the rows; ``forward`` accepts a
+    module holding either the whole tensors or those rows. Input/output: shard 0 takes hidden
     [b, T, H] (run dtype); every shard but the last returns the packed fp32 [b, T, H + 2]; the last
     returns the 0-dim fp32 loss sum (see ``head_shards.py``).
     """
@@ -117,8 +119,29 @@ class HeadShardLayer(Layer):
         self.shard = shard
         self.num_shards = num_shards
         self.vocab_start, self.vocab_stop = vocab_range
+        self.vocab = head_tensors(module["lm_head"]).vocab
         self.config = config
         self.softcapping = softcapping
+
+    def row_slices(self) -> dict[str, tuple[int, int]]:
+        """``{parameter path in module: (vocab_start, vocab_stop)}`` for every tensor this shard
+        needs only its vocabulary rows of: the head's weight and bias and LoRA B's weight and bias
+        (``head_tensors(...).flat()``), and the weight and bias of any other vocabulary-sized Linear
+        inside ``lm_head`` that the head does not use now (a modules_to_save wrapper's original
+        module, inactive adapters), so that they cost a shard only its rows too. The other tensors
+        (the norm, LoRA A) are used whole. Read once, when the runtime wraps the model."""
+        lm_head = self.module["lm_head"]
+        flat = head_tensors(lm_head).flat()
+        sliced = {id(t) for t, rows in flat if rows and t is not None}
+        for m in lm_head.modules():
+            if isinstance(m, nn.Linear) and m.weight.shape[0] == self.vocab:
+                sliced |= {id(t) for t in (m.weight, m.bias) if t is not None}
+        sliced -= {id(t) for t, rows in flat if not rows and t is not None}
+        return {
+            name: (self.vocab_start, self.vocab_stop)
+            for name, t in self.module.named_parameters(remove_duplicate=False)
+            if id(t) in sliced
+        }
 
     def forward(self, module: nn.Module, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         softcap = getattr(self.config, "final_logit_softcapping", None) if self.softcapping else None
@@ -128,6 +151,7 @@ class HeadShardLayer(Layer):
             ctx.shift_labels,
             module["lm_head"],
             vocab_range=(self.vocab_start, self.vocab_stop),
+            vocab=self.vocab,
             first=first,
             last=self.shard == self.num_shards - 1,
             chunk_tokens=ctx.head_chunk_tokens,

@@ -33,9 +33,11 @@ Because backward recomputes, forward and backward need not run back to back.
 
 Supported heads (``head_tensors``): ``nn.Linear`` (its weight may be the tied embedding weight),
 peft LoRA ``Linear`` on ``lm_head`` (plain LoRA, no dropout, no DoRA or other variants), and peft's
-``modules_to_save`` wrapper around a Linear. Slices are taken at compute time, so every shard's
-module holds the whole, shared Parameters and the gradient of a row-sliced Parameter is zero
-outside the shard's rows.
+``modules_to_save`` wrapper around a Linear. Every shard's module holds the whole, shared
+Parameters; a shard computes from either the whole head (then it slices its rows at compute time and
+the gradient of a row-sliced Parameter is zero outside them) or a head already cut to its rows (what
+the runtime uploads: ``HeadShardLayer.row_slices`` names those tensors, so a device holds and sends
+back only the shard's rows). ``shard_stats`` tells the two apart by the row count.
 """
 
 from __future__ import annotations
@@ -249,22 +251,19 @@ def _stats(
 class _ShardStats(torch.autograd.Function):
     """``(lse_s, t_s)`` of one vocabulary shard; backward recomputes chunk logits (see module doc).
 
-    ``forward(hidden [n, H], labels [n], head, start, stop, softcap, chunk_tokens, *params)``:
-    ``head`` is the whole head's ``HeadTensors``; ``params`` are its tensors that require grad (in
-    ``head.flat()`` order), inputs only so that autograd routes their gradients.
+    ``forward(hidden [n, H], labels [n], rows, start, softcap, chunk_tokens, *params)``: ``rows``
+    is the head restricted to the shard's rows (first row ``start`` of the vocabulary); ``params``
+    are its tensors that require grad (in ``rows.flat()`` order), inputs only so that autograd
+    routes their gradients: each gets a gradient of its own shape (a row slice taken from a whole
+    Parameter passes it on through autograd's slice backward).
     """
 
     @staticmethod
-    def forward(ctx, hidden, labels, head, start, stop, softcap, chunk_tokens, *params):
-        rows = head.rows(start, stop)
+    def forward(ctx, hidden, labels, rows, start, softcap, chunk_tokens, *params):
         lse, target = _stats(hidden, labels, rows, start, softcap, chunk_tokens)
-        ctx.head, ctx.start, ctx.stop, ctx.softcap, ctx.chunk_tokens = (
-            head,
-            start,
-            stop,
-            softcap,
-            chunk_tokens,
-        )
+        ctx.rows = rows.with_tensors([None if t is None else t.detach() for t, _ in rows.flat()])
+        ctx.trainable = [t is not None and t.requires_grad for t, _ in rows.flat()]
+        ctx.start, ctx.softcap, ctx.chunk_tokens = start, softcap, chunk_tokens
         ctx.save_for_backward(hidden, labels, lse)
         return lse, target
 
@@ -272,23 +271,20 @@ class _ShardStats(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_lse, grad_target):
         hidden, labels, lse = ctx.saved_tensors
-        head, start, stop, softcap = ctx.head, ctx.start, ctx.stop, ctx.softcap
+        start, softcap = ctx.start, ctx.softcap
         need_hidden = ctx.needs_input_grad[0]
-        need_params = ctx.needs_input_grad[7:]
-        # Leaves for this shard's rows: the gradient is taken w.r.t. the [rows x ...] slices only.
-        flat = head.flat()
-        trainable = [t is not None and t.requires_grad for t, _ in flat]
+        need_params = ctx.needs_input_grad[6:]
         leaves = [
-            None if t is None else (t[start:stop] if sliced else t).detach().requires_grad_(grad)
-            for (t, sliced), grad in zip(flat, trainable)
+            None if t is None else t.detach().requires_grad_(grad)
+            for (t, _), grad in zip(ctx.rows.flat(), ctx.trainable)
         ]
-        rows = head.with_tensors(leaves)
-        wanted = [leaf for leaf, grad in zip(leaves, trainable) if grad]
+        rows = ctx.rows.with_tensors(leaves)
+        wanted = [leaf for leaf, grad in zip(leaves, ctx.trainable) if grad]
         grad_hidden = (
             torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
         )
         grad_leaves = [torch.zeros_like(leaf, dtype=torch.float32) for leaf in wanted]
-        n, size = hidden.shape[0], stop - start
+        n, size = hidden.shape[0], rows.vocab
         for lo in range(0, n, ctx.chunk_tokens):
             hi = min(lo + ctx.chunk_tokens, n)
             with torch.enable_grad():
@@ -308,21 +304,37 @@ class _ShardStats(torch.autograd.Function):
             for buffer, grad in zip(grad_leaves, grads):
                 if grad is not None:
                     buffer += grad
-        grad_params = []
-        buffers = iter(grad_leaves)
-        for (t, sliced), grad in zip(flat, trainable):
-            if not grad:
-                continue
-            buffer = next(buffers)
-            if sliced:
-                full = torch.zeros_like(t)
-                full[start:stop] = buffer.to(t.dtype)
-                grad_params.append(full)
-            else:
-                grad_params.append(buffer.to(t.dtype))
-        grad_params = [g if need else None for g, need in zip(grad_params, need_params)]
+        grad_params = [
+            buffer.to(leaf.dtype) if need else None
+            for buffer, leaf, need in zip(grad_leaves, wanted, need_params)
+        ]
         grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype)
-        return (grad_hidden, None, None, None, None, None, None, *grad_params)
+        return (grad_hidden, None, None, None, None, None, *grad_params)
+
+
+def _shard_rows(head: HeadTensors, vocab_range: tuple[int, int]) -> HeadTensors:
+    """``head`` restricted to the rows ``vocab_range``: sliced from a whole head (views), or ``head``
+    itself when it already holds exactly that many rows (a shard's upload; see module docstring).
+
+    Raises:
+        UnsupportedModel: a row-sliced tensor has neither the shard's row count nor room for it.
+    """
+    start, stop = vocab_range
+    size = stop - start
+    if head.vocab == size:
+        rows = head
+    elif head.vocab >= stop:
+        rows = head.rows(start, stop)
+    else:
+        rows = None
+    if rows is None or any(t is not None and t.shape[0] != size for t, sliced in rows.flat() if sliced):
+        shapes = [tuple(t.shape) for t, sliced in head.flat() if sliced and t is not None]
+        raise UnsupportedModel(
+            f"the vocabulary shard of rows [{start}, {stop}) needs an LM head whose row-sliced tensors "
+            f"all have either the whole vocabulary (>= {stop} rows) or exactly its {size} rows, got "
+            f"{shapes}; was the head resized after adapt_model / wrap? Wrap the model again"
+        )
+    return rows
 
 
 def shard_stats(
@@ -338,8 +350,10 @@ def shard_stats(
 
     Args:
         hidden: [n, H] final-normed hidden states in the dtype the head's weight expects.
-        labels: [n] int64 targets (already shifted); -100 or a label outside the range gives 0.
-        head: ``head_tensors(lm_head)`` of the whole head.
+        labels: [n] int64 targets (already shifted, vocabulary ids); -100 or a label outside the
+            range gives 0.
+        head: ``head_tensors(lm_head)`` of the whole head, or of a head whose row-sliced tensors
+            hold only the ``stop - start`` rows of this shard.
         vocab_range: ``(start, stop)`` rows of this shard.
         chunk_tokens: tokens per chunk; at most ``chunk_tokens x (stop - start)`` logits exist.
         softcap: ``final_logit_softcapping`` or None.
@@ -348,12 +362,13 @@ def shard_stats(
         ``(lse, target)``, each [n] fp32, differentiable w.r.t. ``hidden`` and the head's trainable
         tensors (the gradient work happens in backward, chunk by chunk).
     """
-    start, stop = vocab_range
-    params = [t for t, _ in head.flat() if t is not None and t.requires_grad]
+    start = vocab_range[0]
+    rows = _shard_rows(head, vocab_range)  # with grad on, slices of whole Parameters stay in the graph
+    params = [t for t, _ in rows.flat() if t is not None and t.requires_grad]
     if torch.is_grad_enabled() and (hidden.requires_grad or params):
-        return _ShardStats.apply(hidden, labels, head, start, stop, softcap, chunk_tokens, *params)
+        return _ShardStats.apply(hidden, labels, rows, start, softcap, chunk_tokens, *params)
     with torch.no_grad():
-        return _stats(hidden, labels, head.rows(start, stop), start, softcap, chunk_tokens)
+        return _stats(hidden, labels, rows, start, softcap, chunk_tokens)
 
 
 # --- one shard as a layer -------------------------------------------------------------------------
@@ -365,6 +380,7 @@ def vocab_shard_forward(
     lm_head: nn.Module,
     *,
     vocab_range: tuple[int, int],
+    vocab: int,
     first: bool,
     last: bool,
     chunk_tokens: int,
@@ -377,8 +393,10 @@ def vocab_shard_forward(
         x: ``first``: hidden [b, T, H] of the last block in the run dtype (``norm`` is applied);
             otherwise the packed fp32 [b, T, H + 2] of the previous shard.
         shift_labels: [b, T] targets shifted left (-100 ignored).
-        lm_head: the head module (or a device shell of it); see ``head_tensors``.
+        lm_head: the head module, or a device shell of it whose row-sliced tensors may hold only
+            this shard's rows (see ``head_tensors`` and ``shard_stats``).
         vocab_range: ``(start, stop)`` rows of the vocabulary this shard owns.
+        vocab: the whole vocabulary's size (labels must lie in ``[0, vocab)``).
         first, last: whether this is ``head.0`` / ``head.{k-1}``.
         chunk_tokens: tokens per chunk (> 0).
         softcap: ``final_logit_softcapping`` (gemma2/3), or None.
@@ -411,9 +429,9 @@ def vocab_shard_forward(
             f"{tuple(hidden.shape)}; labels must be [batch, seq] like input_ids"
         )
     if first and shift_labels.device.type == "cpu":  # checked where it costs no device sync
-        bad = (shift_labels != IGNORE_INDEX) & ((shift_labels < 0) | (shift_labels >= head.vocab))
+        bad = (shift_labels != IGNORE_INDEX) & ((shift_labels < 0) | (shift_labels >= vocab))
         if bool(bad.any()):
-            raise InputError(f"labels must be -100 or lie in [0, {head.vocab}) (the LM head's rows)")
+            raise InputError(f"labels must be -100 or lie in [0, {vocab}) (the LM head's rows)")
     lse, target = shard_stats(
         hidden.reshape(-1, size),
         shift_labels.reshape(-1),

@@ -92,11 +92,16 @@ class StepRun:
         self.pipe._hostq.submit(lambda: self._accumulate(layers, host_grads, contributions), event)
 
     def _accumulate(self, layers: range, host_grads: Slot, contributions: int) -> None:
-        """Host thread: add gradients into the fp32 buffers; step groups that became final."""
+        """Host thread: add gradients into the fp32 buffers; step groups that became final.
+
+        ``host_grads.value`` is keyed by piece ``(entry key, rows)``: a gradient of rows
+        ``[start, stop)`` only (a vocabulary shard's) goes into those rows of the whole buffer.
+        """
         with self.pipe._host_span(f"acc:{self.pipe.adapter.layers[layers.start].name}", "accumulate"):
             store = self.pipe.store
-            for k, g in (host_grads.value or {}).items():
-                store.entries[k].grad.add_(g)
+            for (k, rows), g in (host_grads.value or {}).items():
+                grad = store.entries[k].grad
+                (grad if rows is None else grad[rows[0] : rows[1]]).add_(g)
             for k in store.trainable_keys(layers):
                 self.remaining[k] -= contributions
                 if self.remaining[k] == 0:

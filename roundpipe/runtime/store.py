@@ -7,6 +7,11 @@ For each distinct parameter (tied weights are one entry used by two layers):
   run dtype (stored once), else one converted copy.
 Buffers (e.g. Gemma's embedding scale) are frozen entries too.
 
+A layer may use only some rows of a tensor (a vocabulary shard of the LM head: ``row_slices()``);
+its binding then carries those rows, and what a device holds of it -- a *piece*, ``(entry key, rows
+or None for the whole tensor)`` -- is only those rows, uploaded from the compute copy and returning a
+gradient of those rows. Masters and gradients stay whole on the CPU.
+
 The model's own parameters are not touched during training; ``export_to`` writes masters back.
 """
 
@@ -49,14 +54,24 @@ class Entry:
         return tensor_bytes(self.compute)
 
 
+Piece = tuple[int, tuple[int, int] | None]  # (entry key, [start, stop) rows or None: whole)
+
+
 @dataclass(frozen=True)
 class Binding:
-    """Where an entry sits inside a layer's module: ``module_path`` (dotted) and attribute name."""
+    """Where an entry sits inside a layer's module: ``module_path`` (dotted) and attribute name;
+    ``rows``: the ``[start, stop)`` rows of the entry the layer uses (None: all of it)."""
 
     module_path: str
     attr: str
     is_buffer: bool
     key: int
+    rows: tuple[int, int] | None = None
+
+    @property
+    def piece(self) -> Piece:
+        """What a device holds for this binding (the key of the worker's weight and gradient dicts)."""
+        return (self.key, self.rows)
 
 
 class ParameterStore:
@@ -75,6 +90,9 @@ class ParameterStore:
         names = _qualified_names(adapter.model)
         for layer in adapter.layers:
             binds = []
+            # {parameter path in the layer's module: rows}, for layers that use only rows of some
+            # tensors (HeadShardLayer); every other tensor is bound whole.
+            row_slices = layer.row_slices() if hasattr(layer, "row_slices") else {}
             for mpath, module in layer.module.named_modules(remove_duplicate=False):
                 for is_buffer, table in ((False, module._parameters), (True, module._buffers)):
                     for attr, t in table.items():
@@ -93,10 +111,11 @@ class ParameterStore:
                             self.entries.append(e)
                         if layer.index not in e.users:
                             e.users.append(layer.index)
-                        binds.append(Binding(mpath, attr, is_buffer, e.key))
+                        rows = None if is_buffer else row_slices.get(f"{mpath}.{attr}" if mpath else attr)
+                        binds.append(Binding(mpath, attr, is_buffer, e.key, rows))
             self.bindings.append(binds)
         self.layer_bytes = [
-            sum(self.entries[k].nbytes for k in self.layer_keys(i)) for i in range(len(self.bindings))
+            sum(self.piece_bytes(p) for p in self.layer_pieces(i)) for i in range(len(self.bindings))
         ]
 
     def _make_entry(self, key: int, name: str, t: torch.Tensor, is_buffer: bool, backend: Backend) -> Entry:
@@ -130,6 +149,29 @@ class ParameterStore:
                 if self.entries[k].trainable:
                     keys[k] = None
         return list(keys)
+
+    def layer_pieces(self, layer: int) -> list[Piece]:
+        """Distinct pieces a layer's upload holds (in first-use order)."""
+        return list(dict.fromkeys(b.piece for b in self.bindings[layer]))
+
+    def trainable_pieces(self, layers) -> list[Piece]:
+        """Distinct pieces of trainable entries the ``layers`` hold: what their backward takes
+        gradients of."""
+        pieces: dict[Piece, None] = {}
+        for i in layers:
+            for p in self.layer_pieces(i):
+                if self.entries[p[0]].trainable:
+                    pieces[p] = None
+        return list(pieces)
+
+    def piece_source(self, piece: Piece) -> torch.Tensor:
+        """What uploading ``piece`` reads now: the compute copy, or its rows (a view)."""
+        key, rows = piece
+        compute = self.entries[key].compute
+        return compute if rows is None else compute[rows[0] : rows[1]]
+
+    def piece_bytes(self, piece: Piece) -> int:
+        return tensor_bytes(self.piece_source(piece))
 
     def refresh_compute(self, keys, into: int | None = None) -> None:
         """After an optimizer step: copy the masters into compute copy ``into`` (default: all)."""

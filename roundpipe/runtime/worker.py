@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Resident:
-    slot: Slot  # .value: {entry key: device Parameter}
+    slot: Slot  # .value: {piece (entry key, rows): device Parameter}; see store.Binding.piece
     event: object
     nbytes: int
 
@@ -63,7 +63,7 @@ class Worker:
         """Queue a layer's weights on the weights stream, cut into chunks of ``copy_chunk_bytes``
         (large tensors by rows) so that a more urgent copy is never stuck behind a whole layer."""
         store, dev = self.pipe.store, self.device
-        keys = store.layer_keys(layer)
+        pieces = store.layer_pieces(layer)  # whole entries, or only the rows the layer uses
         nbytes = store.layer_bytes[layer]
         name = self.pipe.adapter.layers[layer].name
         slot = Slot()
@@ -72,29 +72,31 @@ class Worker:
         def allocate():
             dev.memory.reserve(nbytes, f"weights:{name}", "weights")
             tensors = {}
-            for k in keys:
-                e = store.entries[k]
-                t = nn.Parameter(dev.empty(e.compute.shape, e.compute.dtype), requires_grad=e.trainable)
+            for piece in pieces:
+                src = store.piece_source(piece)
+                trainable = store.entries[piece[0]].trainable
+                t = nn.Parameter(dev.empty(src.shape, src.dtype), requires_grad=trainable)
                 dev.hand_over(t, compute)
-                tensors[k] = t
+                tensors[piece] = t
             slot.value = tensors
 
         stream.submit(allocate)
         chunk = self.pipe.config.copy_chunk_bytes
-        for k in keys:
-            src = store.entries[k]
-            rows = src.compute.shape[0] if src.compute.dim() else 1
-            row_bytes = max(1, src.nbytes // max(rows, 1))
+        for piece in pieces:
+            src = store.piece_source(piece)  # for its shape; each copy reads the source when it runs
+            rows = src.shape[0] if src.dim() else 1
+            row_bytes = max(1, tensor_bytes(src) // max(rows, 1))
             step = max(1, chunk // row_bytes)
             for a in range(0, rows, step):
                 b = min(rows, a + step)
 
-                def copy(k=k, src=src, a=a, b=b):
-                    data = slot.value[k].data
+                def copy(piece=piece, a=a, b=b):
+                    data = slot.value[piece].data
+                    src = store.piece_source(piece)
                     if data.dim() == 0:
-                        dev.copy_in(data, src.compute)
+                        dev.copy_in(data, src)
                     else:
-                        dev.copy_in(data[a:b], src.compute[a:b])
+                        dev.copy_in(data[a:b], src[a:b])
 
                 stream.submit(copy, (f"W:{name}", "upload"))
         self.resident[layer] = Resident(slot, stream.record_event(), nbytes)
@@ -159,12 +161,12 @@ class Worker:
         if layer not in self._shells:
             shell = make_shell(self.pipe.adapter.layers[layer].module)
             self._shells[layer] = [
-                (shell, shell.get_submodule(b.module_path), b.attr, b.is_buffer, b.key)
+                (shell, shell.get_submodule(b.module_path), b.attr, b.is_buffer, b.piece)
                 for b in self.pipe.store.bindings[layer]
             ]
         bound = self._shells[layer]
-        for _, mod, attr, is_buffer, key in bound:
-            (mod._buffers if is_buffer else mod._parameters)[attr] = weights[key]
+        for _, mod, attr, is_buffer, piece in bound:
+            (mod._buffers if is_buffer else mod._parameters)[attr] = weights[piece]
         return bound[0][0] if bound else self.pipe.adapter.layers[layer].module
 
     # ----------------------------------------------------------------- context
@@ -373,7 +375,8 @@ class Worker:
         return self._acc
 
     def flush_grads(self, step: StepRun) -> None:
-        """Download the open accumulator and hand it to the host thread (worker thread)."""
+        """Download the open accumulator and hand it to the host thread (worker thread): a dict
+        ``{(entry key, rows or None): fp32 gradient of those rows}``."""
         if self._acc is None:
             return
         acc, layers, count = self._acc, self._acc_range, self._acc_count
@@ -472,8 +475,8 @@ class Worker:
         if grad_in:
             x = x.detach().requires_grad_(True)
         x0 = x
-        keys = pipe.store.trainable_keys(r)
-        params = [weights[k] for k in keys]
+        pieces = pipe.store.trainable_pieces(r)
+        params = [weights[p] for p in pieces]
         with torch.enable_grad():
             y = x
             for i in r:
@@ -490,15 +493,17 @@ class Worker:
             dev.memory.reserve(tensor_bytes(gx), f"grad[{r.start}].{mb}", "activations")
             produced[("grad", r.start, mb)].value = gx
             grads = grads[1:]
-        acc = param_grads.value  # the open accumulator of this stage's weight gradients (fp32)
-        for k, g in zip(keys, grads):
+        # The open accumulator of this stage's weight gradients (fp32), keyed by piece: a shard's
+        # gradient covers only its rows.
+        acc = param_grads.value
+        for p, g in zip(pieces, grads):
             if g is None:
                 continue
-            if k in acc:
-                acc[k].add_(g)
+            if p in acc:
+                acc[p].add_(g)
             else:
-                acc[k] = g if g.dtype == torch.float32 else g.to(torch.float32)
-                dev.memory.reserve(tensor_bytes(acc[k]), f"grads:{t.stage}", "grads")
+                acc[p] = g if g.dtype == torch.float32 else g.to(torch.float32)
+                dev.memory.reserve(tensor_bytes(acc[p]), f"grads:{t.stage}", "grads")
 
     def _run_layer_named(self, step, i, weights, x, ctx, mb, t):
         try:
