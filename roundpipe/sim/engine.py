@@ -12,8 +12,10 @@ What is modelled, and why it matches the runtime (DESIGN.md §3-§4):
 - **Data flow**: an operation's inputs (``act``/``grad`` hand-offs, and the microbatch's token ids
   when the device switches microbatch) come from host memory after their producer's download; an
   input upload starts once the operation before it on the device has started (one operation of
-  lookahead, as the worker issues ahead). Outputs, activation gradients and per-microbatch weight
-  gradients go down after the compute. A task also waits for every task ``deps.py`` names.
+  lookahead, as the worker issues ahead). Outputs and activation gradients go down after the
+  compute. Weight gradients are summed on the device in fp32 while the next task on the device
+  backpropagates the same layers (a RoundPipe deal; a fused head run) and go down once when it does
+  not (``accumulate_grads=False``: after every task). A task also waits for every task ``deps.py`` names.
 - **Weights**: a device's operations form groups of the same layers. Streaming (``roundpipe``, and
   any table whose weights do not fit): the device holds at most the current and the next group; the
   upload of group ``k + 1`` waits until the compute that used group ``k - 1`` is done, which frees it.
@@ -30,7 +32,7 @@ What is modelled, and why it matches the runtime (DESIGN.md §3-§4):
   overlap; three steps are simulated back to back and the step time is their average period after
   the first.
 - **Memory**: per device, bytes of weights, activations on the device, working sets (a stage's
-  saved autograd tensors and one layer's transient) and gradients waiting to go down, plus the
+  saved autograd tensors and one layer's transient) and fp32 gradient accumulators, plus the
   workspace reserve; on the host, the model state plus every hand-off and saved input held.
   The simulation never blocks on memory: it reports the peaks and whether they fit.
 
@@ -74,8 +76,9 @@ class SimOptions:
     iterations: int | None = None
     record_timeline: bool = True
     classic_flow: bool = False  # textbook forward tasks (closed forms' setting), see workload.device_ops
-    accumulate_grads: bool = False  # what-if: sum weight gradients on the device over a run of tasks
-    # of the same stage and download them once (the runtime downloads them per microbatch)
+    # Sum weight gradients on the device while the next task on the device backpropagates the same
+    # layers and download them once (what the runtime does); False: download after every task.
+    accumulate_grads: bool = True
     stream_weights: bool | None = None  # None: stream unless the table is weight-bound and fits
 
     def __post_init__(self):
@@ -284,9 +287,8 @@ class _Sim:
         self.host_waiters: dict[tuple, list[_OpState]] = defaultdict(list)
         for d in range(self.n_dev):
             if self.opts.accumulate_grads:  # one gradient buffer per run of tasks over the same layers
-                with_grads = [st for st in self.ops[d] if st.trainable]
-                for a, b in zip(with_grads, with_grads[1:]):
-                    if a.it == b.it and a.op.bwd_layers == b.op.bwd_layers:
+                for a, b in zip(self.ops[d], self.ops[d][1:]):
+                    if a.trainable and b.trainable and a.it == b.it and a.op.bwd_layers == b.op.bwd_layers:
                         a.flush = b.alloc = False
             for st in self.ops[d]:
                 if st.flush:

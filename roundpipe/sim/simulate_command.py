@@ -72,7 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stages", default=None, help="stage count N, or F,B for roundpipe (default: automatic)")
     ap.add_argument("--head-shards", default="auto", help="vocabulary shards of the LM head (default: auto)")
     ap.add_argument("--times", default=None, help="JSON file of measured per-layer [forward_s, backward_s]")
-    ap.add_argument("--accumulate-grads", action="store_true", help="what-if: sum weight grads on the device")
+    ap.add_argument(
+        "--per-microbatch-grads",
+        action="store_true",
+        help="what-if: send weight gradients down after every microbatch instead of summing them on the device",
+    )
     ap.add_argument("--timeline", default=None, help="write a PNG Gantt chart of the step here")
     ap.add_argument("--trace", default=None, help="write a Chrome trace (open in Perfetto) here")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         record = bool(args.timeline or args.trace)
         result = run_scenario(
-            scenario, SimOptions(accumulate_grads=args.accumulate_grads, record_timeline=record)
+            scenario, SimOptions(accumulate_grads=not args.per_microbatch_grads, record_timeline=record)
         )
         timeline = result.timeline
         if timeline is not None and args.trace:

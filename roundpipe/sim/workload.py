@@ -27,6 +27,7 @@ from roundpipe.schedule.table import ScheduleTable
 from roundpipe.sim.presets import GPU, Server
 
 DEFAULT_W_FRACTION = 0.5  # share of a layer's backward that is weight gradient (I/W split)
+FP32_BYTES = 4  # the runtime accumulates weight gradients in fp32 on the device and sends them down so
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class LayerWork:
     bwd_s: float  # backward alone, without the recompute forward
     recompute: bool = True  # a backward stage re-runs this layer's forward first
     param_bytes: int = 0  # weights on the device
-    grad_bytes: int = 0  # weight gradients of one microbatch on the device (sent down)
+    grad_bytes: int = 0  # the fp32 weight-gradient accumulator of this layer on the device (sent down)
     act_in_bytes: int = 0  # the layer's input (a hand-off if a stage starts here)
     saved_bytes: int = 0  # what autograd keeps for this layer while its stage backpropagates
     transient_bytes: int = 0  # one layer's backward transient
@@ -94,7 +95,7 @@ def workload_from_costs(
                 bwd_s=max(0.0, bs - (f if c.recompute else 0.0)),
                 recompute=c.recompute,
                 param_bytes=c.param_bytes,
-                grad_bytes=c.grad_device_bytes,
+                grad_bytes=c.trainable_params * FP32_BYTES,
                 act_in_bytes=c.act_in_bytes,
                 saved_bytes=c.saved_bytes,
                 transient_bytes=c.transient_bytes,
