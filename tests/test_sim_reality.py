@@ -1,0 +1,80 @@
+"""The simulator against reality: with per-layer costs measured by ``pipe.profile`` on the cpu
+backend, the simulated iteration time of a real run is within 20% of the measured one."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import pytest
+import torch
+
+import roundpipe
+from roundpipe.partition.cost import model_costs
+from roundpipe.sim.engine import SimOptions
+from roundpipe.sim.presets import load_hardware
+from roundpipe.sim.simulator import simulate
+from roundpipe.sim.workload import workload_from_costs
+
+torch.set_num_threads(1)
+
+BATCH, SEQ, MICROBATCHES = 8, 128, 4
+
+
+@pytest.fixture(scope="module")
+def llama():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def _cpu_backend_as_hardware(num_devices: int):
+    """The cpu backend described as a server: copies are host memcpy (a few GB/s), memory is ample,
+    the optimizer runs on the one host thread. Compute speed does not matter: every layer's time is
+    measured."""
+    return load_hardware(
+        f"{num_devices}xrtx4090",
+        gpu_host_link_bw=8e9,
+        gpu_host_link_bw_measured=8e9,
+        gpu_memory_bytes=64 << 30,
+        gpu_workspace_reserve_bytes=0,
+        host_memory_bw=8e9,
+        cpu_cores=1,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["roundpipe", "1f1b"])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_simulated_iteration_time_is_within_20_percent_of_a_real_run(llama, policy, devices):
+    ids = torch.randint(0, 2048, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    config = roundpipe.RunConfig(devices=f"cpu:{devices}", num_microbatches=MICROBATCHES, policy=policy)
+    with roundpipe.wrap(copy.deepcopy(llama), config) as pipe:
+        pipe.configure_optimizer(lr=1e-4)
+        times = pipe.profile(ids, ids, steps=2)
+        steps = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            pipe.forward_backward(ids, labels=ids)
+            pipe.step()
+            steps.append(time.perf_counter() - t0)
+        measured = statistics.median(steps[1:])
+        table = pipe.last_plan.table
+    hardware = _cpu_backend_as_hardware(devices)
+    costs = model_costs(llama.config.to_dict(), SEQ, BATCH // MICROBATCHES, dtype="fp32")
+    workload = workload_from_costs(costs, hardware, times=times)
+    predicted = simulate(table, workload, hardware, SimOptions()).iteration_s
+    assert predicted == pytest.approx(measured, rel=0.2), (
+        f"simulated {predicted:.3f}s, measured {measured:.3f}s"
+    )
