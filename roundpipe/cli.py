@@ -1,7 +1,6 @@
-"""The ``roundpipe`` command: ``roundpipe demo`` and ``roundpipe partition``.
+"""The ``roundpipe`` command: ``demo``, ``partition``, ``simulate`` and ``plan``.
 
-``roundpipe plan | simulate | train`` arrive with the simulator, tuner and trainer; until then the
-command offers what exists and says so.
+``roundpipe train`` arrives with the trainer; until then the command offers what exists.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="roundpipe",
         description="Fine-tune Hugging Face LLMs on GPUs far smaller than the model.",
-        epilog="Run `roundpipe COMMAND --help` for a command's options. "
-        "plan, simulate and train are not available yet.",
+        epilog="Run `roundpipe COMMAND --help` for a command's options. train is not available yet.",
     )
     parser.add_argument(
         "command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items())

@@ -357,7 +357,9 @@ class Worker:
             step.on_loss(host_loss, done)
         if flow.layers_bwd:
             self._acc_count += 1
-            nxt = remaining[0] if remaining else None
+            # Keep summing while this device's next backward is over the same layers (forwards in
+            # between, as in 1F1B rows, do not touch the accumulator).
+            nxt = next((f for f in remaining if f.layers_bwd), None)
             if nxt is None or nxt.layers_bwd != flow.layers_bwd:
                 self.flush_grads(step)
 

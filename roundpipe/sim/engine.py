@@ -286,8 +286,11 @@ class _Sim:
                     self.ops[d].append(st)
         self.host_waiters: dict[tuple, list[_OpState]] = defaultdict(list)
         for d in range(self.n_dev):
-            if self.opts.accumulate_grads:  # one gradient buffer per run of tasks over the same layers
-                for a, b in zip(self.ops[d], self.ops[d][1:]):
+            if self.opts.accumulate_grads:
+                # One gradient buffer per run of backward tasks over the same layers; forward tasks
+                # in between (1F1B-style rows) leave it open, as the runtime's worker does.
+                backward_ops = [st for st in self.ops[d] if st.op.bwd_layers]
+                for a, b in zip(backward_ops, backward_ops[1:]):
                     if a.trainable and b.trainable and a.it == b.it and a.op.bwd_layers == b.op.bwd_layers:
                         a.flush = b.alloc = False
             for st in self.ops[d]:
