@@ -241,3 +241,30 @@ def test_a_checkpoint_resumes_training_exactly():
         pipe.load_state_dict(checkpoint)
         resumed = first + train(pipe, 2)
     assert resumed == pytest.approx(straight, rel=1e-6)
+
+
+def test_a_stalled_step_becomes_a_watchdog_error_naming_what_each_worker_waits_for():
+    from roundpipe.errors import WatchdogTimeout
+
+    model = make_model("llama", num_layers=2)
+    stalled = []
+
+    def stall(module, args, output):
+        if not stalled:
+            stalled.append(1)
+            time.sleep(3.0)  # a hung kernel, as far as the pipeline can tell
+
+    model.model.layers[0].register_forward_hook(stall)
+    batch = make_batch(batch=4)
+    with roundpipe.wrap(
+        model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, watchdog_s=1.0)
+    ) as pipe:
+        t0 = time.monotonic()
+        with pytest.raises(WatchdogTimeout) as info:
+            _fb(pipe, batch)
+        assert time.monotonic() - t0 < 5
+        msg = str(info.value)
+        assert "no progress for 1s" in msg and "cpu:0:" in msg and "cpu:1:" in msg
+        assert "compute running F1.0" in msg  # the stalled task (layers.0 is stage 1), on cpu:1
+        assert "waiting for an event" in msg  # and the streams that depend on it say so
+        assert _fb(pipe, batch).loss > 0  # and the pipeline recovers

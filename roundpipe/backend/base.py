@@ -113,6 +113,10 @@ class Stream(ABC):
     def synchronize(self) -> None:
         self.record_event().synchronize()
 
+    def describe(self) -> str:
+        """What the stream is doing now (for error messages); backends that cannot tell say so."""
+        return f"{self.name} (state not tracked)"
+
 
 class Device(ABC):
     """One worker device. ``torch_device`` is where its tensors live (``cpu`` for virtual devices)."""

@@ -57,6 +57,7 @@ class CpuStream(Stream):
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self.ops = 0
+        self.current: tuple[str, float] | None = None  # what the thread is doing now, since when
         self._thread = threading.Thread(
             target=self._loop, name=f"roundpipe-{device.name}-{name}", daemon=True
         )
@@ -73,6 +74,12 @@ class CpuStream(Stream):
     def wait_event(self, event: Event) -> None:
         self._queue.put(("wait", event))
 
+    def describe(self) -> str:
+        """What this stream is doing, for the watchdog's message."""
+        cur = self.current
+        now = "idle" if cur is None else f"{cur[0]} for {time.perf_counter() - cur[1]:.1f}s"
+        return f"{self.name} {now}, {self._queue.qsize()} queued"
+
     def stop(self) -> None:
         self._queue.put((_STOP, None))
         self._thread.join()
@@ -84,11 +91,13 @@ class CpuStream(Stream):
             if op is _STOP:
                 return
             self.ops += 1
+            self.current = None
             if op == "record":
                 arg.fire(self._error)
             elif self._error is not None:
                 continue  # a poisoned stream skips work until it is reset
             elif op == "wait":
+                self.current = ("waiting for an event of another stream", time.perf_counter())
                 try:
                     arg.wait()
                     if arg.error is not None:
@@ -99,6 +108,7 @@ class CpuStream(Stream):
                 fn, label = arg
                 backend = self.device.backend
                 start = time.perf_counter()
+                self.current = (f"running {label[0]}" if label else "running unlabelled work", start)
                 try:
                     fn()
                 except BaseException as e:  # carried to whoever synchronizes, never swallowed

@@ -761,7 +761,12 @@ class Pipeline:
             elif now - last_change > self.config.watchdog_s:
                 timed_out = WatchdogTimeout(
                     f"no progress for {self.config.watchdog_s:.0f}s; "
-                    + "; ".join(f"{w.device.name}: {w.status}" for w in self.workers)
+                    + "; ".join(
+                        f"{w.device.name}: worker {w.status} ["
+                        + "; ".join(st.describe() for st in w.device.streams.values())
+                        + "]"
+                        for w in self.workers
+                    )
                 )
                 break
             time.sleep(0.002)
