@@ -30,11 +30,12 @@ Bytes (``b`` = bytes of the compute dtype):
 
 - ``param_bytes``: the layer's weights on the device (``params * b``, LoRA adapters included).
 - ``trainable_params``: parameters this layer produces gradients for; ``grad_device_bytes`` =
-  ``trainable * b`` (device, per microbatch). ``grad_host_bytes`` = fp32 accumulation buffers and
+  ``trainable * 4``: the runtime sums a stage's weight gradients on the device in fp32 over its
+  consecutive microbatches before one download. ``grad_host_bytes`` = fp32 accumulation buffers and
   ``optimizer_bytes`` = AdamW fp32 master + two moments (12 bytes) per trainable parameter, both
   on the CPU and counted once for tied weights (the embedding owns them).
 - ``act_in_bytes``: the layer's input kept on the CPU if a stage starts here (``tokens * H * b``;
-  ``tokens * 8`` int64 ids for the embedding; vocabulary shards after the first also pass three
+  ``tokens * 8`` int64 ids for the embedding; vocabulary shards after the first pass a packed fp32 tensor: the hidden state and two
   fp32 running loss statistics per token).
 - ``saved_bytes``: what autograd keeps for this layer while its stage recomputes (attention via
   SDPA/FlashAttention: O(T), never a ``T x T`` matrix). Per token, elements of dtype ``b``:
@@ -73,9 +74,10 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32 = 4
 OPTIMIZER_BYTES_PER_PARAM = 12  # AdamW: fp32 master weight + exp_avg + exp_avg_sq
 GRAD_HOST_BYTES_PER_PARAM = 4  # fp32 gradient accumulation on the CPU
+DEVICE_GRAD_BYTES_PER_PARAM = 4  # fp32 accumulator on the device (runtime/worker.py _accumulator)
 ATTENTION_BWD_FACTOR = 2.5  # dQ, dK, dV, dP matmuls + FlashAttention's recomputed scores
 HEAD_LOGIT_BUFFERS = 2  # a chunk's fp32 logits and their gradient are alive together
-HEAD_STATS_PER_TOKEN = 3  # running max, sum of exp, target logit (fp32) between vocabulary shards
+HEAD_STATS_PER_TOKEN = 2  # running log-sum-exp and target logit (fp32) between vocabulary shards
 DEFAULT_HEAD_CHUNK_TOKENS = 1024
 
 
@@ -371,6 +373,8 @@ def model_costs(
         tied = weight if shape.tied else 0
         saved = tokens * h * b * (2 if j == 0 else 1)
         stats = tokens * FP32 * HEAD_STATS_PER_TOKEN if j > 0 else 0
+        # After the first shard the hand-off is one packed fp32 tensor [tokens, H + 2] (models/head_shards.py).
+        hidden_in = tokens * h * (FP32 if j > 0 else b)
         transient = HEAD_LOGIT_BUFFERS * chunk * vs * FP32 + tokens * h * b
         raw.append(
             (
@@ -383,7 +387,7 @@ def model_costs(
                     trainable=trainable,
                     owned_trainable=(trainable - tied) if full else 0,
                     tied=tied,
-                    act_in=tokens * h * b + stats,
+                    act_in=hidden_in + stats,
                     saved=saved + stats,
                     work=saved + stats + transient,
                     fwd_work=saved + stats + transient,
@@ -407,7 +411,7 @@ def model_costs(
             recompute=bool(c["recompute"]),
             saved_bytes=int(c["saved"]),
             fwd_work_bytes=int(c["fwd_work"]),
-            grad_device_bytes=int(c["trainable"] * b),
+            grad_device_bytes=int(c["trainable"] * DEVICE_GRAD_BYTES_PER_PARAM),
             grad_host_bytes=int(c["owned_trainable"] * GRAD_HOST_BYTES_PER_PARAM),
             optimizer_bytes=int(c["owned_trainable"] * OPTIMIZER_BYTES_PER_PARAM),
             tokens=tokens,
