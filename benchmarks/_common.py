@@ -49,7 +49,9 @@ def median_step_s(step, warmup: int, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def write_results(name: str, payload: dict, table_rows: list[list[str]], header: list[str], notes: str) -> Path:
+def write_results(
+    name: str, payload: dict, table_rows: list[list[str]], header: list[str], notes: str
+) -> Path:
     """Write ``results/<name>.json`` and ``results/<name>.md`` (a markdown table + notes)."""
     RESULTS.mkdir(exist_ok=True)
     payload = {

@@ -89,8 +89,8 @@ Model: Llama-shaped, {params / 1e6:.1f}M parameters (hidden 512, 8 layers, vocab
 fine-tuning, AdamW; batch {args.batch} x {args.seq} tokens, {args.microbatches} microbatches; one intra-op
 thread. Medians of {args.repeats} alternating steps. Goal: ratio <= 1.15.
 
-Last roundpipe step: {stats['step_s']:.3f} s wall, compute stream busy {busy:.3f} s
-({busy / stats['step_s']:.0%}), host (gradient accumulation + optimizer) busy {stats['host_busy_s']:.3f} s.
+Last roundpipe step: {stats["step_s"]:.3f} s wall, compute stream busy {busy:.3f} s
+({busy / stats["step_s"]:.0%}), host (gradient accumulation + optimizer) busy {stats["host_busy_s"]:.3f} s.
 """
     write_results("overhead", payload, rows, ["run", "step s (median)", "tokens/s", "ratio"], notes)
 

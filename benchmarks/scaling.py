@@ -71,17 +71,28 @@ def main() -> None:
         "last_step_stats": stats,
     }
     rows = [
-        [d, f"{t:.3f}", f"{tokens / t:,.0f}", f"{one / t:.2f}x",
-         ", ".join(f"{x['busy_s'] / stats[d]['step_s']:.0%}" for x in stats[d]["devices"])]
+        [
+            d,
+            f"{t:.3f}",
+            f"{tokens / t:,.0f}",
+            f"{one / t:.2f}x",
+            ", ".join(f"{x['busy_s'] / stats[d]['step_s']:.0%}" for x in stats[d]["devices"]),
+        ]
         for d, t in (("cpu:1", one), ("cpu:2", two))
     ]
     notes = f"""
 Llama-shaped model, hidden 512, 8 layers, fp32 full fine-tuning; batch {args.batch} x {args.seq},
 {args.microbatches} microbatches, policy `{args.policy}`; one intra-op thread per worker stream; medians of
 {args.repeats} alternating steps. Goal: speed-up >= 1.5x on 2 cores. Host (accumulation + optimizer)
-busy in the last cpu:2 step: {stats['cpu:2']['host_busy_s']:.3f} s of {stats['cpu:2']['step_s']:.3f} s.
+busy in the last cpu:2 step: {stats["cpu:2"]["host_busy_s"]:.3f} s of {stats["cpu:2"]["step_s"]:.3f} s.
 """
-    write_results("scaling", payload, rows, ["devices", "step s (median)", "tokens/s", "speed-up", "compute busy"], notes)
+    write_results(
+        "scaling",
+        payload,
+        rows,
+        ["devices", "step s (median)", "tokens/s", "speed-up", "compute busy"],
+        notes,
+    )
 
 
 if __name__ == "__main__":
