@@ -597,8 +597,9 @@ class Pipeline:
     ) -> dict[str, tuple[float, float]]:
         """Measure every layer's forward and backward (without recompute) seconds per microbatch.
 
-        Runs ``steps`` forward/backward passes of this batch on the first worker, one layer per
-        task, and keeps the medians as ``self.layer_times`` (the partitioner's measured costs,
+        Runs ``steps`` forward/backward passes of this batch, one layer per task, every worker
+        taking its share of the microbatches at once (so shared-machine contention is included),
+        and keeps the medians as ``self.layer_times`` (the partitioner's measured costs,
         then refreshed by a moving average during training). Weights and optimizer state are not
         touched; the gradients it makes are discarded.
         """

@@ -1,10 +1,12 @@
 """Measured per-layer costs: a profiling pass and a moving average kept up to date in training.
 
-``profile`` runs the model one layer per stage on the first worker, every forward before every
-backward and the head not fused, so each compute span is exactly one layer for one microbatch:
-forward spans give forward times; a backward span recomputes the layer's forward, so the backward
-alone is the span minus the forward. Times are per microbatch of the profiled batch, in seconds,
-in the form ``roundpipe.partition.cost.layer_times(times=...)`` takes.
+``profile`` runs the model one layer per stage, every forward before every backward and the head
+not fused, so each compute span is exactly one layer for one microbatch: forward spans give forward
+times; a backward span recomputes the layer's forward, so the backward alone is the span minus the
+forward. Microbatch ``j`` runs on worker ``j % D``, so every worker is busy at once, as in training:
+where workers share a machine (virtual cpu devices sharing cores, copy threads and the interpreter)
+the times include that contention. Times are per microbatch of the profiled batch, in seconds, in
+the form ``roundpipe.partition.cost.layer_times(times=...)`` takes.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ _TASK = re.compile(r"^([FB])(\d+)\.(\d+)")
 
 
 def profiling_table(num_layers: int, num_devices: int, num_microbatches: int) -> ScheduleTable:
-    """Device 0 runs F of every layer, then B from the last layer down; other devices idle."""
-    rows: list[tuple[Task, ...]] = [() for _ in range(num_devices)]
-    tasks = [Task("F", s, j, 0) for s in range(num_layers) for j in range(num_microbatches)]
-    tasks += [Task("B", s, j, 0) for s in reversed(range(num_layers)) for j in range(num_microbatches)]
-    rows[0] = tuple(tasks)
+    """Worker ``d`` runs its microbatches (``j % D == d``) through F of every layer, then B from the
+    last layer down; all workers at once."""
+    rows: list[tuple[Task, ...]] = []
+    for d in range(num_devices):
+        mine = [j for j in range(num_microbatches) if j % num_devices == d]
+        tasks = [Task("F", s, j, d) for s in range(num_layers) for j in mine]
+        tasks += [Task("B", s, j, d) for s in reversed(range(num_layers)) for j in mine]
+        rows.append(tuple(tasks))
     part = Partition.per_layer(num_layers)
     return ScheduleTable(tuple(rows), part, part, num_microbatches, policy="profile")
 
