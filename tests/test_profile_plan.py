@@ -9,27 +9,11 @@ import time
 import pytest
 import torch
 from reference import assert_same_run, pipeline_train, reference_train
-from tiny_models import make_batch, make_model
+from tiny_models import make_batch, make_model, make_timing_llama
 
 import roundpipe
 
 torch.set_num_threads(1)
-
-
-def _bigger_llama():
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def _direct_block_times(pipe, batch, layer_index: int, repeats: int = 13) -> tuple[float, float]:
@@ -61,7 +45,7 @@ def _direct_block_times(pipe, batch, layer_index: int, repeats: int = 13) -> tup
 def test_profiled_layer_times_match_wall_clock_of_the_same_layers():
     """Profile and direct timing alternate over three rounds so that the shared machine's slow
     drifts hit both sides; medians of the rounds are compared."""
-    model = _bigger_llama()
+    model = make_timing_llama(vocab=512, num_layers=2)
     batch = {
         k: v
         for k, v in make_batch(batch=16, seq=64, vocab=512, padding=None).items()

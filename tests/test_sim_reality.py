@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from tiny_models import make_timing_llama
 
 import roundpipe
 from roundpipe.partition.cost import model_costs
@@ -24,19 +25,7 @@ BATCH, SEQ, MICROBATCHES = 8, 128, 4
 
 @pytest.fixture(scope="module")
 def llama():
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return make_timing_llama(vocab=2048, num_layers=4)
 
 
 def _cpu_backend_as_hardware(num_devices: int):

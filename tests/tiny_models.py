@@ -181,3 +181,21 @@ def make_batch(
         first_real = int(real.nonzero()[0])
         labels[i, first_real : first_real + 2] = -100
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def make_timing_llama(*, vocab: int, num_layers: int, hidden: int = 256, seed: int = 0) -> nn.Module:
+    """A Llama big enough that a layer's compute outweighs Python and timer noise (hidden 256,
+    MLP 4x), for tests that compare measured times."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
