@@ -42,31 +42,46 @@ def _direct_block_times(pipe, batch, layer_index: int, repeats: int = 13) -> tup
     return f, statistics.median(both) - f
 
 
-def test_profiled_layer_times_match_wall_clock_of_the_same_layers():
+def _profile_vs_direct(pipe, batch, blocks) -> list[tuple[str, str, float, float]]:
     """Profile and direct timing alternate over three rounds so that the shared machine's slow
-    drifts hit both sides; medians of the rounds are compared."""
+    drifts hit both sides; returns (layer, phase, profiled median, direct median)."""
+    profiled = {i: [] for i in blocks}
+    direct = {i: [] for i in blocks}
+    for _ in range(3):
+        measured = pipe.profile(batch["input_ids"], batch["labels"], steps=2)
+        for i in blocks:
+            profiled[i].append(measured[pipe.adapter.layers[i].name])
+            direct[i].append(_direct_block_times(pipe, batch, i))
+    return [
+        (
+            pipe.adapter.layers[i].name,
+            phase,
+            statistics.median(t[k] for t in profiled[i]),
+            statistics.median(t[k] for t in direct[i]),
+        )
+        for i in blocks
+        for phase, k in (("forward", 0), ("backward", 1))
+    ]
+
+
+def test_profiled_layer_times_match_wall_clock_of_the_same_layers():
+    """Within 25%, for both decoder blocks (the layers that carry the time). A load burst from
+    another process can still skew one attempt on a shared machine: up to two attempts."""
     model = make_timing_llama(vocab=512, num_layers=2)
     batch = {
         k: v
         for k, v in make_batch(batch=16, seq=64, vocab=512, padding=None).items()
         if k != "attention_mask"
     }
-    blocks = (1, 2)  # the two decoder blocks: the layers that carry the time
-    profiled = {i: [] for i in blocks}
-    direct = {i: [] for i in blocks}
+    misses = []
     # 4 microbatches of 4 samples x 2 steps: 8 timings per layer per round.
     with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", num_microbatches=4)) as pipe:
-        for _ in range(3):
-            measured = pipe.profile(batch["input_ids"], batch["labels"], steps=2)
-            for i in blocks:
-                profiled[i].append(measured[pipe.adapter.layers[i].name])
-                direct[i].append(_direct_block_times(pipe, batch, i))
-        for i in blocks:
-            name = pipe.adapter.layers[i].name
-            for phase, k in (("forward", 0), ("backward", 1)):
-                got = statistics.median(t[k] for t in profiled[i])
-                want = statistics.median(t[k] for t in direct[i])
-                assert got == pytest.approx(want, rel=0.25), (name, phase, got, want)
+        for _ in range(2):
+            rows = _profile_vs_direct(pipe, batch, (1, 2))
+            misses = [r for r in rows if r[2] != pytest.approx(r[3], rel=0.25)]
+            if not misses:
+                return
+    pytest.fail(f"profiled vs wall-clock beyond 25%: {misses}")
 
 
 def test_profile_leaves_weights_and_gradients_untouched():
