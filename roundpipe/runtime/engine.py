@@ -779,19 +779,21 @@ class Pipeline:
                 return
             except BaseException as e:
                 errors.append(e)
-        self._recover(threads)
-        raise self._root_error(timed_out, errors)
+        late = self._recover(threads)
+        raise self._root_error(timed_out, late + errors)
 
-    def _recover(self, threads) -> None:
-        """After a failure: stop every wait, let threads end, and leave the pipeline reusable."""
+    def _recover(self, threads) -> list[BaseException]:
+        """After a failure: stop every wait, let threads end, and leave the pipeline reusable.
+        Returns the errors the streams and the host thread reported meanwhile."""
         self.backend.abort()
         for t in threads:
             t.join()
+        late: list[BaseException] = []
         try:
             self._hostq.drain(is_aborted=lambda: True)
         except BaseException as e:
-            self._host_error = e
-        self._late_errors = list(self.backend.errors)
+            late.append(e)
+        late = list(self.backend.errors) + late
         self.backend.reset()
         for w in self.workers:
             w.resident.clear()
@@ -802,13 +804,10 @@ class Pipeline:
             w.device.memory.by_tag.clear()
         self.host_memory.in_use = 0
         self.host_memory.by_tag.clear()
+        return late
 
-    def _root_error(self, timed_out, errors) -> BaseException:
-        candidates = (
-            list(self._late_errors)
-            + errors
-            + ([self.__dict__.pop("_host_error")] if hasattr(self, "_host_error") else [])
-        )
+    def _root_error(self, timed_out, candidates: list[BaseException]) -> BaseException:
+        """The error to raise: a timeout, else the first one that is not a side effect of aborting."""
         if timed_out is not None:
             return timed_out
         for e in candidates:
