@@ -532,12 +532,19 @@ class Pipeline:
         return max(1, min(batch, auto_microbatches(f, b, d)))
 
     def _stage_count(self) -> int:
+        """Stages the policy places on the devices: one per device (roundpipe: one round),
+        ``virtual_stages`` per device for interleaved, ``2 x waves`` per device for hanayo."""
         n, d, opts = len(self.adapter.layers), len(self.backend.devices), self.config.policy_options
-        return {
-            "roundpipe": d,
+        stages = {
             "interleaved": d * (opts.get("virtual_stages") or 2),
             "hanayo": 2 * d * (opts.get("waves") or 1),
-        }.get(self.config.policy, min(d, n))
+        }.get(self.config.policy, d)
+        if stages > n:
+            raise ConfigError(
+                f"policy {self.config.policy!r} on {d} devices needs {stages} stages but the model has only {n} "
+                "layers; use fewer devices or the 'roundpipe' policy"
+            )
+        return stages
 
     def _auto_partitions(self) -> tuple[Partition, Partition]:
         """Balance measured stage times (``self.layer_times``) within the device capacity.
@@ -638,17 +645,8 @@ class Pipeline:
     def _default_partition(self) -> Partition:
         """Until the partitioner drives the runtime: one layer per stage for ``roundpipe`` (it streams
         any number of stages), else as many even stages as the policy places on the devices."""
-        n, d, opts = len(self.adapter.layers), len(self.backend.devices), self.config.policy_options
-        stages = {
-            "roundpipe": n,
-            "interleaved": d * (opts.get("virtual_stages") or 2),
-            "hanayo": 2 * d * (opts.get("waves") or 1),
-        }.get(self.config.policy, d)
-        if stages > n:
-            raise ConfigError(
-                f"policy {self.config.policy!r} on {d} devices needs {stages} stages but the model has only {n} "
-                "layers; use fewer devices or the 'roundpipe' policy"
-            )
+        n = len(self.adapter.layers)
+        stages = n if self.config.policy == "roundpipe" else self._stage_count()
         return Partition.from_sizes([n // stages + (1 if i < n % stages else 0) for i in range(stages)])
 
     def _check_capacity(self) -> None:
@@ -754,7 +752,7 @@ class Pipeline:
             progress = (
                 sum(w.tasks_done for w in self.workers),
                 self.backend.progress(),
-                self._hostq_pending(),
+                self._hostq.pending,
             )
             now = time.monotonic()
             if progress != last_progress:
@@ -816,9 +814,6 @@ class Pipeline:
                     return e
                 return StageError(f"{type(e).__name__}: {e}")
         return candidates[0] if candidates else StageError("the step failed for an unknown reason")
-
-    def _hostq_pending(self) -> int:
-        return self._hostq._pending
 
     # ----------------------------------------------------------------- optimizer
     def _groups(self) -> dict[int, list[int]]:

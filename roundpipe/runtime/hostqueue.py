@@ -32,6 +32,11 @@ class HostQueue:
             self._pending += 1
         self._queue.put((event, fn))
 
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet finished (the watchdog reads it as progress)."""
+        return self._pending
+
     def drain(self, is_aborted=lambda: False) -> None:
         """Wait until every submitted job has run; re-raise the first error."""
         with self._idle:

@@ -53,6 +53,15 @@ def require_stages(policy: str, forward: Partition, expected: int, why: str) -> 
         )
 
 
+def check_one_stage_per_device(
+    policy: str, forward: Partition, backward: Partition, num_devices: int, num_microbatches: int
+) -> None:
+    """The checks of the classic pipelines where stage ``s`` lives on device ``s`` (gpipe, 1f1b, zb)."""
+    check_counts(policy, forward, backward, num_devices, num_microbatches)
+    require_same_partition(policy, forward, backward)
+    require_stages(policy, forward, num_devices, "stage s runs on device s")
+
+
 def check_positive_option(policy: str, name: str, value) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ScheduleError(f"{policy}: option {name} must be a positive integer, got {value!r}")

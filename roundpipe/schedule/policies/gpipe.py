@@ -16,7 +16,7 @@ Constraints: forward partition == backward partition, exactly one stage per devi
 from __future__ import annotations
 
 from roundpipe.schedule.deps import TaskKey
-from roundpipe.schedule.policies._common import check_counts, finish, require_same_partition, require_stages
+from roundpipe.schedule.policies._common import check_one_stage_per_device, finish
 from roundpipe.schedule.table import Partition, ScheduleTable
 
 NAME = "gpipe"
@@ -28,9 +28,7 @@ def gpipe(forward: Partition, backward: Partition, num_devices: int, num_microba
     Raises:
         ScheduleError: partitions differ, or the number of stages is not ``num_devices``.
     """
-    check_counts(NAME, forward, backward, num_devices, num_microbatches)
-    require_same_partition(NAME, forward, backward)
-    require_stages(NAME, forward, num_devices, "stage s runs on device s")
+    check_one_stage_per_device(NAME, forward, backward, num_devices, num_microbatches)
     m = num_microbatches
     rows = [
         [TaskKey("F", d, j) for j in range(m)] + [TaskKey("B", d, j) for j in reversed(range(m))]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 
 from roundpipe.schedule.deps import TaskKey
-from roundpipe.schedule.policies._common import check_counts, finish, require_same_partition, require_stages
+from roundpipe.schedule.policies._common import check_one_stage_per_device, finish
 from roundpipe.schedule.table import Partition, ScheduleTable
 
 NAME = "zb"
@@ -33,9 +33,7 @@ def zb(forward: Partition, backward: Partition, num_devices: int, num_microbatch
     Raises:
         ScheduleError: partitions differ, or the number of stages is not ``num_devices``.
     """
-    check_counts(NAME, forward, backward, num_devices, num_microbatches)
-    require_same_partition(NAME, forward, backward)
-    require_stages(NAME, forward, num_devices, "stage s runs on device s")
+    check_one_stage_per_device(NAME, forward, backward, num_devices, num_microbatches)
     m = num_microbatches
     rows = []
     for d in range(num_devices):
