@@ -44,11 +44,10 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from roundpipe.errors import ConfigError
-from roundpipe.schedule.deps import TaskKey
 from roundpipe.schedule.table import ScheduleTable
 from roundpipe.schedule.timeline import HOST_DEVICE, Span, Timeline
 from roundpipe.sim.presets import Server
@@ -160,28 +159,93 @@ class SimResult:
         }
 
 
-class _Copy:
-    """One copy on a device's h2d or d2h engine; weight uploads move in ``chunk_bytes`` pieces."""
+# Event kinds. Events are ``(time, seq, kind, a, b)``; ``seq`` breaks ties in push order.
+_COMPUTE_END, _LINK_DUE, _OPT_END, _FREE_COPY_END = 0, 1, 2, 3
 
-    __slots__ = ("dev", "lane", "name", "kind", "nbytes", "left", "prio", "done", "it", "rate", "t0", "t_pick",
-                 "ver", "piece", "key", "owner")  # fmt: skip
 
-    def __init__(self, dev: int, lane: str, name: str, kind: str, nbytes: int, prio: tuple, done, it: int):
-        self.dev, self.lane, self.name, self.kind = dev, lane, name, kind
-        self.nbytes = self.left = nbytes
-        self.prio, self.done, self.it = prio, done, it
-        self.rate = self.t0 = self.t_pick = 0.0
-        self.ver = 0
-        self.piece = 0.0
-        self.key = self.owner = None
+class _OpCost:
+    """What an operation costs. Every microbatch of a stage has the same shape, so one instance is
+    computed per shape and shared by all of them (building a large table stays linear and cheap)."""
+
+    __slots__ = ("dur", "bwd", "trainable", "wgrad", "work", "hold", "release", "layers", "keys")
+
+    def __init__(self, dur, bwd, trainable, wgrad, work, hold, release, layers):
+        self.dur = dur  # seconds on the compute engine
+        self.bwd = bwd  # layers it backpropagates (empty for a frozen embedding alone)
+        self.trainable = trainable  # layers whose weight gradients it produces
+        self.wgrad = wgrad  # bytes of those gradients (fp32 accumulators on the device)
+        self.work, self.hold = work, hold  # working set while it runs; bytes an I leaves for its W
+        self.release = release  # bytes a W frees: what its I left
+        self.layers = layers  # weights it needs on the device
+        self.keys: dict[int, tuple] = {}  # step -> ((step, layer), ...): its weights in that step
 
 
 class _OpState:
-    """An operation plus its simulation state (one per op per simulated step)."""
+    """One operation of one simulated step: its fixed links (built once) and its progress."""
 
-    __slots__ = ("op", "it", "pos", "dur", "keys", "ins", "outs", "wgrad", "trainable", "work", "hold", "deps",
-                 "dependents", "host_wait", "up_wait", "lookahead_ok", "started", "ended", "group", "ctx_bytes",
-                 "stash_add", "stash_drop", "last_of_iter", "alloc", "flush", "in_bytes", "out_groups")  # fmt: skip
+    __slots__ = ("op", "dev", "label", "kind", "it", "pos", "cost", "keys", "ins", "in_bytes", "ctx_bytes",
+                 "out_groups", "dependents", "group", "last_of_iter", "alloc", "flush", "stash_add", "stash_drop",
+                 "deps", "host_wait", "up_wait", "lookahead_ok", "started")  # fmt: skip
+
+    def __init__(self, op: Op, it: int, pos: int, cost: _OpCost, keys: tuple):
+        self.op, self.dev, self.label, self.kind = op, op.device, op.label, op.kind
+        self.it, self.pos, self.cost, self.keys = it, pos, cost, keys
+        self.ins = op.consumes  # hand-offs ``(name, boundary, microbatch)`` of step ``it``
+        self.in_bytes = self.ctx_bytes = 0
+        self.out_groups: list[tuple] = []  # (keys, priority, kind, bytes) per download after it runs
+        self.dependents: list[_OpState] = []  # operations whose ``deps`` count this one
+        self.group = -1  # index of its weight group on the device
+        self.last_of_iter = False  # the device's last operation of step ``it``
+        self.alloc = self.flush = True  # opens / sends down a gradient buffer
+        self.stash_add = self.stash_drop = True  # counts in the stash while it runs
+        self.deps = 0  # operations it still waits for (deps.py)
+        self.host_wait = len(op.consumes)  # inputs not yet downloaded by their producers
+        self.up_wait = -1  # inputs: -1 not issued, 1 uploading, 0 on the device
+        self.lookahead_ok = pos == 0  # the operation before it on the device has started
+        self.started = -1.0
+
+
+class _Link:
+    """One direction of a switch's uplink. Copies in flight on it share its rate equally (fluid
+    model); ``ver`` invalidates the completion event scheduled before the last re-share."""
+
+    __slots__ = ("flows", "rate", "t0", "ver")
+
+    def __init__(self):
+        self.flows: list[_Copy] = []
+        self.rate = self.t0 = 0.0
+        self.ver = 0
+
+
+class _Lane:
+    """One copy engine of a device (``h2d`` or ``d2h``): copies queued by priority, one at a time."""
+
+    __slots__ = ("dev", "name", "queue", "busy", "link")
+
+    def __init__(self, dev: int, name: str, link: _Link):
+        self.dev, self.name, self.link = dev, name, link
+        self.queue: list[tuple] = []  # heap of (priority, seq, copy)
+        self.busy = False
+
+
+class _Copy:
+    """One copy on a copy engine; weight uploads move in ``chunk_bytes`` pieces."""
+
+    __slots__ = ("dev", "lane", "name", "kind", "nbytes", "left", "prio", "done", "it", "t_pick", "size", "piece",
+                 "key", "owner")  # fmt: skip
+
+    def __init__(self, lane: _Lane, name: str, kind: str, nbytes: int, prio: tuple, done, it: int):
+        self.dev, self.lane, self.name, self.kind = lane.dev, lane, name, kind
+        self.nbytes = self.left = nbytes
+        self.prio, self.done, self.it = prio, done, it
+        self.t_pick = 0.0
+        self.size = 0  # bytes of the piece on the wire
+        self.piece = 0.0  # of which still to move
+        self.key = self.owner = None
+
+
+def _piece(c: _Copy) -> float:
+    return c.piece
 
 
 class _Sim:
@@ -191,6 +255,7 @@ class _Sim:
         self.w, self.hw, self.opts, self.tables, self.stream = work, hw, opts, tables, stream
         self.n_dev = tables[0].num_devices
         self.n_layers = work.num_layers
+        self.chunk = opts.chunk_bytes
         self.events: list = []
         self.seq = 0
         self.now = 0.0
@@ -198,15 +263,9 @@ class _Sim:
         self.link_bw = hw.gpu.host_link_bw_effective if opts.transfers else _INF
         self.uplink_bw = hw.uplink_bw_effective if opts.transfers else _INF
         per_switch = max(1, hw.gpus_per_switch)
-        self.switch = [d // per_switch for d in range(self.n_dev)]
-        self.flows: dict[tuple[int, str], list[_Copy]] = defaultdict(list)  # in flight per switch direction
-        self.sw_rate: dict[tuple[int, str], float] = {}
-        self.sw_t0: dict[tuple[int, str], float] = {}
-        self.sw_ver: dict[tuple[int, str], int] = {}
-        self.lane_heap: dict[tuple[int, str], list] = {
-            (d, ln): [] for d in range(self.n_dev) for ln in ("h2d", "d2h")
-        }
-        self.lane_busy = dict.fromkeys(self.lane_heap, False)
+        links = {(d // per_switch, ln): _Link() for d in range(self.n_dev) for ln in ("h2d", "d2h")}
+        self.h2d = [_Lane(d, "h2d", links[(d // per_switch, "h2d")]) for d in range(self.n_dev)]
+        self.d2h = [_Lane(d, "d2h", links[(d // per_switch, "d2h")]) for d in range(self.n_dev)]
         self.moved = {"h2d": 0, "d2h": 0}
         rate = hw.host_memory_bw * hw.optimizer_efficiency / ADAMW_BYTES_PER_PARAM
         self.opt_rate = rate if opts.optimizer_time else _INF
@@ -221,21 +280,40 @@ class _Sim:
         self.opt_busy = 0.0
         self.iter_end = [0.0] * len(tables)
         self._build()
+        self.resident: list[dict[tuple[int, int], int]] = [
+            {} for _ in range(self.n_dev)
+        ]  # 1 queued, 2 on device
+        self.eligible = [0] * self.n_dev  # groups [0, eligible) have been made eligible
+        self.opt_queue: deque[tuple[int, int]] = deque()
+        self.opt_running = False
+        self.opt_start = 0.0
+        self.step_done: set[tuple[int, int]] = set()
+        self.deferred: dict[tuple[int, int], list[_Copy]] = defaultdict(list)
+        self.cursor = [0] * self.n_dev
+        self.ops_left = sum(len(o) for o in self.ops)
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
-        layers = self.w.layers
+        self._make_ops()
+        self._link_data()
+        self._link_tasks()
+        self._share_gradients()
+        self._group_weights()
+
+    def _make_ops(self) -> None:
+        """Per device, one state per operation of every step, in order; ``by_task[it]`` finds the
+        operation running a task of step ``it``."""
         self.ops: list[list[_OpState]] = [[] for _ in range(self.n_dev)]
-        by_task: dict[tuple, _OpState] = {}
-        self.consumers: dict[tuple, int] = defaultdict(int)
-        self.grad_count: dict[tuple[int, int], int] = defaultdict(int)
-        shape_cache: dict[tuple, tuple] = {}  # every microbatch of a stage costs the same
-        key_cache: dict[tuple, list] = {}
+        self.by_task: list[dict[tuple, _OpState]] = []
+        costs: dict[tuple, _OpCost] = {}
+        rows_of: dict[int, list[list[Op]]] = {}  # steps that replay the same table share its operations
         for it, table in enumerate(self.tables):
-            for d, ops in enumerate(device_ops(table, classic=self.opts.classic_flow)):
-                for op in ops:
-                    st = _OpState()
-                    st.op, st.it, st.pos = op, it, len(self.ops[d])
+            rows = rows_of.get(id(table))
+            if rows is None:
+                rows = rows_of[id(table)] = device_ops(table, classic=self.opts.classic_flow)
+            by_task: dict[tuple, _OpState] = {}
+            for ops, row in zip(self.ops, rows):
+                for op in row:
                     shape = (
                         op.kind,
                         op.fwd_layers,
@@ -244,110 +322,125 @@ class _Sim:
                         op.split,
                         op.weight_grads,
                     )
-                    cached = shape_cache.get(shape)
-                    if cached is None:
-                        dur = self._duration(op)
-                        bwd = op.bwd_layers
-                        trainable = [
-                            i for i in bwd if layers[i].grad_bytes > 0 or layers[i].trainable_params > 0
-                        ]
-                        if op.kind in ("B", "I") and bwd.start == 0 and not trainable and not op.produces:
-                            dur, bwd = 0.0, range(0)  # frozen embedding alone: nothing to run
-                        trainable = trainable if op.weight_grads else []
-                        wgrad = sum(layers[i].grad_bytes for i in trainable)
-                        cached = (
-                            dur,
-                            bwd,
-                            trainable,
-                            wgrad,
-                            self._work_bytes(op),
-                            list(op.layers) if dur > 0 else [],
-                        )
-                        shape_cache[shape] = cached
-                    st.dur, op.bwd_layers, st.trainable, st.wgrad, (st.work, st.hold), lay = cached
-                    kk = (it, shape)
-                    st.keys = key_cache.get(kk)
-                    if st.keys is None:
-                        st.keys = key_cache[kk] = [(it, i) for i in lay]
-                    st.ins = [(it, *k) for k in op.consumes]
-                    st.outs = [(it, *k) for k in op.produces]
-                    st.alloc = st.flush = True
-                    st.deps, st.dependents = 0, []
-                    st.host_wait, st.up_wait = len(st.ins), -1
-                    st.lookahead_ok = st.pos == 0
-                    st.started = st.ended = -1.0
-                    st.ctx_bytes, st.group = 0, -1
-                    st.stash_add, st.stash_drop = True, True
-                    st.last_of_iter = False
-                    for k in st.ins:
-                        self.consumers[k] += 1
+                    cost = costs.get(shape)
+                    if cost is None:
+                        cost = costs[shape] = self._cost(op)
+                    keys = cost.keys.get(it)
+                    if keys is None:
+                        keys = cost.keys[it] = tuple((it, i) for i in cost.layers)
+                    st = _OpState(op, it, len(ops), cost, keys)
                     for t in op.tasks:
-                        by_task[(it, *t)] = st
-                    self.ops[d].append(st)
-        self.host_waiters: dict[tuple, list[_OpState]] = defaultdict(list)
-        for d in range(self.n_dev):
+                        by_task[t] = st
+                    ops.append(st)
+            self.by_task.append(by_task)
+
+    def _cost(self, op: Op) -> _OpCost:
+        layers = self.w.layers
+        dur = self._duration(op)
+        bwd = op.bwd_layers
+        trainable = [i for i in bwd if layers[i].grad_bytes > 0 or layers[i].trainable_params > 0]
+        if op.kind in ("B", "I") and bwd.start == 0 and not trainable and not op.produces:
+            dur, bwd = 0.0, range(0)  # frozen embedding alone: nothing to run
+        trainable = trainable if op.weight_grads else []
+        wgrad = sum(layers[i].grad_bytes for i in trainable)
+        work, hold = self._work_bytes(op)
+        release = sum(layers[i].saved_bytes for i in op.bwd_layers) if op.kind == "W" else 0
+        return _OpCost(dur, bwd, trainable, wgrad, work, hold, release, list(op.layers) if dur > 0 else [])
+
+    def _link_data(self) -> None:
+        """Per step, how many operations consume each hand-off and which wait for its download; per
+        operation, the bytes it uploads (its inputs, plus the token ids when the device switches
+        microbatch) and the downloads after it, urgent hand-offs apart from saved inputs."""
+        layers = self.w.layers
+        self.act_bytes = [lw.act_in_bytes for lw in layers] + [0]  # per boundary; the model's end is free
+        act = self.act_bytes
+        self.consumers: list[dict[tuple, int]] = [defaultdict(int) for _ in self.tables]
+        self.host_waiters: list[dict[tuple, list[_OpState]]] = [defaultdict(list) for _ in self.tables]
+        fwd_bounds = [set(table.forward.bounds) for table in self.tables]
+        ctx = layers[0].act_in_bytes if layers else 0
+        for ops in self.ops:
+            prev = None
+            for st in ops:
+                consumers, waiters = self.consumers[st.it], self.host_waiters[st.it]
+                for k in st.ins:
+                    consumers[k] += 1
+                    waiters[k].append(st)
+                mb = (st.it, st.op.tasks[0].microbatch)
+                if st.kind != "W" and (st.keys or st.ins) and mb != prev:
+                    st.ctx_bytes, prev = ctx, mb
+                st.in_bytes = sum(act[k[1]] for k in st.ins) + st.ctx_bytes
+                outs = st.op.produces
+                if outs:
+                    bounds = fwd_bounds[st.it]
+                    urgent = [k for k in outs if k[0] == "grad" or k[1] in bounds]
+                    later = [k for k in outs if not (k[0] == "grad" or k[1] in bounds)]
+                    for keys, prio, kind in ((urgent, P_ACT, "act"), (later, P_STASH, "stash")):
+                        if keys:
+                            st.out_groups.append((keys, prio, kind, sum(act[k[1]] for k in keys)))
+
+    def _link_tasks(self) -> None:
+        """Control dependencies (deps.py) between operations, and the stash a device keeps between
+        F and B of a stage (weight-bound tables)."""
+        rules = [{} for _ in self.tables]  # per step: (kind, stage) -> [(kind, stage)] it waits for
+        for d, ops in enumerate(self.ops):
+            for st in ops:
+                table, by_task, rule = self.tables[st.it], self.by_task[st.it], rules[st.it]
+                own = st.op.tasks
+                for t in own:
+                    deps = rule.get(t[:2])
+                    if deps is None:
+                        deps = rule[t[:2]] = [(k.kind, k.stage) for k in table.dependencies(t)]
+                    for kind, stage in deps:
+                        k = (kind, stage, t.microbatch)
+                        if k not in own:
+                            by_task[k].dependents.append(st)
+                            st.deps += 1
+                if table.weight_bound and st.kind == "F":
+                    self._keep_stash(table, by_task, st, d)
+
+    def _keep_stash(self, table: ScheduleTable, by_task: dict, st: _OpState, d: int) -> None:
+        """A weight-bound device holds a stage's input from its forward until its backward ends."""
+        t = st.op.tasks[0]
+        if t.stage >= table.backward.num_stages:
+            return
+        closing = "W" if table.split_backward else "B"
+        peer = by_task.get((closing, t.stage, t.microbatch))
+        same = table.forward.bounds[t.stage] == table.backward.bounds[t.stage]
+        if peer is not None and peer is not st and peer.dev == d and same:
+            st.stash_drop = False
+            peer.stash_add = False
+            if table.split_backward:
+                inp = by_task.get(("I", t.stage, t.microbatch))
+                if inp is not None:
+                    inp.stash_add = inp.stash_drop = False
+
+    def _share_gradients(self) -> None:
+        """Which operations open and send down a gradient buffer, and how many gradients each
+        layer's optimizer step waits for."""
+        layers = self.w.layers
+        self.grad_count: dict[tuple[int, int], int] = defaultdict(int)
+        for ops in self.ops:
             if self.opts.accumulate_grads:
                 # One gradient buffer per run of backward tasks over the same layers; forward tasks
                 # in between (1F1B-style rows) leave it open, as the runtime's worker does.
-                backward_ops = [st for st in self.ops[d] if st.op.bwd_layers]
+                backward_ops = [st for st in ops if st.cost.bwd]
                 for a, b in zip(backward_ops, backward_ops[1:]):
-                    if a.trainable and b.trainable and a.it == b.it and a.op.bwd_layers == b.op.bwd_layers:
+                    if a.cost.trainable and b.cost.trainable and a.it == b.it and a.cost.bwd == b.cost.bwd:
                         a.flush = b.alloc = False
-            for st in self.ops[d]:
+            for st in ops:
                 if st.flush:
-                    for i in st.trainable:
+                    for i in st.cost.trainable:
                         if layers[i].trainable_params > 0:
                             self.grad_count[(st.it, i)] += 1
-            for st in self.ops[d]:
-                for k in st.ins:
-                    self.host_waiters[k].append(st)
-            for a, b in zip(self.ops[d], self.ops[d][1:]):
-                a.last_of_iter = a.it != b.it
-            if self.ops[d]:
-                self.ops[d][-1].last_of_iter = True
-        # Control dependencies (deps.py) and the stash a device keeps between F and B of a stage.
-        for it, table in enumerate(self.tables):
-            closing = "W" if table.split_backward else "B"
-            dep_cache: dict[tuple[str, int], list[tuple[str, int]]] = {}
-            for d in range(self.n_dev):
-                for st in self.ops[d]:
-                    if st.it != it:
-                        continue
-                    own = st.op.tasks
-                    for t in own:
-                        dk = (t.kind, t.stage)
-                        deps = dep_cache.get(dk)
-                        if deps is None:
-                            deps = dep_cache[dk] = [(k.kind, k.stage) for k in table.dependencies(t)]
-                        for kind, stage in deps:
-                            k = TaskKey(kind, stage, t.microbatch)
-                            if k not in own:
-                                by_task[(it, *k)].dependents.append(st)
-                                st.deps += 1
-                    t = st.op.tasks[0]
-                    if st.op.kind != "F" or t.stage >= table.backward.num_stages:
-                        continue
-                    peer = by_task.get((it, closing, t.stage, t.microbatch))
-                    same = table.forward.bounds[t.stage] == table.backward.bounds[t.stage]
-                    if (
-                        table.weight_bound
-                        and peer is not None
-                        and peer is not st
-                        and peer.op.device == d
-                        and same
-                    ):
-                        st.stash_drop = False  # held from the forward until its backward ends
-                        peer.stash_add = False
-                        if table.split_backward:
-                            inp = by_task.get((it, "I", t.stage, t.microbatch))
-                            if inp is not None:
-                                inp.stash_add = inp.stash_drop = False
-        # Weight groups per device: consecutive operations over the same layers.
-        self.groups: list[list[list[tuple[int, int]]]] = []
+
+    def _group_weights(self) -> None:
+        """Weight groups per device (consecutive operations over the same layers) and the device's
+        last operation of each step."""
+        self.groups: list[list[tuple[tuple[int, int], ...]]] = []
         self.group_last: list[list[int]] = []
-        for d in range(self.n_dev):
+        for ops in self.ops:
             groups, last = [], []
-            for st in self.ops[d]:
+            for st in ops:
                 if st.keys:
                     if not groups or groups[-1] != st.keys:
                         groups.append(st.keys)
@@ -356,33 +449,10 @@ class _Sim:
                 st.group = len(groups) - 1
             self.groups.append(groups)
             self.group_last.append(last)
-        self.resident: list[dict[tuple[int, int], int]] = [
-            {} for _ in range(self.n_dev)
-        ]  # 1 queued, 2 on device
-        self.eligible = [0] * self.n_dev  # groups [0, eligible) have been made eligible
-        self.opt_queue: list[tuple[int, int]] = []
-        self.opt_running = False
-        self.opt_start = 0.0
-        self.step_done: set[tuple[int, int]] = set()
-        self.deferred: dict[tuple[int, int], list[_Copy]] = defaultdict(list)
-        self.cursor = [0] * self.n_dev
-        self.ops_left = sum(len(o) for o in self.ops)
-        ctx = layers[0].act_in_bytes if layers else 0
-        for d in range(self.n_dev):
-            prev = None
-            for st in self.ops[d]:
-                mb = (st.it, st.op.tasks[0].microbatch)
-                if st.op.kind != "W" and (st.keys or st.ins) and mb != prev:
-                    st.ctx_bytes, prev = ctx, mb
-                st.in_bytes = sum(self._key_bytes(k) for k in st.ins) + st.ctx_bytes
-                st.out_groups = []
-                if st.outs:
-                    bounds = self.tables[st.it].forward.bounds
-                    urgent = [k for k in st.outs if k[1] == "grad" or k[2] in bounds]
-                    later = [k for k in st.outs if not (k[1] == "grad" or k[2] in bounds)]
-                    for keys, prio, kind in ((urgent, P_ACT, "act"), (later, P_STASH, "stash")):
-                        if keys:
-                            st.out_groups.append((keys, prio, kind, sum(self._key_bytes(k) for k in keys)))
+            for a, b in zip(ops, ops[1:]):
+                a.last_of_iter = a.it != b.it
+            if ops:
+                ops[-1].last_of_iter = True
 
     def _duration(self, op: Op) -> float:
         ly, wf = self.w.layers, self.w.w_fraction
@@ -424,33 +494,45 @@ class _Sim:
                 self._check_inputs(self.ops[d][0])
         for d in range(self.n_dev):
             self._try_compute(d)
-        ev = self.events
+        ev, pop = self.events, heapq.heappop
+        compute_end, link_due, opt_end, copy_done = (
+            self._compute_end,
+            self._link_due,
+            self._opt_end,
+            self._copy_done,
+        )
         while ev:
-            t, _, kind, a, b = heapq.heappop(ev)
+            t, _, kind, a, b = pop(ev)
             self.now = t
-            if kind == 0:
-                self._compute_end(a)
-            elif kind == 1:
-                self._flow_end(a, b)
+            if kind == _LINK_DUE:
+                link_due(a, b)
+            elif kind == _COMPUTE_END:
+                compute_end(a)
+            elif kind == _FREE_COPY_END:
+                copy_done(a)
             else:
-                self._opt_end(a)
+                opt_end(a)
         if self.ops_left:
             waiting = [
-                f"d{d}: {self.ops[d][self.cursor[d]].op.label}"
+                f"d{d}: {self.ops[d][self.cursor[d]].label}"
                 for d in range(self.n_dev)
                 if self.cursor[d] < len(self.ops[d])
             ]
             raise ConfigError(f"internal: the simulation stalled; devices wait at {', '.join(waiting[:8])}")
 
     # ------------------------------------------------------------------ accounting
-    def _mem(self, d: int, what: int, delta: int, label: str) -> None:
+    def _alloc(self, d: int, what: int, nbytes: int, label: str) -> None:
+        """Add ``nbytes`` to memory class ``what`` of device ``d``; a new peak remembers ``label``."""
         m = self.mem[d]
-        m[what] += delta
-        if delta > 0:
+        m[what] += nbytes
+        if nbytes > 0:
             total = m[0] + m[1] + m[2] + m[3]
             if total > self.mem_peak[d]:
                 self.mem_peak[d] = total
                 self.mem_peak_at[d] = (label, tuple(m))
+
+    def _free(self, d: int, what: int, nbytes: int) -> None:
+        self.mem[d][what] -= nbytes
 
     def _host(self, delta: int) -> None:
         self.host += delta
@@ -468,81 +550,77 @@ class _Sim:
     # ------------------------------------------------------------------ copy engines and the shared link
     def _enqueue(self, c: _Copy) -> None:
         self.seq += 1
-        heapq.heappush(self.lane_heap[(c.dev, c.lane)], (c.prio, self.seq, c))
-        if not self.lane_busy[(c.dev, c.lane)]:
-            self._kick(c.dev, c.lane)
+        lane = c.lane
+        heapq.heappush(lane.queue, (c.prio, self.seq, c))
+        if not lane.busy:
+            self._kick(lane)
 
-    def _kick(self, d: int, lane: str) -> None:
-        key = (d, lane)
-        heap = self.lane_heap[key]
-        if self.lane_busy[key] or not heap:
+    def _kick(self, lane: _Lane) -> None:
+        """Put the most urgent queued copy of ``lane`` (its next piece) on the wire."""
+        if lane.busy or not lane.queue:
             return
-        c = heapq.heappop(heap)[2]
-        self.lane_busy[key] = True
-        c.piece = min(c.left, self.opts.chunk_bytes) if c.kind == "upload" else c.left
+        c = heapq.heappop(lane.queue)[2]
+        lane.busy = True
+        c.piece = c.size = min(c.left, self.chunk) if c.kind == "upload" else c.left
         c.t_pick = self.now
         if self.link_bw == _INF or c.piece <= 0:
-            self._at(self.now, 1, c, None)
+            self._at(self.now, _FREE_COPY_END, c)
             return
-        sw = (self.switch[d], lane)
-        flows = self.flows[sw]
-        self._settle(sw, flows)
-        flows.append(c)
-        self._next_completion(sw, flows)
+        link = lane.link
+        self._settle(link)
+        link.flows.append(c)
+        self._next_completion(link)
 
-    def _settle(self, sw: tuple[int, str], flows: list[_Copy]) -> None:
-        """Advance every copy in flight on switch direction ``sw`` to now (they share one rate)."""
-        moved = self.sw_rate.get(sw, 0.0) * (self.now - self.sw_t0.get(sw, self.now))
+    def _settle(self, link: _Link) -> None:
+        """Advance every copy in flight on ``link`` to now (they share one rate)."""
+        moved = link.rate * (self.now - link.t0)
         if moved:
-            for f in flows:
+            for f in link.flows:
                 f.piece -= moved
-        self.sw_t0[sw] = self.now
+        link.t0 = self.now
 
-    def _next_completion(self, sw: tuple[int, str], flows: list[_Copy]) -> None:
-        """Re-share ``sw`` among its copies and schedule the earliest completion (one event per switch)."""
-        ver = self.sw_ver.get(sw, 0) + 1
-        self.sw_ver[sw] = ver
+    def _next_completion(self, link: _Link) -> None:
+        """Re-share ``link`` among its copies and schedule the earliest completion (one event per link)."""
+        link.ver += 1
+        flows = link.flows
         if not flows:
-            self.sw_rate[sw] = 0.0
+            link.rate = 0.0
             return
-        rate = min(self.link_bw, self.uplink_bw / len(flows))
-        self.sw_rate[sw] = rate
-        first = min(f.piece for f in flows)
-        self._at(self.now + (first if first > 0 else 0.0) / rate, 1, sw, ver)
+        rate = link.rate = min(self.link_bw, self.uplink_bw / len(flows))
+        first = min([f.piece for f in flows])
+        self._at(self.now + (first if first > 0 else 0.0) / rate, _LINK_DUE, link, link.ver)
 
-    def _flow_end(self, sw, ver) -> None:
-        if ver is None:  # a free copy (no bandwidth modelled): ``sw`` is the copy itself
-            self._copy_done(sw)
+    def _link_due(self, link: _Link, ver: int) -> None:
+        """The earliest copy on ``link`` is due, unless the link was re-shared since (``ver``)."""
+        if ver != link.ver:
             return
-        if ver != self.sw_ver.get(sw):
-            return
-        flows = self.flows[sw]
-        self._settle(sw, flows)
-        eps = 1e-6 * self.sw_rate[sw] * 1e-6 + 1.0  # within a byte (or a picosecond) counts as done
+        self._settle(link)
+        eps = 1e-6 * link.rate * 1e-6 + 1.0  # within a byte (or a picosecond) counts as done
+        flows = link.flows
         done = [f for f in flows if f.piece <= eps]
-        if not done:
-            done = [min(flows, key=lambda f: f.piece)]
-        for f in done:
-            flows.remove(f)
-        self._next_completion(sw, flows)
+        if done:
+            link.flows = [f for f in flows if f.piece > eps]
+        else:
+            done = [min(flows, key=_piece)]
+            flows.remove(done[0])
+        self._next_completion(link)
         for f in done:
             self._copy_done(f)
 
     def _copy_done(self, c: _Copy) -> None:
-        d, lane = c.dev, c.lane
-        moved = min(c.left, self.opts.chunk_bytes) if c.kind == "upload" else c.left
-        c.left -= moved
-        self.moved[lane] += moved
+        lane = c.lane
+        c.left -= c.size
+        self.moved[lane.name] += c.size
         if self.now > c.t_pick:
-            self._span(d, lane, c.name, c.kind, c.t_pick, self.now)
+            self._span(c.dev, lane.name, c.name, c.kind, c.t_pick, self.now)
         self._end(c.it)
-        self.lane_busy[(d, lane)] = False
+        lane.busy = False
         if c.left > 0:
             self.seq += 1
-            heapq.heappush(self.lane_heap[(d, lane)], (c.prio, self.seq, c))
+            heapq.heappush(lane.queue, (c.prio, self.seq, c))
         else:
             c.done(c)
-        self._kick(d, lane)
+        self._kick(lane)
 
     # ------------------------------------------------------------------ weights
     def _make_eligible(self, d: int, upto: int) -> None:
@@ -563,8 +641,7 @@ class _Sim:
                 it, i = key
                 lw = self.w.layers[i]
                 c = _Copy(
-                    d,
-                    "h2d",
+                    self.h2d[d],
                     f"W:{lw.name}",
                     "upload",
                     lw.param_bytes,
@@ -577,7 +654,7 @@ class _Sim:
                 if need[0] >= 0 and need in self.grad_count and need not in self.step_done:
                     self.deferred[need].append(c)
                 else:
-                    self._mem(d, 0, c.nbytes, c.name)
+                    self._alloc(d, 0, c.nbytes, c.name)
                     self._enqueue(c)
 
     def _weight_done(self, c: _Copy) -> None:
@@ -591,7 +668,7 @@ class _Sim:
         if st.last_of_iter and not self.stream[d]:
             for key in [k for k, v in res.items() if k[0] == st.it and v == 2]:
                 del res[key]
-                self._mem(d, 0, -self.w.layers[key[1]].param_bytes, "")
+                self._free(d, 0, self.w.layers[key[1]].param_bytes)
         if g < 0 or self.group_last[d][g] != st.pos:
             if st.last_of_iter:
                 self._make_eligible(d, g + 3)
@@ -603,39 +680,35 @@ class _Sim:
                     keep.update(self.groups[d][k])
             for key in [k for k, v in res.items() if v == 2 and k not in keep]:
                 del res[key]
-                self._mem(d, 0, -self.w.layers[key[1]].param_bytes, "")
+                self._free(d, 0, self.w.layers[key[1]].param_bytes)
         self._make_eligible(d, g + 3)
 
     # ------------------------------------------------------------------ inputs
-    def _key_bytes(self, k: tuple) -> int:
-        b = k[2]
-        return self.w.layers[b].act_in_bytes if b < self.n_layers else 0
-
     def _check_inputs(self, st: _OpState) -> None:
         """Issue ``st``'s inputs (one copy) once its producers' outputs are on the host and lookahead allows."""
         if not st.lookahead_ok or st.host_wait > 0 or st.up_wait >= 0:
             return
-        d = st.op.device
         if not st.ins and not st.ctx_bytes:
             st.up_wait = 0
-            self._try_compute(d)
+            self._try_compute(st.dev)
             return
-        nbytes = st.in_bytes
         st.up_wait = 1
-        c = _Copy(d, "h2d", f"in:{st.op.label}", "act", nbytes, (P_ACT, st.pos), self._input_done, st.it)
-        c.key, c.owner = st.ins, st
-        self._mem(d, 1, nbytes, st.op.label)
+        c = _Copy(
+            self.h2d[st.dev], f"in:{st.label}", "act", st.in_bytes, (P_ACT, st.pos), self._input_done, st.it
+        )
+        c.owner = st
+        self._alloc(st.dev, 1, st.in_bytes, st.label)
         self._enqueue(c)
 
     def _input_done(self, c: _Copy) -> None:
         st = c.owner
         st.up_wait = 0
-        consumers = self.consumers
-        for k in c.key:
+        consumers, act = self.consumers[st.it], self.act_bytes
+        for k in st.ins:
             consumers[k] -= 1
             if consumers[k] == 0:
-                self._host(-self._key_bytes(k))
-        self._try_compute(st.op.device)
+                self._host(-act[k[1]])
+        self._try_compute(st.dev)
 
     # ------------------------------------------------------------------ compute
     def _try_compute(self, d: int) -> None:
@@ -651,9 +724,10 @@ class _Sim:
             if res.get(k) != 2:
                 return
         st.started = self.now
-        self._mem(d, 2, st.work, st.op.label)
+        cost = st.cost
+        self._alloc(d, 2, cost.work, st.label)
         if st.alloc:
-            self._mem(d, 3, st.wgrad, st.op.label)
+            self._alloc(d, 3, cost.wgrad, st.label)
         if st.stash_add:
             self.stash[d] += 1
             if self.stash[d] > self.stash_peak[d]:
@@ -662,62 +736,63 @@ class _Sim:
             nxt = ops[i + 1]
             nxt.lookahead_ok = True
             self._check_inputs(nxt)
-        self._at(self.now + st.dur, 0, st)
+        self._at(self.now + cost.dur, _COMPUTE_END, st)
 
     def _compute_end(self, st: _OpState) -> None:
-        d, op = st.op.device, st.op
-        st.ended = self.now
-        self.busy[d] += st.dur
+        d, cost = st.dev, st.cost
+        self.busy[d] += cost.dur
         self._end(st.it)
-        if st.dur > 0:
-            self._span(d, "compute", op.label, op.kind, st.started, self.now)
-        if st.work:
-            self._mem(d, 2, -st.work, "")
+        if cost.dur > 0:
+            self._span(d, "compute", st.label, st.kind, st.started, self.now)
+        if cost.work:
+            self._free(d, 2, cost.work)
         if st.in_bytes:
-            self._mem(d, 1, -st.in_bytes, "")
-        if st.hold:
-            self._mem(d, 1, st.hold, op.label)
-        if op.kind == "W":
-            self._mem(d, 1, -sum(self.w.layers[i].saved_bytes for i in op.bwd_layers), "")
+            self._free(d, 1, st.in_bytes)
+        if cost.hold:
+            self._alloc(d, 1, cost.hold, st.label)
+        if st.kind == "W":
+            self._free(d, 1, cost.release)
         if st.stash_drop:
             self.stash[d] -= 1
         self.ops_left -= 1
         self.cursor[d] += 1
+        d2h = self.d2h[d]
         for keys, prio, kind, nbytes in st.out_groups:
-            c = _Copy(d, "d2h", f"out:{op.label}", kind, nbytes, (prio, st.pos), self._output_done, st.it)
+            c = _Copy(d2h, f"out:{st.label}", kind, nbytes, (prio, st.pos), self._output_done, st.it)
             c.key = keys
-            self._mem(d, 1, nbytes, op.label)
+            self._alloc(d, 1, nbytes, st.label)
             self._enqueue(c)
-        if st.wgrad and st.flush:
+        if cost.wgrad and st.flush:
             c = _Copy(
-                d, "d2h", f"grad:{op.label}", "download", st.wgrad, (P_WGRAD, st.pos), self._wgrad_done, st.it
+                d2h, f"grad:{st.label}", "download", cost.wgrad, (P_WGRAD, st.pos), self._wgrad_done, st.it
             )
             c.owner = st
             self._enqueue(c)
-        elif st.trainable and st.flush:
+        elif cost.trainable and st.flush:
             self._grads_final(st)
         for dep in st.dependents:
             dep.deps -= 1
             if dep.deps == 0:
-                self._try_compute(dep.op.device)
+                self._try_compute(dep.dev)
         self._after_op(d, st)
         self._try_compute(d)
 
     def _output_done(self, c: _Copy) -> None:
-        self._mem(c.dev, 1, -c.nbytes, "")
+        self._free(c.dev, 1, c.nbytes)
+        consumers, waiters, act = self.consumers[c.it], self.host_waiters[c.it], self.act_bytes
         for k in c.key:
-            if self.consumers.get(k, 0) > 0:
-                self._host(self._key_bytes(k))
-            for st in self.host_waiters.pop(k, ()):
+            if consumers.get(k, 0) > 0:
+                self._host(act[k[1]])
+            for st in waiters.pop(k, ()):
                 st.host_wait -= 1
                 self._check_inputs(st)
 
     def _wgrad_done(self, c: _Copy) -> None:
-        self._mem(c.dev, 3, -c.nbytes, "")
+        self._free(c.dev, 3, c.nbytes)
         self._grads_final(c.owner)
 
     def _grads_final(self, st: _OpState) -> None:
-        for i in st.trainable:
+        for i in st.cost.trainable:
             key = (st.it, i)
             if key in self.grad_count:
                 self.grad_count[key] -= 1
@@ -729,11 +804,11 @@ class _Sim:
     def _opt_next(self) -> None:
         if self.opt_running or not self.opt_queue:
             return
-        key = self.opt_queue.pop(0)
+        key = self.opt_queue.popleft()
         self.opt_running = True
         self.opt_start = self.now
         dur = self.w.layers[key[1]].trainable_params / self.opt_rate if self.opt_rate != _INF else 0.0
-        self._at(self.now + dur, 2, key)
+        self._at(self.now + dur, _OPT_END, key)
 
     def _opt_end(self, key: tuple[int, int]) -> None:
         self.opt_running = False
@@ -745,6 +820,6 @@ class _Sim:
         self.step_done.add(key)
         self._end(key[0])
         for c in self.deferred.pop(key, ()):
-            self._mem(c.dev, 0, c.nbytes, c.name)
+            self._alloc(c.dev, 0, c.nbytes, c.name)
             self._enqueue(c)
         self._opt_next()

@@ -158,6 +158,30 @@ class Op:
         return range(min(r.start for r in spans), max(r.stop for r in spans))
 
 
+@dataclass(frozen=True)
+class _StageWork:
+    """What a task of one kind and stage (or the fused head pair) runs and moves; the same for every
+    microbatch, so :func:`device_ops` works it out once and stamps an :class:`Op` per task."""
+
+    kind: str
+    fwd_layers: range = range(0)
+    bwd_layers: range = range(0)
+    recompute: bool = True
+    consumes: tuple[tuple[str, int], ...] = ()  # (name, boundary)
+    produces: tuple[tuple[str, int], ...] = ()
+    weight_grads: bool = False
+    first_forward: bool = False
+    split: bool = False
+
+    def op(self, device: int, label: str, tasks: tuple[TaskKey, ...], microbatch: int) -> Op:
+        j = microbatch
+        return Op(
+            device, label, self.kind, tasks, self.fwd_layers, self.bwd_layers, self.recompute,
+            [(name, b, j) for name, b in self.consumes], [(name, b, j) for name, b in self.produces],
+            self.weight_grads, self.first_forward, self.split,
+        )  # fmt: skip
+
+
 def device_ops(table: ScheduleTable, *, classic: bool = False) -> list[list[Op]]:
     """Per device, the operations the runtime issues for ``table``, in order (see module docstring).
 
@@ -174,12 +198,15 @@ def device_ops(table: ScheduleTable, *, classic: bool = False) -> list[list[Op]]
     split, ``I`` does that and ``W`` (weight gradients) needs nothing but its ``I``.
     """
     fwd, bwd = table.forward, table.backward
-    n = fwd.num_layers
     last_f, last_b = fwd.num_stages - 1, bwd.num_stages - 1
-    starts = list(bwd.bounds[1:-1])  # backward-stage starts inside the model, ascending
+    fusable = fwd.bounds[last_f] <= bwd.bounds[last_b]
+    works: dict[tuple[str, int], _StageWork] = {}  # (kind, stage) -> its work; ("FB", 0 or 1) fused
 
-    def starts_inside(lo: int, hi: int) -> list[int]:
-        return starts[bisect_right(starts, lo) : bisect_left(starts, hi)]
+    def work(kind: str, stage: int) -> _StageWork:
+        w = works.get((kind, stage))
+        if w is None:
+            w = works[(kind, stage)] = _stage_work(table, kind, stage, classic)
+        return w
 
     out: list[list[Op]] = []
     for d, row in enumerate(table.devices):
@@ -187,54 +214,59 @@ def device_ops(table: ScheduleTable, *, classic: bool = False) -> list[list[Op]]
         i = 0
         while i < len(row):
             t, nxt = row[i], row[i + 1] if i + 1 < len(row) else None
-            if t.kind == "F":
-                a, e = fwd.bounds[t.stage], fwd.bounds[t.stage + 1]
-                c = bwd.bounds[last_b]
-                fused = (
-                    t.stage == last_f
-                    and nxt is not None
-                    and nxt.kind in ("B", "I")
-                    and nxt.stage == last_b
-                    and nxt.microbatch == t.microbatch
-                    and a <= c
+            if (
+                fusable
+                and t.kind == "F"
+                and t.stage == last_f
+                and nxt is not None
+                and nxt.kind in ("B", "I")
+                and nxt.stage == last_b
+                and nxt.microbatch == t.microbatch
+            ):
+                ops.append(
+                    work("FB", int(nxt.kind == "I")).op(d, f"{t}+{nxt}", (t.key, nxt.key), t.microbatch)
                 )
-                j = t.microbatch
-                if fused:
-                    op = Op(
-                        d, f"{t}+{nxt}", "FB", (t.key, nxt.key), range(a, c), range(c, n), recompute=False
-                    )
-                    op.produces += [("act", b, j) for b in starts_inside(a, c)]
-                    if c > 0:
-                        op.produces.append(("grad", c, j))
-                    op.weight_grads = nxt.kind == "B"
-                    op.split = nxt.kind == "I"
-                    i += 2
-                else:
-                    outs = starts_inside(a, e) + ([e] if e < n else [])
-                    run_to = e if classic else (outs[-1] if outs else a)
-                    op = Op(d, str(t), "F", (t.key,), range(a, run_to))
-                    op.produces += [("act", b, j) for b in outs]
-                    i += 1
-                if a > 0:
-                    op.consumes.append(("act", a, j))
-            elif t.kind in ("B", "I"):
-                c, e = bwd.bounds[t.stage], bwd.bounds[t.stage + 1]
-                j = t.microbatch
-                op = Op(d, str(t), t.kind, (t.key,), bwd_layers=range(c, e), weight_grads=t.kind == "B")
-                op.first_forward = t.stage == last_b and not classic
-                if c > 0:
-                    op.consumes.append(("act", c, j))
-                    op.produces.append(("grad", c, j))
-                if t.stage < last_b:
-                    op.consumes.append(("grad", e, j))
+                i += 2
+            else:
+                ops.append(work(t.kind, t.stage).op(d, str(t), (t.key,), t.microbatch))
                 i += 1
-            else:  # W: weight gradients of a stage whose I ran before, on this device
-                c, e = bwd.bounds[t.stage], bwd.bounds[t.stage + 1]
-                op = Op(d, str(t), "W", (t.key,), bwd_layers=range(c, e), weight_grads=True)
-                i += 1
-            ops.append(op)
         out.append(ops)
     return out
+
+
+def _stage_work(table: ScheduleTable, kind: str, stage: int, classic: bool) -> _StageWork:
+    """The work of a task of ``kind`` at ``stage`` (``"FB"``: the fused head, ``stage`` 1 when its
+    backward is split), following the runtime's data flow (see :func:`device_ops`)."""
+    fwd, bwd = table.forward, table.backward
+    n = fwd.num_layers
+    last_b = bwd.num_stages - 1
+    starts = list(bwd.bounds[1:-1])  # backward-stage starts inside the model, ascending
+
+    def starts_inside(lo: int, hi: int) -> list[int]:
+        return starts[bisect_right(starts, lo) : bisect_left(starts, hi)]
+
+    if kind == "FB":
+        a, c = fwd.bounds[fwd.num_stages - 1], bwd.bounds[last_b]
+        produces = [("act", b) for b in starts_inside(a, c)] + ([("grad", c)] if c > 0 else [])
+        return _StageWork(
+            "FB", range(a, c), range(c, n), recompute=False, consumes=(("act", a),) if a > 0 else (),
+            produces=tuple(produces), weight_grads=not stage, split=bool(stage),
+        )  # fmt: skip
+    if kind == "F":
+        a, e = fwd.bounds[stage], fwd.bounds[stage + 1]
+        outs = starts_inside(a, e) + ([e] if e < n else [])
+        run_to = e if classic else (outs[-1] if outs else a)
+        consumes = (("act", a),) if a > 0 else ()
+        return _StageWork("F", range(a, run_to), consumes=consumes, produces=tuple(("act", b) for b in outs))
+    c, e = bwd.bounds[stage], bwd.bounds[stage + 1]
+    if kind in ("B", "I"):
+        consumes = ([("act", c)] if c > 0 else []) + ([("grad", e)] if stage < last_b else [])
+        return _StageWork(
+            kind, bwd_layers=range(c, e), consumes=tuple(consumes), produces=(("grad", c),) if c > 0 else (),
+            weight_grads=kind == "B", first_forward=stage == last_b and not classic,
+        )  # fmt: skip
+    # W: weight gradients of a stage whose I ran before, on this device
+    return _StageWork("W", bwd_layers=range(c, e), weight_grads=True)
 
 
 __all__ = ["LayerWork", "Op", "Workload", "device_ops", "uniform_workload", "workload_from_costs"]
