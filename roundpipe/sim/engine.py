@@ -48,10 +48,10 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from roundpipe.errors import ConfigError
-from roundpipe.schedule.table import ScheduleTable
+from roundpipe.schedule.table import ScheduleTable, Task
 from roundpipe.schedule.timeline import HOST_DEVICE, Span, Timeline
 from roundpipe.sim.presets import Server
-from roundpipe.sim.workload import Op, Workload, device_ops
+from roundpipe.sim.workload import StageWork, Workload, plan_work
 
 ADAMW_BYTES_PER_PARAM = 30  # fused fp32 AdamW: read grad, master, m, v; write master, m, v, bf16 copy
 DEFAULT_CHUNK_BYTES = 64 << 20  # weight copies are cut so urgent copies can pass (a runtime setting)
@@ -159,17 +159,20 @@ class SimResult:
         }
 
 
+# A device's memory classes (indexes of ``_Sim.mem[d]``): weights, activations, working sets, gradients.
+_WEIGHTS, _ACTS, _WORK, _GRADS = 0, 1, 2, 3
 # Event kinds. Events are ``(time, seq, kind, a, b)``; ``seq`` breaks ties in push order.
 _COMPUTE_END, _LINK_DUE, _OPT_END, _FREE_COPY_END = 0, 1, 2, 3
 
 
 class _OpCost:
-    """What an operation costs. Every microbatch of a stage has the same shape, so one instance is
-    computed per shape and shared by all of them (building a large table stays linear and cheap)."""
+    """What an operation costs and moves, apart from its microbatch. Every microbatch of a stage has
+    the same work, so one instance per :class:`StageWork` is computed and shared by all of them."""
 
-    __slots__ = ("dur", "bwd", "trainable", "wgrad", "work", "hold", "release", "layers", "keys")
+    __slots__ = ("dur", "bwd", "trainable", "wgrad", "work", "hold", "release", "layers", "keys", "in_bytes",
+                 "out_groups")  # fmt: skip
 
-    def __init__(self, dur, bwd, trainable, wgrad, work, hold, release, layers):
+    def __init__(self, dur, bwd, trainable, wgrad, work, hold, release, layers, in_bytes, out_groups):
         self.dur = dur  # seconds on the compute engine
         self.bwd = bwd  # layers it backpropagates (empty for a frozen embedding alone)
         self.trainable = trainable  # layers whose weight gradients it produces
@@ -178,28 +181,32 @@ class _OpCost:
         self.release = release  # bytes a W frees: what its I left
         self.layers = layers  # weights it needs on the device
         self.keys: dict[int, tuple] = {}  # step -> ((step, layer), ...): its weights in that step
+        self.in_bytes = in_bytes  # its input hand-offs
+        self.out_groups = out_groups  # ((name, boundary)s, priority, copy kind, bytes) per download
 
 
 class _OpState:
     """One operation of one simulated step: its fixed links (built once) and its progress."""
 
-    __slots__ = ("op", "dev", "label", "kind", "it", "pos", "cost", "keys", "ins", "in_bytes", "ctx_bytes",
-                 "out_groups", "dependents", "group", "last_of_iter", "alloc", "flush", "stash_add", "stash_drop",
+    __slots__ = ("dev", "label", "kind", "it", "pos", "mb", "tasks", "cost", "keys", "ins", "in_bytes",
+                 "ctx_bytes", "dependents", "group", "last_of_iter", "alloc", "flush", "stash_add", "stash_drop",
                  "deps", "host_wait", "up_wait", "lookahead_ok", "started")  # fmt: skip
 
-    def __init__(self, op: Op, it: int, pos: int, cost: _OpCost, keys: tuple):
-        self.op, self.dev, self.label, self.kind = op, op.device, op.label, op.kind
-        self.it, self.pos, self.cost, self.keys = it, pos, cost, keys
-        self.ins = op.consumes  # hand-offs ``(name, boundary, microbatch)`` of step ``it``
+    def __init__(
+        self, dev: int, work: StageWork, tasks: tuple[Task, ...], it: int, pos: int, cost: _OpCost, keys
+    ):
+        self.dev, self.kind, self.tasks, self.cost, self.keys = dev, work.kind, tasks, cost, keys
+        self.label = "+".join(map(str, tasks))
+        self.it, self.pos, self.mb = it, pos, tasks[0].microbatch
+        self.ins = tuple([(name, b, self.mb) for name, b in work.consumes])  # hand-offs of step ``it``
         self.in_bytes = self.ctx_bytes = 0
-        self.out_groups: list[tuple] = []  # (keys, priority, kind, bytes) per download after it runs
         self.dependents: list[_OpState] = []  # operations whose ``deps`` count this one
         self.group = -1  # index of its weight group on the device
         self.last_of_iter = False  # the device's last operation of step ``it``
         self.alloc = self.flush = True  # opens / sends down a gradient buffer
         self.stash_add = self.stash_drop = True  # counts in the stash while it runs
         self.deps = 0  # operations it still waits for (deps.py)
-        self.host_wait = len(op.consumes)  # inputs not yet downloaded by their producers
+        self.host_wait = len(self.ins)  # inputs not yet downloaded by their producers
         self.up_wait = -1  # inputs: -1 not issued, 1 uploading, 0 on the device
         self.lookahead_ok = pos == 0  # the operation before it on the device has started
         self.started = -1.0
@@ -270,7 +277,7 @@ class _Sim:
         rate = hw.host_memory_bw * hw.optimizer_efficiency / ADAMW_BYTES_PER_PARAM
         self.opt_rate = rate if opts.optimizer_time else _INF
         self.staleness = 1 if opts.optimizer == "async" else 0
-        self.mem = [[0, 0, 0, 0] for _ in range(self.n_dev)]  # weights, activations, working sets, gradients
+        self.mem = [[0, 0, 0, 0] for _ in range(self.n_dev)]  # per device, bytes by _WEIGHTS, _ACTS, ...
         self.mem_peak = [0] * self.n_dev
         self.mem_peak_at: list[tuple[str, tuple[int, ...]]] = [("", (0, 0, 0, 0))] * self.n_dev
         self.host = self.host_peak = work.host_state_bytes
@@ -294,6 +301,8 @@ class _Sim:
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
+        # Bytes of the hand-off at each boundary; the model's end (the loss) moves nothing.
+        self.act_bytes = [lw.act_in_bytes for lw in self.w.layers] + [0]
         self._make_ops()
         self._link_data()
         self._link_tasks()
@@ -302,105 +311,98 @@ class _Sim:
 
     def _make_ops(self) -> None:
         """Per device, one state per operation of every step, in order; ``by_task[it]`` finds the
-        operation running a task of step ``it``."""
+        operation running a task ``(kind, stage, microbatch)`` of step ``it``."""
         self.ops: list[list[_OpState]] = [[] for _ in range(self.n_dev)]
         self.by_task: list[dict[tuple, _OpState]] = []
-        costs: dict[tuple, _OpCost] = {}
-        rows_of: dict[int, list[list[Op]]] = {}  # steps that replay the same table share its operations
+        plans: dict[int, list] = {}  # steps that replay the same table share its plan
+        costs: dict[int, _OpCost] = {}  # per StageWork (alive in ``plans`` meanwhile, so ids are unique)
         for it, table in enumerate(self.tables):
-            rows = rows_of.get(id(table))
-            if rows is None:
-                rows = rows_of[id(table)] = device_ops(table, classic=self.opts.classic_flow)
+            plan = plans.get(id(table))
+            if plan is None:
+                plan = plans[id(table)] = plan_work(table, classic=self.opts.classic_flow)
+            fwd_bounds = set(table.forward.bounds)
             by_task: dict[tuple, _OpState] = {}
-            for ops, row in zip(self.ops, rows):
-                for op in row:
-                    shape = (
-                        op.kind,
-                        op.fwd_layers,
-                        op.bwd_layers,
-                        op.first_forward,
-                        op.split,
-                        op.weight_grads,
-                    )
-                    cost = costs.get(shape)
+            for d, (ops, row) in enumerate(zip(self.ops, plan)):
+                for work, tasks in row:
+                    cost = costs.get(id(work))
                     if cost is None:
-                        cost = costs[shape] = self._cost(op)
+                        cost = costs[id(work)] = self._cost(work, fwd_bounds)
                     keys = cost.keys.get(it)
                     if keys is None:
                         keys = cost.keys[it] = tuple((it, i) for i in cost.layers)
-                    st = _OpState(op, it, len(ops), cost, keys)
-                    for t in op.tasks:
-                        by_task[t] = st
+                    st = _OpState(d, work, tasks, it, len(ops), cost, keys)
+                    for t in tasks:
+                        by_task[(t.kind, t.stage, t.microbatch)] = st
                     ops.append(st)
             self.by_task.append(by_task)
 
-    def _cost(self, op: Op) -> _OpCost:
-        layers = self.w.layers
-        dur = self._duration(op)
-        bwd = op.bwd_layers
+    def _cost(self, work: StageWork, fwd_bounds: set[int]) -> _OpCost:
+        """What ``work`` costs; its downloads are split into hand-offs a compute waits for (gradients
+        and forward-stage outputs) and saved stage inputs (``fwd_bounds``: the forward partition)."""
+        layers, act = self.w.layers, self.act_bytes
+        dur = self._duration(work)
+        bwd = work.bwd_layers
         trainable = [i for i in bwd if layers[i].grad_bytes > 0 or layers[i].trainable_params > 0]
-        if op.kind in ("B", "I") and bwd.start == 0 and not trainable and not op.produces:
+        if work.kind in ("B", "I") and bwd.start == 0 and not trainable and not work.produces:
             dur, bwd = 0.0, range(0)  # frozen embedding alone: nothing to run
-        trainable = trainable if op.weight_grads else []
+        trainable = trainable if work.weight_grads else []
         wgrad = sum(layers[i].grad_bytes for i in trainable)
-        work, hold = self._work_bytes(op)
-        release = sum(layers[i].saved_bytes for i in op.bwd_layers) if op.kind == "W" else 0
-        return _OpCost(dur, bwd, trainable, wgrad, work, hold, release, list(op.layers) if dur > 0 else [])
+        work_bytes, hold = self._work_bytes(work)
+        release = sum(layers[i].saved_bytes for i in work.bwd_layers) if work.kind == "W" else 0
+        urgent = tuple(k for k in work.produces if k[0] == "grad" or k[1] in fwd_bounds)
+        later = tuple(k for k in work.produces if not (k[0] == "grad" or k[1] in fwd_bounds))
+        out_groups = tuple(
+            (keys, prio, kind, sum(act[b] for _, b in keys))
+            for keys, prio, kind in ((urgent, P_ACT, "act"), (later, P_STASH, "stash"))
+            if keys
+        )
+        in_bytes = sum(act[b] for _, b in work.consumes)
+        lay = list(work.layers) if dur > 0 else []
+        return _OpCost(dur, bwd, trainable, wgrad, work_bytes, hold, release, lay, in_bytes, out_groups)
 
     def _link_data(self) -> None:
         """Per step, how many operations consume each hand-off and which wait for its download; per
-        operation, the bytes it uploads (its inputs, plus the token ids when the device switches
-        microbatch) and the downloads after it, urgent hand-offs apart from saved inputs."""
+        operation, the bytes it uploads: its inputs, plus the token ids when the device switches
+        microbatch."""
         layers = self.w.layers
-        self.act_bytes = [lw.act_in_bytes for lw in layers] + [0]  # per boundary; the model's end is free
-        act = self.act_bytes
         self.consumers: list[dict[tuple, int]] = [defaultdict(int) for _ in self.tables]
         self.host_waiters: list[dict[tuple, list[_OpState]]] = [defaultdict(list) for _ in self.tables]
-        fwd_bounds = [set(table.forward.bounds) for table in self.tables]
         ctx = layers[0].act_in_bytes if layers else 0
         for ops in self.ops:
             prev = None
             for st in ops:
-                consumers, waiters = self.consumers[st.it], self.host_waiters[st.it]
-                for k in st.ins:
-                    consumers[k] += 1
-                    waiters[k].append(st)
-                mb = (st.it, st.op.tasks[0].microbatch)
-                if st.kind != "W" and (st.keys or st.ins) and mb != prev:
-                    st.ctx_bytes, prev = ctx, mb
-                st.in_bytes = sum(act[k[1]] for k in st.ins) + st.ctx_bytes
-                outs = st.op.produces
-                if outs:
-                    bounds = fwd_bounds[st.it]
-                    urgent = [k for k in outs if k[0] == "grad" or k[1] in bounds]
-                    later = [k for k in outs if not (k[0] == "grad" or k[1] in bounds)]
-                    for keys, prio, kind in ((urgent, P_ACT, "act"), (later, P_STASH, "stash")):
-                        if keys:
-                            st.out_groups.append((keys, prio, kind, sum(act[k[1]] for k in keys)))
+                if st.ins:
+                    consumers, waiters = self.consumers[st.it], self.host_waiters[st.it]
+                    for k in st.ins:
+                        consumers[k] += 1
+                        waiters[k].append(st)
+                if st.kind != "W" and (st.keys or st.ins) and (st.it, st.mb) != prev:
+                    st.ctx_bytes, prev = ctx, (st.it, st.mb)
+                st.in_bytes = st.cost.in_bytes + st.ctx_bytes
 
     def _link_tasks(self) -> None:
         """Control dependencies (deps.py) between operations, and the stash a device keeps between
         F and B of a stage (weight-bound tables)."""
         rules = [{} for _ in self.tables]  # per step: (kind, stage) -> [(kind, stage)] it waits for
+        weight_bound = [table.weight_bound for table in self.tables]
         for d, ops in enumerate(self.ops):
             for st in ops:
                 table, by_task, rule = self.tables[st.it], self.by_task[st.it], rules[st.it]
-                own = st.op.tasks
-                for t in own:
-                    deps = rule.get(t[:2])
+                for t in st.tasks:
+                    deps = rule.get((t.kind, t.stage))
                     if deps is None:
-                        deps = rule[t[:2]] = [(k.kind, k.stage) for k in table.dependencies(t)]
+                        deps = rule[(t.kind, t.stage)] = [(k.kind, k.stage) for k in table.dependencies(t)]
                     for kind, stage in deps:
-                        k = (kind, stage, t.microbatch)
-                        if k not in own:
-                            by_task[k].dependents.append(st)
+                        dep = by_task[(kind, stage, t.microbatch)]
+                        if dep is not st:  # a fused pair's backward waits for its own forward
+                            dep.dependents.append(st)
                             st.deps += 1
-                if table.weight_bound and st.kind == "F":
+                if weight_bound[st.it] and st.kind == "F":
                     self._keep_stash(table, by_task, st, d)
 
     def _keep_stash(self, table: ScheduleTable, by_task: dict, st: _OpState, d: int) -> None:
         """A weight-bound device holds a stage's input from its forward until its backward ends."""
-        t = st.op.tasks[0]
+        t = st.tasks[0]
         if t.stage >= table.backward.num_stages:
             return
         closing = "W" if table.split_backward else "B"
@@ -454,7 +456,7 @@ class _Sim:
             if ops:
                 ops[-1].last_of_iter = True
 
-    def _duration(self, op: Op) -> float:
+    def _duration(self, op: StageWork) -> float:
         ly, wf = self.w.layers, self.w.w_fraction
         fwd = sum(ly[i].fwd_s for i in op.fwd_layers)
         if op.kind == "F":
@@ -470,7 +472,7 @@ class _Sim:
             return recompute + back * (1 - wf)
         return back * wf
 
-    def _work_bytes(self, op: Op) -> tuple[int, int]:
+    def _work_bytes(self, op: StageWork) -> tuple[int, int]:
         """(working set while ``op`` computes, bytes an I leaves on the device for its W)."""
         ly = self.w.layers
         fwd = max((ly[i].fwd_work_bytes for i in op.fwd_layers), default=0)
@@ -503,10 +505,13 @@ class _Sim:
         )
         while ev:
             t, _, kind, a, b = pop(ev)
-            self.now = t
             if kind == _LINK_DUE:
-                link_due(a, b)
-            elif kind == _COMPUTE_END:
+                if b == a.ver:  # else the link was re-shared since and a later event stands for it
+                    self.now = t
+                    link_due(a)
+                continue
+            self.now = t
+            if kind == _COMPUTE_END:
                 compute_end(a)
             elif kind == _FREE_COPY_END:
                 copy_done(a)
@@ -556,9 +561,7 @@ class _Sim:
             self._kick(lane)
 
     def _kick(self, lane: _Lane) -> None:
-        """Put the most urgent queued copy of ``lane`` (its next piece) on the wire."""
-        if lane.busy or not lane.queue:
-            return
+        """Put the most urgent queued copy of ``lane`` (its next piece) on the wire; it must be idle."""
         c = heapq.heappop(lane.queue)[2]
         lane.busy = True
         c.piece = c.size = min(c.left, self.chunk) if c.kind == "upload" else c.left
@@ -586,14 +589,17 @@ class _Sim:
         if not flows:
             link.rate = 0.0
             return
-        rate = link.rate = min(self.link_bw, self.uplink_bw / len(flows))
+        share = self.uplink_bw / len(flows)
+        rate = link.rate = share if share < self.link_bw else self.link_bw
         first = min([f.piece for f in flows])
-        self._at(self.now + (first if first > 0 else 0.0) / rate, _LINK_DUE, link, link.ver)
+        self.seq += 1
+        heapq.heappush(
+            self.events,
+            (self.now + (first if first > 0 else 0.0) / rate, self.seq, _LINK_DUE, link, link.ver),
+        )
 
-    def _link_due(self, link: _Link, ver: int) -> None:
-        """The earliest copy on ``link`` is due, unless the link was re-shared since (``ver``)."""
-        if ver != link.ver:
-            return
+    def _link_due(self, link: _Link) -> None:
+        """The earliest copy on ``link`` is due (and any other within rounding of it)."""
         self._settle(link)
         eps = 1e-6 * link.rate * 1e-6 + 1.0  # within a byte (or a picosecond) counts as done
         flows = link.flows
@@ -608,19 +614,21 @@ class _Sim:
             self._copy_done(f)
 
     def _copy_done(self, c: _Copy) -> None:
-        lane = c.lane
+        lane, now = c.lane, self.now
         c.left -= c.size
         self.moved[lane.name] += c.size
-        if self.now > c.t_pick:
-            self._span(c.dev, lane.name, c.name, c.kind, c.t_pick, self.now)
-        self._end(c.it)
+        if now > c.t_pick and self.spans is not None:
+            self.spans.append((c.dev, lane.name, c.name, c.kind, c.t_pick, now))
+        if now > self.iter_end[c.it]:
+            self.iter_end[c.it] = now
         lane.busy = False
         if c.left > 0:
             self.seq += 1
             heapq.heappush(lane.queue, (c.prio, self.seq, c))
         else:
             c.done(c)
-        self._kick(lane)
+        if lane.queue and not lane.busy:
+            self._kick(lane)
 
     # ------------------------------------------------------------------ weights
     def _make_eligible(self, d: int, upto: int) -> None:
@@ -654,7 +662,7 @@ class _Sim:
                 if need[0] >= 0 and need in self.grad_count and need not in self.step_done:
                     self.deferred[need].append(c)
                 else:
-                    self._alloc(d, 0, c.nbytes, c.name)
+                    self._alloc(d, _WEIGHTS, c.nbytes, c.name)
                     self._enqueue(c)
 
     def _weight_done(self, c: _Copy) -> None:
@@ -668,7 +676,7 @@ class _Sim:
         if st.last_of_iter and not self.stream[d]:
             for key in [k for k, v in res.items() if k[0] == st.it and v == 2]:
                 del res[key]
-                self._free(d, 0, self.w.layers[key[1]].param_bytes)
+                self._free(d, _WEIGHTS, self.w.layers[key[1]].param_bytes)
         if g < 0 or self.group_last[d][g] != st.pos:
             if st.last_of_iter:
                 self._make_eligible(d, g + 3)
@@ -680,7 +688,7 @@ class _Sim:
                     keep.update(self.groups[d][k])
             for key in [k for k, v in res.items() if v == 2 and k not in keep]:
                 del res[key]
-                self._free(d, 0, self.w.layers[key[1]].param_bytes)
+                self._free(d, _WEIGHTS, self.w.layers[key[1]].param_bytes)
         self._make_eligible(d, g + 3)
 
     # ------------------------------------------------------------------ inputs
@@ -697,7 +705,7 @@ class _Sim:
             self.h2d[st.dev], f"in:{st.label}", "act", st.in_bytes, (P_ACT, st.pos), self._input_done, st.it
         )
         c.owner = st
-        self._alloc(st.dev, 1, st.in_bytes, st.label)
+        self._alloc(st.dev, _ACTS, st.in_bytes, st.label)
         self._enqueue(c)
 
     def _input_done(self, c: _Copy) -> None:
@@ -725,9 +733,9 @@ class _Sim:
                 return
         st.started = self.now
         cost = st.cost
-        self._alloc(d, 2, cost.work, st.label)
+        self._alloc(d, _WORK, cost.work, st.label)
         if st.alloc:
-            self._alloc(d, 3, cost.wgrad, st.label)
+            self._alloc(d, _GRADS, cost.wgrad, st.label)
         if st.stash_add:
             self.stash[d] += 1
             if self.stash[d] > self.stash_peak[d]:
@@ -739,28 +747,27 @@ class _Sim:
         self._at(self.now + cost.dur, _COMPUTE_END, st)
 
     def _compute_end(self, st: _OpState) -> None:
-        d, cost = st.dev, st.cost
+        d, cost, now = st.dev, st.cost, self.now
         self.busy[d] += cost.dur
-        self._end(st.it)
-        if cost.dur > 0:
-            self._span(d, "compute", st.label, st.kind, st.started, self.now)
-        if cost.work:
-            self._free(d, 2, cost.work)
-        if st.in_bytes:
-            self._free(d, 1, st.in_bytes)
-        if cost.hold:
-            self._alloc(d, 1, cost.hold, st.label)
-        if st.kind == "W":
-            self._free(d, 1, cost.release)
+        if now > self.iter_end[st.it]:
+            self.iter_end[st.it] = now
+        if cost.dur > 0 and self.spans is not None:
+            self.spans.append((d, "compute", st.label, st.kind, st.started, now))
+        mem = self.mem[d]
+        mem[_WORK] -= cost.work
+        mem[_ACTS] -= st.in_bytes
+        if cost.hold:  # an I leaves its saved tensors for its W ...
+            self._alloc(d, _ACTS, cost.hold, st.label)
+        mem[_ACTS] -= cost.release  # ... which frees them
         if st.stash_drop:
             self.stash[d] -= 1
         self.ops_left -= 1
         self.cursor[d] += 1
         d2h = self.d2h[d]
-        for keys, prio, kind, nbytes in st.out_groups:
+        for hand_offs, prio, kind, nbytes in cost.out_groups:
             c = _Copy(d2h, f"out:{st.label}", kind, nbytes, (prio, st.pos), self._output_done, st.it)
-            c.key = keys
-            self._alloc(d, 1, nbytes, st.label)
+            c.key = [(name, b, st.mb) for name, b in hand_offs]
+            self._alloc(d, _ACTS, nbytes, st.label)
             self._enqueue(c)
         if cost.wgrad and st.flush:
             c = _Copy(
@@ -778,7 +785,7 @@ class _Sim:
         self._try_compute(d)
 
     def _output_done(self, c: _Copy) -> None:
-        self._free(c.dev, 1, c.nbytes)
+        self._free(c.dev, _ACTS, c.nbytes)
         consumers, waiters, act = self.consumers[c.it], self.host_waiters[c.it], self.act_bytes
         for k in c.key:
             if consumers.get(k, 0) > 0:
@@ -788,7 +795,7 @@ class _Sim:
                 self._check_inputs(st)
 
     def _wgrad_done(self, c: _Copy) -> None:
-        self._free(c.dev, 3, c.nbytes)
+        self._free(c.dev, _GRADS, c.nbytes)
         self._grads_final(c.owner)
 
     def _grads_final(self, st: _OpState) -> None:
@@ -820,6 +827,6 @@ class _Sim:
         self.step_done.add(key)
         self._end(key[0])
         for c in self.deferred.pop(key, ()):
-            self._alloc(c.dev, 0, c.nbytes, c.name)
+            self._alloc(c.dev, _WEIGHTS, c.nbytes, c.name)
             self._enqueue(c)
         self._opt_next()

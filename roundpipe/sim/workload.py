@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from roundpipe.errors import ConfigError
 from roundpipe.partition.cost import LayerCost, layer_times, model_totals
 from roundpipe.schedule.deps import TaskKey
-from roundpipe.schedule.table import ScheduleTable
+from roundpipe.schedule.table import ScheduleTable, Task
 from roundpipe.sim.presets import GPU, Server
 
 DEFAULT_W_FRACTION = 0.5  # share of a layer's backward that is weight gradient (I/W split)
@@ -133,6 +133,14 @@ def uniform_workload(
     return Workload(layers, name=f"uniform{num_layers}")
 
 
+def _layers_of(fwd_layers: range, bwd_layers: range) -> range:
+    """Every layer run forward or backward: the weights an operation needs on its device."""
+    spans = [r for r in (fwd_layers, bwd_layers) if len(r)]
+    if not spans:
+        return range(0)
+    return range(min(r.start for r in spans), max(r.stop for r in spans))
+
+
 @dataclass(slots=True)
 class Op:
     """One unit of device work: a task, or a fused F+B pair. Built by :func:`device_ops`."""
@@ -152,26 +160,28 @@ class Op:
 
     @property
     def layers(self) -> range:
-        spans = [r for r in (self.fwd_layers, self.bwd_layers) if len(r)]
-        if not spans:
-            return range(0)
-        return range(min(r.start for r in spans), max(r.stop for r in spans))
+        return _layers_of(self.fwd_layers, self.bwd_layers)
 
 
 @dataclass(frozen=True)
-class _StageWork:
-    """What a task of one kind and stage (or the fused head pair) runs and moves; the same for every
-    microbatch, so :func:`device_ops` works it out once and stamps an :class:`Op` per task."""
+class StageWork:
+    """What a task of one kind and stage (or the fused head pair) runs and moves: an :class:`Op`
+    without its device, microbatch and label, the same for every microbatch. Hand-offs are
+    ``(name, boundary)``; the op of microbatch ``j`` moves ``(name, boundary, j)``."""
 
     kind: str
     fwd_layers: range = range(0)
     bwd_layers: range = range(0)
     recompute: bool = True
-    consumes: tuple[tuple[str, int], ...] = ()  # (name, boundary)
+    consumes: tuple[tuple[str, int], ...] = ()
     produces: tuple[tuple[str, int], ...] = ()
     weight_grads: bool = False
     first_forward: bool = False
     split: bool = False
+
+    @property
+    def layers(self) -> range:
+        return _layers_of(self.fwd_layers, self.bwd_layers)
 
     def op(self, device: int, label: str, tasks: tuple[TaskKey, ...], microbatch: int) -> Op:
         j = microbatch
@@ -197,20 +207,36 @@ def device_ops(table: ScheduleTable, *, classic: bool = False) -> list[list[Op]]
     ``[c, d)`` consumes ``act[c]`` and ``grad[d]`` and produces ``grad[c]``. With the backward
     split, ``I`` does that and ``W`` (weight gradients) needs nothing but its ``I``.
     """
+    return [
+        [
+            work.op(d, "+".join(map(str, tasks)), tuple(t.key for t in tasks), tasks[0].microbatch)
+            for work, tasks in row
+        ]
+        for d, row in enumerate(plan_work(table, classic=classic))
+    ]
+
+
+def plan_work(
+    table: ScheduleTable, *, classic: bool = False
+) -> list[list[tuple[StageWork, tuple[Task, ...]]]]:
+    """What :func:`device_ops` describes, with the per-stage part shared: per device, in order, each
+    operation as ``(work, tasks)``, its :class:`StageWork` (one object per kind and stage) and its
+    one or two tasks of the table. For callers that would otherwise redo per-stage work for every
+    microbatch (the simulator)."""
     fwd, bwd = table.forward, table.backward
     last_f, last_b = fwd.num_stages - 1, bwd.num_stages - 1
     fusable = fwd.bounds[last_f] <= bwd.bounds[last_b]
-    works: dict[tuple[str, int], _StageWork] = {}  # (kind, stage) -> its work; ("FB", 0 or 1) fused
+    works: dict[tuple[str, int], StageWork] = {}  # (kind, stage) -> its work; ("FB", 0 or 1) fused
 
-    def work(kind: str, stage: int) -> _StageWork:
+    def work(kind: str, stage: int) -> StageWork:
         w = works.get((kind, stage))
         if w is None:
             w = works[(kind, stage)] = _stage_work(table, kind, stage, classic)
         return w
 
-    out: list[list[Op]] = []
-    for d, row in enumerate(table.devices):
-        ops: list[Op] = []
+    out = []
+    for row in table.devices:
+        ops = []
         i = 0
         while i < len(row):
             t, nxt = row[i], row[i + 1] if i + 1 < len(row) else None
@@ -223,18 +249,16 @@ def device_ops(table: ScheduleTable, *, classic: bool = False) -> list[list[Op]]
                 and nxt.stage == last_b
                 and nxt.microbatch == t.microbatch
             ):
-                ops.append(
-                    work("FB", int(nxt.kind == "I")).op(d, f"{t}+{nxt}", (t.key, nxt.key), t.microbatch)
-                )
+                ops.append((work("FB", int(nxt.kind == "I")), (t, nxt)))
                 i += 2
             else:
-                ops.append(work(t.kind, t.stage).op(d, str(t), (t.key,), t.microbatch))
+                ops.append((work(t.kind, t.stage), (t,)))
                 i += 1
         out.append(ops)
     return out
 
 
-def _stage_work(table: ScheduleTable, kind: str, stage: int, classic: bool) -> _StageWork:
+def _stage_work(table: ScheduleTable, kind: str, stage: int, classic: bool) -> StageWork:
     """The work of a task of ``kind`` at ``stage`` (``"FB"``: the fused head, ``stage`` 1 when its
     backward is split), following the runtime's data flow (see :func:`device_ops`)."""
     fwd, bwd = table.forward, table.backward
@@ -248,7 +272,7 @@ def _stage_work(table: ScheduleTable, kind: str, stage: int, classic: bool) -> _
     if kind == "FB":
         a, c = fwd.bounds[fwd.num_stages - 1], bwd.bounds[last_b]
         produces = [("act", b) for b in starts_inside(a, c)] + ([("grad", c)] if c > 0 else [])
-        return _StageWork(
+        return StageWork(
             "FB", range(a, c), range(c, n), recompute=False, consumes=(("act", a),) if a > 0 else (),
             produces=tuple(produces), weight_grads=not stage, split=bool(stage),
         )  # fmt: skip
@@ -257,16 +281,25 @@ def _stage_work(table: ScheduleTable, kind: str, stage: int, classic: bool) -> _
         outs = starts_inside(a, e) + ([e] if e < n else [])
         run_to = e if classic else (outs[-1] if outs else a)
         consumes = (("act", a),) if a > 0 else ()
-        return _StageWork("F", range(a, run_to), consumes=consumes, produces=tuple(("act", b) for b in outs))
+        return StageWork("F", range(a, run_to), consumes=consumes, produces=tuple(("act", b) for b in outs))
     c, e = bwd.bounds[stage], bwd.bounds[stage + 1]
     if kind in ("B", "I"):
         consumes = ([("act", c)] if c > 0 else []) + ([("grad", e)] if stage < last_b else [])
-        return _StageWork(
+        return StageWork(
             kind, bwd_layers=range(c, e), consumes=tuple(consumes), produces=(("grad", c),) if c > 0 else (),
             weight_grads=kind == "B", first_forward=stage == last_b and not classic,
         )  # fmt: skip
     # W: weight gradients of a stage whose I ran before, on this device
-    return _StageWork("W", bwd_layers=range(c, e), weight_grads=True)
+    return StageWork("W", bwd_layers=range(c, e), weight_grads=True)
 
 
-__all__ = ["LayerWork", "Op", "Workload", "device_ops", "uniform_workload", "workload_from_costs"]
+__all__ = [
+    "LayerWork",
+    "Op",
+    "StageWork",
+    "Workload",
+    "device_ops",
+    "plan_work",
+    "uniform_workload",
+    "workload_from_costs",
+]
