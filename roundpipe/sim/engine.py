@@ -46,6 +46,7 @@ import heapq
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from roundpipe.errors import ConfigError
 from roundpipe.schedule.table import ScheduleTable, Task
@@ -189,7 +190,7 @@ class _OpState:
     """One operation of one simulated step: its fixed links (built once) and its progress."""
 
     __slots__ = ("dev", "label", "kind", "it", "pos", "mb", "tasks", "cost", "keys", "ins", "in_bytes",
-                 "ctx_bytes", "dependents", "group", "last_of_iter", "alloc", "flush", "stash_add", "stash_drop",
+                 "ctx_bytes", "dependents", "group", "ends_group", "last_of_iter", "alloc", "flush", "stash_add", "stash_drop",
                  "deps", "host_wait", "up_wait", "lookahead_ok", "started")  # fmt: skip
 
     def __init__(
@@ -202,6 +203,7 @@ class _OpState:
         self.in_bytes = self.ctx_bytes = 0
         self.dependents: list[_OpState] = []  # operations whose ``deps`` count this one
         self.group = -1  # index of its weight group on the device
+        self.ends_group = False  # the group's last operation: the device's weights change after it
         self.last_of_iter = False  # the device's last operation of step ``it``
         self.alloc = self.flush = True  # opens / sends down a gradient buffer
         self.stash_add = self.stash_drop = True  # counts in the stash while it runs
@@ -214,14 +216,16 @@ class _OpState:
 
 class _Link:
     """One direction of a switch's uplink. Copies in flight on it share its rate equally (fluid
-    model); ``ver`` invalidates the completion event scheduled before the last re-share."""
+    model). ``due`` is the ``seq`` of the one completion event that stands (0: none); an event
+    with another is stale. ``dirty``: re-shared by the event being handled, its event not yet pushed."""
 
-    __slots__ = ("flows", "rate", "t0", "ver")
+    __slots__ = ("flows", "rate", "t0", "due", "dirty")
 
     def __init__(self):
         self.flows: list[_Copy] = []
         self.rate = self.t0 = 0.0
-        self.ver = 0
+        self.due = 0
+        self.dirty = False
 
 
 class _Lane:
@@ -251,8 +255,7 @@ class _Copy:
         self.key = self.owner = None
 
 
-def _piece(c: _Copy) -> float:
-    return c.piece
+_PIECE = attrgetter("piece")
 
 
 class _Sim:
@@ -265,6 +268,7 @@ class _Sim:
         self.chunk = opts.chunk_bytes
         self.events: list = []
         self.seq = 0
+        self.dirty_links: list[_Link] = []
         self.now = 0.0
         self.spans: list[tuple] | None = [] if opts.record_timeline else None  # Span fields
         self.link_bw = hw.gpu.host_link_bw_effective if opts.transfers else _INF
@@ -436,10 +440,9 @@ class _Sim:
                             self.grad_count[(st.it, i)] += 1
 
     def _group_weights(self) -> None:
-        """Weight groups per device (consecutive operations over the same layers) and the device's
-        last operation of each step."""
+        """Weight groups per device (consecutive operations over the same layers), the last operation
+        of each group, and the device's last operation of each step."""
         self.groups: list[list[tuple[tuple[int, int], ...]]] = []
-        self.group_last: list[list[int]] = []
         for ops in self.ops:
             groups, last = [], []
             for st in ops:
@@ -449,8 +452,9 @@ class _Sim:
                         last.append(st.pos)
                     last[-1] = st.pos
                 st.group = len(groups) - 1
+            for st in ops:
+                st.ends_group = st.group >= 0 and last[st.group] == st.pos
             self.groups.append(groups)
-            self.group_last.append(last)
             for a, b in zip(ops, ops[1:]):
                 a.last_of_iter = a.it != b.it
             if ops:
@@ -503,10 +507,14 @@ class _Sim:
             self._opt_end,
             self._copy_done,
         )
-        while ev:
+        while True:
+            if self.dirty_links:
+                self._push_due()
+            if not ev:
+                break
             t, _, kind, a, b = pop(ev)
             if kind == _LINK_DUE:
-                if b == a.ver:  # else the link was re-shared since and a later event stands for it
+                if b == a.due:  # else the link was re-shared since and a later event stands for it
                     self.now = t
                     link_due(a)
                 continue
@@ -556,13 +564,17 @@ class _Sim:
     def _enqueue(self, c: _Copy) -> None:
         self.seq += 1
         lane = c.lane
-        heapq.heappush(lane.queue, (c.prio, self.seq, c))
-        if not lane.busy:
-            self._kick(lane)
+        if lane.busy or lane.queue:
+            heapq.heappush(lane.queue, (c.prio, self.seq, c))
+            if not lane.busy:
+                self._kick(lane)
+        else:  # an idle engine with nothing queued: no need to go through the queue
+            self._kick(lane, c)
 
-    def _kick(self, lane: _Lane) -> None:
-        """Put the most urgent queued copy of ``lane`` (its next piece) on the wire; it must be idle."""
-        c = heapq.heappop(lane.queue)[2]
+    def _kick(self, lane: _Lane, c: _Copy | None = None) -> None:
+        """Put the next piece of ``c`` (default: the most urgent queued copy) on idle engine ``lane``."""
+        if c is None:
+            c = heapq.heappop(lane.queue)[2]
         lane.busy = True
         c.piece = c.size = min(c.left, self.chunk) if c.kind == "upload" else c.left
         c.t_pick = self.now
@@ -583,32 +595,49 @@ class _Sim:
         link.t0 = self.now
 
     def _next_completion(self, link: _Link) -> None:
-        """Re-share ``link`` among its copies and schedule the earliest completion (one event per link)."""
-        link.ver += 1
+        """Re-share ``link`` among its copies; its earliest completion becomes the one event due.
+
+        The event is pushed when the current event is handled (:meth:`_push_due`): a copy done and
+        the next piece started on the same link in one handler then push one event, not two of
+        which the first is stale. Its ``seq`` is taken here, so events pop exactly as if pushed now.
+        """
         flows = link.flows
         if not flows:
             link.rate = 0.0
+            link.due = 0
             return
         share = self.uplink_bw / len(flows)
-        rate = link.rate = share if share < self.link_bw else self.link_bw
-        first = min([f.piece for f in flows])
+        link.rate = share if share < self.link_bw else self.link_bw
         self.seq += 1
-        heapq.heappush(
-            self.events,
-            (self.now + (first if first > 0 else 0.0) / rate, self.seq, _LINK_DUE, link, link.ver),
-        )
+        link.due = self.seq
+        if not link.dirty:
+            link.dirty = True
+            self.dirty_links.append(link)
+
+    def _push_due(self) -> None:
+        """Push the completion event of each link re-shared while handling the last event (nothing
+        has moved on it since, so the time is what it was at the re-share)."""
+        for link in self.dirty_links:
+            link.dirty = False
+            if link.due:
+                first = min(map(_PIECE, link.flows))
+                t = self.now + (first if first > 0 else 0.0) / link.rate
+                heapq.heappush(self.events, (t, link.due, _LINK_DUE, link, link.due))
+        self.dirty_links.clear()
 
     def _link_due(self, link: _Link) -> None:
         """The earliest copy on ``link`` is due (and any other within rounding of it)."""
         self._settle(link)
         eps = 1e-6 * link.rate * 1e-6 + 1.0  # within a byte (or a picosecond) counts as done
-        flows = link.flows
-        done = [f for f in flows if f.piece <= eps]
+        done, left = [], []
+        for f in link.flows:
+            (done if f.piece <= eps else left).append(f)
         if done:
-            link.flows = [f for f in flows if f.piece > eps]
+            link.flows = left
         else:
-            done = [min(flows, key=_piece)]
-            flows.remove(done[0])
+            done = [min(left, key=_PIECE)]
+            left.remove(done[0])
+            link.flows = left
         self._next_completion(link)
         for f in done:
             self._copy_done(f)
@@ -623,12 +652,11 @@ class _Sim:
             self.iter_end[c.it] = now
         lane.busy = False
         if c.left > 0:
-            self.seq += 1
-            heapq.heappush(lane.queue, (c.prio, self.seq, c))
+            self._enqueue(c)  # the rest of a weight upload queues again
         else:
             c.done(c)
-        if lane.queue and not lane.busy:
-            self._kick(lane)
+            if lane.queue and not lane.busy:
+                self._kick(lane)
 
     # ------------------------------------------------------------------ weights
     def _make_eligible(self, d: int, upto: int) -> None:
@@ -677,7 +705,7 @@ class _Sim:
             for key in [k for k, v in res.items() if k[0] == st.it and v == 2]:
                 del res[key]
                 self._free(d, _WEIGHTS, self.w.layers[key[1]].param_bytes)
-        if g < 0 or self.group_last[d][g] != st.pos:
+        if not st.ends_group:
             if st.last_of_iter:
                 self._make_eligible(d, g + 3)
             return
@@ -715,7 +743,7 @@ class _Sim:
         for k in st.ins:
             consumers[k] -= 1
             if consumers[k] == 0:
-                self._host(-act[k[1]])
+                self.host -= act[k[1]]  # (a drop sets no peak)
         self._try_compute(st.dev)
 
     # ------------------------------------------------------------------ compute
@@ -766,7 +794,7 @@ class _Sim:
         d2h = self.d2h[d]
         for hand_offs, prio, kind, nbytes in cost.out_groups:
             c = _Copy(d2h, f"out:{st.label}", kind, nbytes, (prio, st.pos), self._output_done, st.it)
-            c.key = [(name, b, st.mb) for name, b in hand_offs]
+            c.key, c.owner = hand_offs, st
             self._alloc(d, _ACTS, nbytes, st.label)
             self._enqueue(c)
         if cost.wgrad and st.flush:
@@ -781,15 +809,18 @@ class _Sim:
             dep.deps -= 1
             if dep.deps == 0:
                 self._try_compute(dep.dev)
-        self._after_op(d, st)
+        if st.ends_group or st.last_of_iter:  # else the device's weights stay as they are
+            self._after_op(d, st)
         self._try_compute(d)
 
     def _output_done(self, c: _Copy) -> None:
+        """Hand-offs ``c.key`` (``(name, boundary)`` of the microbatch of ``c.owner``) are on the host."""
         self._free(c.dev, _ACTS, c.nbytes)
-        consumers, waiters, act = self.consumers[c.it], self.host_waiters[c.it], self.act_bytes
-        for k in c.key:
+        consumers, waiters, mb = self.consumers[c.it], self.host_waiters[c.it], c.owner.mb
+        for name, b in c.key:
+            k = (name, b, mb)
             if consumers.get(k, 0) > 0:
-                self._host(act[k[1]])
+                self._host(self.act_bytes[b])
             for st in waiters.pop(k, ()):
                 st.host_wait -= 1
                 self._check_inputs(st)
