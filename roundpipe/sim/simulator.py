@@ -14,7 +14,7 @@ from roundpipe.schedule import build_table
 from roundpipe.schedule.table import ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult, _Sim
 from roundpipe.sim.presets import GIB, Server
-from roundpipe.sim.workload import Workload, device_ops
+from roundpipe.sim.workload import StageWork, Workload, plan_work
 
 
 def _gib(n: float) -> str:
@@ -26,19 +26,24 @@ def resident_bytes(table: ScheduleTable, work: Workload) -> list[int]:
     weights plus the largest working set, gradients and activations of one of its tasks."""
     ly = work.layers
     out = []
-    for ops in device_ops(table):
+    for row in plan_work(table):
         layers = set()
         worst = 0
-        for op in ops:
-            layers.update(op.layers)
-            saved = sum(ly[i].saved_bytes for i in op.bwd_layers)
-            trans = max((ly[i].transient_bytes for i in op.bwd_layers), default=0)
-            fwd = max((ly[i].fwd_work_bytes for i in op.fwd_layers), default=0)
-            grads = sum(ly[i].grad_bytes for i in op.bwd_layers) if op.weight_grads else 0
-            io = sum(ly[k[1]].act_in_bytes for k in op.consumes + op.produces if k[1] < len(ly))
-            worst = max(worst, max(fwd, saved + trans) + grads + io)
+        for stage in {id(w): w for w, _ in row}.values():  # every microbatch of a stage needs the same
+            layers.update(stage.layers)
+            worst = max(worst, _task_bytes(stage, ly))
         out.append(sum(ly[i].param_bytes for i in layers) + worst)
     return out
+
+
+def _task_bytes(stage: StageWork, ly) -> int:
+    """Working set, weight gradients and hand-offs of one task of ``stage`` on its device."""
+    saved = sum(ly[i].saved_bytes for i in stage.bwd_layers)
+    trans = max((ly[i].transient_bytes for i in stage.bwd_layers), default=0)
+    fwd = max((ly[i].fwd_work_bytes for i in stage.fwd_layers), default=0)
+    grads = sum(ly[i].grad_bytes for i in stage.bwd_layers) if stage.weight_grads else 0
+    io = sum(ly[b].act_in_bytes for _, b in stage.consumes + stage.produces if b < len(ly))
+    return max(fwd, saved + trans) + grads + io
 
 
 def _iteration_tables(table: ScheduleTable, n: int) -> list[ScheduleTable]:
