@@ -7,6 +7,8 @@ Pure Python.
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import replace
 
 from roundpipe.errors import ConfigError
@@ -61,6 +63,25 @@ def _iteration_tables(table: ScheduleTable, n: int) -> list[ScheduleTable]:
     ]  # fmt: skip
 
 
+@contextmanager
+def _cycle_collector_paused():
+    """Pause CPython's cycle collector while a simulation builds and runs.
+
+    A simulation allocates a long-lived object or two per task (its state and dependents) and drops
+    them all when it returns; none of it is cyclic garbage. With the collector on, that growth
+    triggers repeated full-heap scans that find nothing and cost ~15% of a 12,800-task simulation.
+    Reference counting still frees everything as usual; the collector resumes (if it was on) however
+    the simulation ends, and picks up any cycle made meanwhile at its next run.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def simulate(
     table: ScheduleTable,
     workload: Workload,
@@ -100,8 +121,9 @@ def simulate(
             stream = [True] * table.num_devices
     else:
         stream = [bool(opts.stream_weights)] * table.num_devices
-    sim = _Sim(_iteration_tables(table, n_iter), workload, hardware, opts, stream)
-    sim.run()
+    with _cycle_collector_paused():
+        sim = _Sim(_iteration_tables(table, n_iter), workload, hardware, opts, stream)
+        sim.run()
 
     ends = sim.iter_end
     iteration_s = ends[0] if n_iter == 1 else (ends[-1] - ends[0]) / (n_iter - 1)
