@@ -190,8 +190,8 @@ class _OpState:
     """One operation of one simulated step: its fixed links (built once) and its progress."""
 
     __slots__ = ("dev", "label", "kind", "it", "pos", "mb", "tasks", "cost", "keys", "ins", "in_bytes",
-                 "ctx_bytes", "dependents", "group", "ends_group", "last_of_iter", "alloc", "flush", "stash_add", "stash_drop",
-                 "deps", "host_wait", "up_wait", "lookahead_ok", "started")  # fmt: skip
+                 "ctx_bytes", "dependents", "group", "ends_group", "last_of_iter", "alloc", "flush", "stash_add",
+                 "stash_drop", "deps", "host_wait", "up_wait", "lookahead_ok", "started")  # fmt: skip
 
     def __init__(
         self, dev: int, work: StageWork, tasks: tuple[Task, ...], it: int, pos: int, cost: _OpCost, keys
@@ -259,6 +259,9 @@ _PIECE = attrgetter("piece")
 
 
 class _Sim:
+    """One simulation: ``__init__`` builds per-operation state for every step (per-stage costs
+    computed once and shared), ``run`` replays the events; the result is read off the counters."""
+
     def __init__(
         self, tables: list[ScheduleTable], work: Workload, hw: Server, opts: SimOptions, stream: list[bool]
     ):
@@ -291,9 +294,9 @@ class _Sim:
         self.opt_busy = 0.0
         self.iter_end = [0.0] * len(tables)
         self._build()
-        self.resident: list[dict[tuple[int, int], int]] = [
-            {} for _ in range(self.n_dev)
-        ]  # 1 queued, 2 on device
+        # Per device, (step, layer) -> 1 once its upload is issued (or waits for its optimizer step),
+        # 2 once the weights are on the device.
+        self.resident: list[dict[tuple[int, int], int]] = [{} for _ in range(self.n_dev)]
         self.eligible = [0] * self.n_dev  # groups [0, eligible) have been made eligible
         self.opt_queue: deque[tuple[int, int]] = deque()
         self.opt_running = False
@@ -632,17 +635,16 @@ class _Sim:
         done, left = [], []
         for f in link.flows:
             (done if f.piece <= eps else left).append(f)
-        if done:
-            link.flows = left
-        else:
+        if not done:
             done = [min(left, key=_PIECE)]
             left.remove(done[0])
-            link.flows = left
+        link.flows = left
         self._next_completion(link)
         for f in done:
             self._copy_done(f)
 
     def _copy_done(self, c: _Copy) -> None:
+        """A piece of ``c`` has arrived: queue the rest, or hand the finished copy to its owner."""
         lane, now = c.lane, self.now
         c.left -= c.size
         self.moved[lane.name] += c.size

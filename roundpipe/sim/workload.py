@@ -10,6 +10,9 @@ synthetically (:func:`uniform_workload`, what the closed-form checks use).
 flow (``roundpipe/runtime/plan.py``: which hand-offs a task consumes and produces, which F and B
 run fused, which layers each runs forward and backward). Keys are ``("act", boundary, mb)`` (the
 input of layer ``boundary``) and ``("grad", boundary, mb)`` (the gradient w.r.t. it).
+:func:`plan_work` is the same plan with what every microbatch of a stage shares factored out into
+one :class:`StageWork` per kind and stage; the simulator builds from it, so its setup does the
+per-stage work once instead of once per task.
 
 Pure Python.
 """
