@@ -49,6 +49,20 @@ def test_zero_bubble_h1_leaves_d_minus_1_forward_times_idle():
     assert closed_form("zb", 4, 2).makespan == 2 * 3 + 3 * 1 + 2 * 1  # two missing microbatches: +2 W
 
 
+def test_chimera_pays_d_minus_2_bubbles_of_the_longer_pass():
+    cf = closed_form("chimera", 8, 64, f=1.0, b=2.0)
+    assert cf.makespan == 64 * 3 + 6 * 2 < closed_form("1f1b", 8, 64).makespan == 71 * 3
+    assert cf.peak_activations == 9
+    # the paper's ratio (D - 2) / (2N + D - 2) when forward and backward take as long
+    assert bubble_fraction("chimera", 8, 64, f=1.0, b=1.0) == pytest.approx(6 / (128 + 6))
+
+
+def test_one_wave_hanayo_reaches_interleaved_step_with_two_chunks_for_any_m():
+    assert closed_form("hanayo", 4, 10).makespan == (2 * 10 + 3) * 3  # 4 does not divide 10
+    assert closed_form("hanayo", 4, 8).makespan == closed_form("interleaved", 4, 8, stages=8).makespan
+    assert peak_activations("hanayo", 4, 8) == 16
+
+
 def test_roundpipe_matches_interleaved_without_its_divisibility_constraint():
     for devices, v, m in [(4, 1, 8), (4, 2, 8), (8, 2, 12), (3, 3, 5)]:
         s = v * devices

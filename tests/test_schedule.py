@@ -495,11 +495,11 @@ def test_1f1b_and_zb_reach_their_published_step_time_and_memory(devices, microba
 
 @settings(max_examples=20, deadline=None)
 @given(st.sampled_from([2, 4, 6, 8]), st.integers(1, 8))
-def test_chimera_is_no_slower_than_1f1b_and_holds_at_most_d_microbatches(devices, pairs):
+def test_chimera_is_no_slower_than_1f1b_and_holds_at_most_d_plus_1_stage_inputs(devices, pairs):
     microbatches = 2 * pairs
     chimera = build_table("chimera", P(devices), P(devices), devices, microbatches)
     assert makespan(chimera) <= makespan(build_table("1f1b", P(devices), P(devices), devices, microbatches))
-    assert max(peak_in_flight(r) for r in chimera.devices) <= devices
+    assert max(peak_in_flight(r) for r in chimera.devices) <= devices + 1
 
 
 def test_interleaved_and_hanayo_beat_1f1b_with_as_many_stages_per_device():

@@ -21,8 +21,8 @@ gpipe          ``(M + D - 1)(f + b)``                                     ``M``
 1f1b           ``(M + D - 1)(f + b)``                                     ``min(D, M)``
 interleaved    ``(v M + D - 1)(f + b)``, ``v = S / D``, ``D | M``          ``min(v M, 2(D - 1) + (v - 1) D + 1)``
 zb (ZB-H1)     ``M(f + b) + (D - 1) f + max(0, D - M) b / 2``              ``min(D, M)`` (held until W)
-chimera        ``(M + D - 2)(f + b)``, ``M`` even                         ``min(D, M)``
-hanayo         ``(2 W M + D - 1)(f + b)``, ``S = 2 W D``                   as interleaved, ``v = 2W``
+chimera        ``M (f + b) + (D - 2) max(f, b)``; ``M >= 2D`` even        ``D + 1``
+hanayo         ``(2M + D - 1)(f + b)``; ``S = 2D``, ``M >= 2D``              ``4D``
 roundpipe      see :func:`roundpipe_makespan`                             ``1``
 =============  =========================================================  ==========================
 
@@ -31,8 +31,15 @@ roundpipe      see :func:`roundpipe_makespan`                             ``1``
 - ZB-H1 (Qi et al. 2024) with ``I = W = b / 2``: bubble ``(D - 1)(f + I - W) = (D - 1) f``; with
   fewer microbatches than devices each missing one leaves ``W`` more idle. Exact for ``b <= 2 f``
   (the paper's regime ``F ~ I ~ W``); ``I > F`` adds idle time the formula does not count.
-- Chimera (Li & Hoefler 2021): ``D - 2`` bubbles of ``f + b`` per device; peak stash ``D``.
-- Hanayo (Liu et al. 2023): the wave reaches the interleaved bubble with ``v = 2W`` chunks.
+- Chimera (Li & Hoefler 2021): the paper's ``D - 2`` bubbles per device (ratio
+  ``(D - 2) / (2N + D - 2)`` with equal passes), each as long as the longer pass; the table holds at
+  most ``D + 1`` stage inputs per device. Exact once ``M >= 2D`` (``M`` even) for any ``b >= f``;
+  below that the table fills in ways no single formula follows, and with ``f > b`` it runs longer.
+- Hanayo (Liu et al. 2023), one wave: interleaved's step with ``v = 2`` chunks, optimal for the
+  zig-zag placement; the table holds up to ``2D`` microbatches per device, two stage inputs each.
+  Exact for ``M >= 2D`` on the grid the tables are built on (``b = 2f``); with other ratios, more
+  waves or fewer microbatches the simulator measures the table (``roundpipe.schedule.policies.hanayo``
+  gives the figures and the optimum for few microbatches).
 - Peak activations count stage inputs a device holds between a forward and the backward of the
   same stage *on that device* (the running task's input included), in units of one microbatch's
   stage input: the stash a classic pipeline keeps on its GPU. Under RoundPipe a stage's forward
@@ -40,10 +47,9 @@ roundpipe      see :func:`roundpipe_makespan`                             ``1``
   head's input while it runs). The runtime keeps every policy's stash in host memory; the
   simulator reports those bytes as host memory.
 
-Chimera and Hanayo tables are built by ``roundpipe.schedule.policies`` with modulo and list
-scheduling; the tables reach the formulas above for some shapes only (chimera at ``D`` in
-``{2, 8}``; hanayo rarely); the simulator measures what the tables do and ``docs/simulator.md``
-lists the differences. Pure Python.
+Outside the domains above (odd ``M`` for chimera, fewer microbatches, more hanayo waves) the
+closed form raises :class:`ConfigError` naming the domain rather than return a figure the table does
+not reach; ``roundpipe.sim`` simulates any shape. Pure Python.
 """
 
 from __future__ import annotations
@@ -163,17 +169,26 @@ def closed_form(
     elif policy == "zb":
         t, peak = m * step + (n_dev - 1) * f + max(0, n_dev - m) * b / 2, min(n_dev, m)
     elif policy == "chimera":
-        if n_dev % 2 or m % 2:
+        if n_dev % 2 or m % 2 or m < 2 * n_dev or f > b:
             raise ConfigError(
-                f"the chimera closed form needs even devices and microbatches, got {n_dev}, {m}"
+                f"the chimera closed form holds for even devices, an even number of microbatches "
+                f"M >= 2D and b >= f; got D={n_dev}, M={m}, f={f}, b={b}. Simulate the table for "
+                f"other shapes (roundpipe simulate)"
             )
-        t, peak = (m + n_dev - 2) * step, min(n_dev, m)
-    elif policy in ("interleaved", "hanayo"):
-        per = n_dev if policy == "interleaved" else 2 * n_dev
-        if s % per:
-            raise ConfigError(f"{policy} needs a multiple of {per} stages for {n_dev} devices, got {s}")
+        t, peak = m * step + (n_dev - 2) * max(f, b), n_dev + 1
+    elif policy == "hanayo":
+        if s != 2 * n_dev or m < 2 * n_dev or b != 2 * f:
+            raise ConfigError(
+                f"the hanayo closed form holds for one wave (S = 2D = {2 * n_dev} stages), M >= 2D "
+                f"microbatches and b = 2f, the grid its table is built on; got S={s}, M={m}, f={f}, "
+                f"b={b}. Simulate the table for other shapes (roundpipe simulate)"
+            )
+        t, peak = (2 * m + n_dev - 1) * step, 4 * n_dev
+    elif policy == "interleaved":
+        if s % n_dev:
+            raise ConfigError(f"{policy} needs a multiple of {n_dev} stages for {n_dev} devices, got {s}")
         v = s // n_dev
-        if policy == "interleaved" and m % n_dev:
+        if m % n_dev:
             raise ConfigError(f"interleaved needs microbatches divisible by devices, got {m} and {n_dev}")
         t = (v * m + n_dev - 1) * step
         peak = min(v * m, 2 * (n_dev - 1) + (v - 1) * n_dev + 1)

@@ -8,17 +8,21 @@ when ``j`` is even and up when odd; its tasks keep their stage index and run on 
 device, so the head of a down microbatch is on device ``D - 1`` and of an up one on device 0 (last F
 and last B of a microbatch always share a device and run fused).
 
-Order: a pair of microbatches (one per direction) is placed once on the unit-time grid (F = 1,
-B = 2) and repeated every ``6`` units (each device does one F and one B of each direction per pair),
-see ``_modulo.py``; for ``M > D`` this plays the part of the paper's concatenation of basic units.
+Order: list scheduling on the unit grid (F = 1, B = 2, see ``_list_schedule.py``): an idle device
+starts a ready forward (oldest microbatch first) while it holds fewer than ``D + 1`` stage inputs,
+else a ready backward (oldest first). Forwards first fills both directions as early as memory allows;
+the cap turns the steady state into one-forward-one-backward, as in the paper's concatenated basic
+units.
 
-Bubble: none in the steady state; fill and drain are shared by the two directions, so on the unit
-grid the step is no longer than 1F1B's for an even ``M`` (D = 4, M = 4: 19 vs 21 units; D = 8,
-M = 8: 42 vs 45; D = 8, M = 32: 114 vs 117; D = 2 has no bubble at all). An odd ``M`` leaves the
-last pair half empty and may cost a unit or two more than 1F1B. Memory: a direction keeps about
-``(D - s) / 2`` microbatches in flight on the device holding its stage ``s``, so every device holds
-between ``D / 2 + 1`` and ``D`` microbatches' stage inputs (measured: 6 at most for D = 8), where
-1F1B's first device holds ``D``: the paper's balanced-memory property.
+Bubble: ``(D - 2) * max(f, b)`` per step once ``M >= 2D`` (``M`` even, ``b >= f``): the paper's
+``D - 2`` bubbles (its ratio ``(D - 2) / (2N + D - 2)`` with equal forward and backward), each the
+length of the longer pass. 1F1B leaves ``(D - 1)(f + b)``: on the unit grid, D = 8, M = 64: 204
+units against 213. Checked against the simulator in ``tests/test_sim.py``. An exact solver (run
+outside the repository on four devices, M = 8) finds no shorter step under a ``D``-input
+memory cap; without a cap it reaches ``(D / 2 - 1)(f + b)`` by keeping up to ``M`` microbatches in
+flight on the middle devices.
+Memory: at most ``D + 1`` stage inputs per device (reached once ``M > D``), one more than 1F1B's
+first device; both directions share the budget.
 
 Weights: resident, two stages per device (``weight_bound``); both replicas of a stage share the CPU
 master weights, so no extra gradient all-reduce is needed.
@@ -32,7 +36,7 @@ from __future__ import annotations
 from roundpipe.errors import ScheduleError
 from roundpipe.schedule.deps import TaskKey, dependencies
 from roundpipe.schedule.policies._common import check_counts, finish, require_same_partition, require_stages
-from roundpipe.schedule.policies._modulo import modulo_schedule
+from roundpipe.schedule.policies._list_schedule import MemoryCaps, list_schedule
 from roundpipe.schedule.table import Partition, ScheduleTable
 
 NAME = "chimera"
@@ -61,13 +65,21 @@ def chimera(
             f"{n_dev}. Use {fix} devices, or the '1f1b' / 'roundpipe' policy"
         )
     require_stages(NAME, forward, n_dev, "stage s runs on device s down and on device D-1-s up")
-    pair = [TaskKey(k, s, j) for s in range(n_dev) for j in (0, 1) for k in ("F", "B")]
-    rows = modulo_schedule(
-        pair,
-        group=2,
-        num_microbatches=num_microbatches,
+    placement = {
+        TaskKey(kind, s, j): chimera_device(s, j, n_dev)
+        for s in range(n_dev)
+        for j in range(num_microbatches)
+        for kind in ("F", "B")
+    }
+    rows = list_schedule(
+        placement=placement,
         num_devices=n_dev,
-        device=lambda k: chimera_device(k.stage, k.microbatch, n_dev),
         deps=lambda k: dependencies(k, forward, backward),
+        priority=lambda k: (k.kind == "B", k.microbatch, k.stage),
+        memory=MemoryCaps(  # a device's pool: the stage inputs it holds from a forward to its backward
+            acquire=lambda k: placement[k] if k.kind == "F" else None,
+            release=lambda k: placement[k] if k.kind == "B" else None,
+            cap=lambda d: n_dev + 1,
+        ),
     )
     return finish(NAME, rows, forward, backward, num_microbatches, {"weight_bound": True})

@@ -8,19 +8,25 @@ back up ``D-1..0``, and so on ``W`` times (stage ``s`` -> ``r = s % 2D``; device
 hand-off, and the first and last stage (embedding, head) share device 0. Like Chimera's two
 directions but with a single model replica.
 
-The order is 1F1B-style on the unit-time grid (F = 1, B = 2), replayed by list scheduling (see
-``_list_schedule.py``): a device runs a ready backward first (oldest microbatch), else a ready
-forward (oldest microbatch). A new microbatch enters device ``d`` (its forward of stage ``d``, the
-device's first stage) only while fewer than ``2 * D`` microbatches are in flight there, i.e.
-between that forward and the backward of stage ``d``.
+The order comes from list scheduling on the unit grid (F = 1, B = 2, see ``_list_schedule.py``):
+an idle device starts a ready forward (oldest microbatch first) while fewer than ``2 * D``
+microbatches are in flight there (between the forward of stage ``d``, the device's first stage,
+and its backward), else a ready backward (oldest first). Forwards first fills the wave as early as
+memory allows; the cap turns the steady state into one-forward-one-backward.
 
-Bubble: on the unit grid usually between interleaved 1F1B's (same stage count) and plain 1F1B's, e.g.
-D = 8, W = 1, M = 32: 230 units against 213 (interleaved) and 234 (1F1B with D bigger stages), ideal
-192; its gain over interleaved is fewer hand-offs (the turn-around on device ``D - 1``, and head and
-embedding on device 0), which the grid does not count. Memory: at most ``2 * D`` microbatches in
-flight per device, each holding up to ``2W`` stage inputs; measured, the peak stage inputs per
-device are somewhat above interleaved's (D = 8, W = 1, M = 32: 28 vs 23) and grow towards the
-last device.
+Bubble: with one wave (``S = 2D``) and ``M >= 2D`` the step is exactly the published
+``(2M + D - 1)(f + b)`` (``(2WM + D - 1)(f + b)`` for ``W`` waves) at ``b = 2f``, the grid the table
+is built on: interleaved 1F1B's step with ``v = 2`` chunks, without its ``D | M`` constraint. That is optimal for the placement: the
+last device cannot start before ``(D - 1) f`` nor finish its work later than ``(D - 1) b`` before the
+end. With fewer microbatches the chain of one microbatch binds instead: an exact solver (run outside
+the repository on two to four devices) finds the optimum ``max((2WM + D - 1)(f + b),
+2WD(f + b) + 2(M - 1) max(f, b))``, which the table reaches for ``M <= 2`` and overshoots by a few
+units in between. With two or more waves the table runs above the published step, by no
+regular amount (D = 8, W = 2, M = 64: 28 units over 789; W = 3: 52 over 1173).
+Memory: at most ``2 * D`` microbatches in flight per device; with one wave each holds two stage
+inputs there (stages ``d`` and ``2D - 1 - d``), so a device peaks at ``4D`` stage inputs once
+``M >= 2D``, against interleaved's ``3D - 1`` (``v = 2``) and 1F1B's ``D``. The runtime keeps them
+in host memory.
 
 Weights: resident, ``2W`` stages per device (``weight_bound``).
 
@@ -83,7 +89,7 @@ def hanayo(
         placement={k: wave_device(k.stage, n_dev) for k in keys},
         num_devices=n_dev,
         deps=lambda k: dependencies(k, forward, backward),
-        priority=lambda k: (k.kind != "B", k.microbatch, k.stage),
+        priority=lambda k: (k.kind == "B", k.microbatch, k.stage),
         memory=MemoryCaps(  # stage d < D is device d's first stage: it admits and retires a microbatch
             acquire=lambda k: k.stage if k.kind == "F" and k.stage < n_dev else None,
             release=lambda k: k.stage if k.kind == "B" and k.stage < n_dev else None,
