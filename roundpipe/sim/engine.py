@@ -170,10 +170,10 @@ class _OpCost:
     """What an operation costs and moves, apart from its microbatch. Every microbatch of a stage has
     the same work, so one instance per :class:`StageWork` is computed and shared by all of them."""
 
-    __slots__ = ("dur", "bwd", "trainable", "wgrad", "work", "hold", "release", "layers", "keys", "in_bytes",
-                 "out_groups")  # fmt: skip
+    __slots__ = ("dur", "bwd", "trainable", "wgrad", "work", "hold", "release", "layers", "keys", "consumes",
+                 "in_bytes", "out_groups", "waits_for")  # fmt: skip
 
-    def __init__(self, dur, bwd, trainable, wgrad, work, hold, release, layers, in_bytes, out_groups):
+    def __init__(self, dur, bwd, trainable, wgrad, work, hold, release, layers):
         self.dur = dur  # seconds on the compute engine
         self.bwd = bwd  # layers it backpropagates (empty for a frozen embedding alone)
         self.trainable = trainable  # layers whose weight gradients it produces
@@ -182,24 +182,25 @@ class _OpCost:
         self.release = release  # bytes a W frees: what its I left
         self.layers = layers  # weights it needs on the device
         self.keys: dict[int, tuple] = {}  # step -> ((step, layer), ...): its weights in that step
-        self.in_bytes = in_bytes  # its input hand-offs
-        self.out_groups = out_groups  # ((name, boundary)s, priority, copy kind, bytes) per download
+        self.consumes: tuple[tuple[str, int], ...] = ()  # input hand-offs (name, boundary)
+        self.in_bytes = 0  # their bytes
+        self.out_groups: tuple = ()  # ((name, boundary)s, priority, copy kind, bytes) per download
+        self.waits_for: tuple[tuple[str, int], ...] = ()  # (kind, stage) of other ops' tasks (deps.py)
 
 
 class _OpState:
     """One operation of one simulated step: its fixed links (built once) and its progress."""
 
-    __slots__ = ("dev", "label", "kind", "it", "pos", "mb", "tasks", "cost", "keys", "ins", "in_bytes",
+    __slots__ = ("dev", "label", "kind", "it", "pos", "mb", "task", "cost", "keys", "in_bytes",
                  "ctx_bytes", "dependents", "group", "ends_group", "last_of_iter", "alloc", "flush", "stash_add",
                  "stash_drop", "deps", "host_wait", "up_wait", "lookahead_ok", "started")  # fmt: skip
 
     def __init__(
         self, dev: int, work: StageWork, tasks: tuple[Task, ...], it: int, pos: int, cost: _OpCost, keys
     ):
-        self.dev, self.kind, self.tasks, self.cost, self.keys = dev, work.kind, tasks, cost, keys
+        self.dev, self.kind, self.task, self.cost, self.keys = dev, work.kind, tasks[0], cost, keys
         self.label = "+".join(map(str, tasks))
-        self.it, self.pos, self.mb = it, pos, tasks[0].microbatch
-        self.ins = tuple([(name, b, self.mb) for name, b in work.consumes])  # hand-offs of step ``it``
+        self.it, self.pos, self.mb = it, pos, tasks[0].microbatch  # hand-offs: (name, boundary, mb)
         self.in_bytes = self.ctx_bytes = 0
         self.dependents: list[_OpState] = []  # operations whose ``deps`` count this one
         self.group = -1  # index of its weight group on the device
@@ -208,7 +209,7 @@ class _OpState:
         self.alloc = self.flush = True  # opens / sends down a gradient buffer
         self.stash_add = self.stash_drop = True  # counts in the stash while it runs
         self.deps = 0  # operations it still waits for (deps.py)
-        self.host_wait = len(self.ins)  # inputs not yet downloaded by their producers
+        self.host_wait = len(cost.consumes)  # inputs not yet downloaded by their producers
         self.up_wait = -1  # inputs: -1 not issued, 1 uploading, 0 on the device
         self.lookahead_ok = pos == 0  # the operation before it on the device has started
         self.started = -1.0
@@ -256,6 +257,23 @@ class _Copy:
 
 
 _PIECE = attrgetter("piece")
+
+
+def _task_index(table: ScheduleTable) -> dict[str, list[list[_OpState | None]]]:
+    """An empty ``index[kind][stage][microbatch]`` for ``table``'s tasks (lists, not a dict keyed by
+    tuples: built and looked up once per task, this is a large share of setting up a simulation)."""
+    m = table.num_microbatches
+    parts = {"F": table.forward, "B": table.backward, "I": table.backward, "W": table.backward}
+    return {kind: [[None] * m for _ in range(part.num_stages)] for kind, part in parts.items()}
+
+
+def _waits_for(table: ScheduleTable, tasks: tuple[Task, ...]) -> tuple[tuple[str, int], ...]:
+    """``(kind, stage)`` of the tasks an operation running ``tasks`` waits for (deps.py), same
+    microbatch, in order; a fused pair's backward waiting for its own forward is left out."""
+    own = [(t.kind, t.stage) for t in tasks]
+    return tuple(
+        (k.kind, k.stage) for t in tasks for k in table.dependencies(t) if (k.kind, k.stage) not in own
+    )
 
 
 class _Sim:
@@ -317,10 +335,10 @@ class _Sim:
         self._group_weights()
 
     def _make_ops(self) -> None:
-        """Per device, one state per operation of every step, in order; ``by_task[it]`` finds the
-        operation running a task ``(kind, stage, microbatch)`` of step ``it``."""
+        """Per device, one state per operation of every step, in order; ``by_task[it][kind][stage][mb]``
+        is the operation running that task of step ``it`` (None: the table has no such task)."""
         self.ops: list[list[_OpState]] = [[] for _ in range(self.n_dev)]
-        self.by_task: list[dict[tuple, _OpState]] = []
+        self.by_task: list[dict[str, list[list[_OpState | None]]]] = []
         plans: dict[int, list] = {}  # steps that replay the same table share its plan
         costs: dict[int, _OpCost] = {}  # per StageWork (alive in ``plans`` meanwhile, so ids are unique)
         for it, table in enumerate(self.tables):
@@ -328,24 +346,26 @@ class _Sim:
             if plan is None:
                 plan = plans[id(table)] = plan_work(table, classic=self.opts.classic_flow)
             fwd_bounds = set(table.forward.bounds)
-            by_task: dict[tuple, _OpState] = {}
+            by_task = _task_index(table)
             for d, (ops, row) in enumerate(zip(self.ops, plan)):
                 for work, tasks in row:
                     cost = costs.get(id(work))
                     if cost is None:
-                        cost = costs[id(work)] = self._cost(work, fwd_bounds)
+                        cost = costs[id(work)] = self._cost(work, tasks, table, fwd_bounds)
                     keys = cost.keys.get(it)
                     if keys is None:
                         keys = cost.keys[it] = tuple((it, i) for i in cost.layers)
                     st = _OpState(d, work, tasks, it, len(ops), cost, keys)
                     for t in tasks:
-                        by_task[(t.kind, t.stage, t.microbatch)] = st
+                        by_task[t.kind][t.stage][t.microbatch] = st
                     ops.append(st)
             self.by_task.append(by_task)
 
-    def _cost(self, work: StageWork, fwd_bounds: set[int]) -> _OpCost:
-        """What ``work`` costs; its downloads are split into hand-offs a compute waits for (gradients
-        and forward-stage outputs) and saved stage inputs (``fwd_bounds``: the forward partition)."""
+    def _cost(
+        self, work: StageWork, tasks: tuple[Task, ...], table: ScheduleTable, fwd_bounds: set[int]
+    ) -> _OpCost:
+        """What ``work`` (an operation running ``tasks``, of any microbatch) costs, moves and waits for
+        (``fwd_bounds``: the forward partition's bounds)."""
         layers, act = self.w.layers, self.act_bytes
         dur = self._duration(work)
         bwd = work.bwd_layers
@@ -356,16 +376,25 @@ class _Sim:
         wgrad = sum(layers[i].grad_bytes for i in trainable)
         work_bytes, hold = self._work_bytes(work)
         release = sum(layers[i].saved_bytes for i in work.bwd_layers) if work.kind == "W" else 0
+        cost = _OpCost(
+            dur, bwd, trainable, wgrad, work_bytes, hold, release, list(work.layers) if dur > 0 else []
+        )
+        cost.consumes = work.consumes
+        cost.in_bytes = sum(act[b] for _, b in work.consumes)
+        cost.out_groups = self._out_groups(work, fwd_bounds)
+        cost.waits_for = _waits_for(table, tasks)
+        return cost
+
+    def _out_groups(self, work: StageWork, fwd_bounds: set[int]) -> tuple:
+        """``work``'s downloads: hand-offs a compute waits for (gradients and forward-stage outputs)
+        go first, saved stage inputs after; ``((name, boundary)s, priority, copy kind, bytes)`` each."""
         urgent = tuple(k for k in work.produces if k[0] == "grad" or k[1] in fwd_bounds)
         later = tuple(k for k in work.produces if not (k[0] == "grad" or k[1] in fwd_bounds))
-        out_groups = tuple(
-            (keys, prio, kind, sum(act[b] for _, b in keys))
+        return tuple(
+            (keys, prio, kind, sum(self.act_bytes[b] for _, b in keys))
             for keys, prio, kind in ((urgent, P_ACT, "act"), (later, P_STASH, "stash"))
             if keys
         )
-        in_bytes = sum(act[b] for _, b in work.consumes)
-        lay = list(work.layers) if dur > 0 else []
-        return _OpCost(dur, bwd, trainable, wgrad, work_bytes, hold, release, lay, in_bytes, out_groups)
 
     def _link_data(self) -> None:
         """Per step, how many operations consume each hand-off and which wait for its download; per
@@ -378,48 +407,43 @@ class _Sim:
         for ops in self.ops:
             prev = None
             for st in ops:
-                if st.ins:
+                consumes = st.cost.consumes
+                if consumes:
                     consumers, waiters = self.consumers[st.it], self.host_waiters[st.it]
-                    for k in st.ins:
+                    for name, b in consumes:
+                        k = (name, b, st.mb)
                         consumers[k] += 1
                         waiters[k].append(st)
-                if st.kind != "W" and (st.keys or st.ins) and (st.it, st.mb) != prev:
+                if st.kind != "W" and (st.keys or consumes) and (st.it, st.mb) != prev:
                     st.ctx_bytes, prev = ctx, (st.it, st.mb)
                 st.in_bytes = st.cost.in_bytes + st.ctx_bytes
 
     def _link_tasks(self) -> None:
         """Control dependencies (deps.py) between operations, and the stash a device keeps between
         F and B of a stage (weight-bound tables)."""
-        rules = [{} for _ in self.tables]  # per step: (kind, stage) -> [(kind, stage)] it waits for
         weight_bound = [table.weight_bound for table in self.tables]
         for d, ops in enumerate(self.ops):
             for st in ops:
-                table, by_task, rule = self.tables[st.it], self.by_task[st.it], rules[st.it]
-                for t in st.tasks:
-                    deps = rule.get((t.kind, t.stage))
-                    if deps is None:
-                        deps = rule[(t.kind, t.stage)] = [(k.kind, k.stage) for k in table.dependencies(t)]
-                    for kind, stage in deps:
-                        dep = by_task[(kind, stage, t.microbatch)]
-                        if dep is not st:  # a fused pair's backward waits for its own forward
-                            dep.dependents.append(st)
-                            st.deps += 1
+                by_task = self.by_task[st.it]
+                for kind, stage in st.cost.waits_for:
+                    by_task[kind][stage][st.mb].dependents.append(st)
+                    st.deps += 1
                 if weight_bound[st.it] and st.kind == "F":
-                    self._keep_stash(table, by_task, st, d)
+                    self._keep_stash(self.tables[st.it], by_task, st, d)
 
     def _keep_stash(self, table: ScheduleTable, by_task: dict, st: _OpState, d: int) -> None:
         """A weight-bound device holds a stage's input from its forward until its backward ends."""
-        t = st.tasks[0]
+        t = st.task
         if t.stage >= table.backward.num_stages:
             return
         closing = "W" if table.split_backward else "B"
-        peer = by_task.get((closing, t.stage, t.microbatch))
+        peer = by_task[closing][t.stage][t.microbatch]
         same = table.forward.bounds[t.stage] == table.backward.bounds[t.stage]
         if peer is not None and peer is not st and peer.dev == d and same:
             st.stash_drop = False
             peer.stash_add = False
             if table.split_backward:
-                inp = by_task.get(("I", t.stage, t.microbatch))
+                inp = by_task["I"][t.stage][t.microbatch]
                 if inp is not None:
                     inp.stash_add = inp.stash_drop = False
 
@@ -726,7 +750,7 @@ class _Sim:
         """Issue ``st``'s inputs (one copy) once its producers' outputs are on the host and lookahead allows."""
         if not st.lookahead_ok or st.host_wait > 0 or st.up_wait >= 0:
             return
-        if not st.ins and not st.ctx_bytes:
+        if not st.cost.consumes and not st.ctx_bytes:
             st.up_wait = 0
             self._try_compute(st.dev)
             return
@@ -742,10 +766,11 @@ class _Sim:
         st = c.owner
         st.up_wait = 0
         consumers, act = self.consumers[st.it], self.act_bytes
-        for k in st.ins:
+        for name, b in st.cost.consumes:
+            k = (name, b, st.mb)
             consumers[k] -= 1
             if consumers[k] == 0:
-                self.host -= act[k[1]]  # (a drop sets no peak)
+                self.host -= act[b]  # (a drop sets no peak)
         self._try_compute(st.dev)
 
     # ------------------------------------------------------------------ compute
