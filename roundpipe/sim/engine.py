@@ -560,6 +560,11 @@ class _Sim:
             ]
             raise ConfigError(f"internal: the simulation stalled; devices wait at {', '.join(waiting[:8])}")
 
+    def free_operations(self) -> None:
+        """Drop the per-operation state once :meth:`run` is over; only the counters are read after.
+        (``simulate`` calls it before the cycle collector resumes, which would scan all of it once.)"""
+        self.ops = self.by_task = self.consumers = self.host_waiters = self.groups = None
+
     # ------------------------------------------------------------------ accounting
     def _alloc(self, d: int, what: int, nbytes: int, label: str) -> None:
         """Add ``nbytes`` to memory class ``what`` of device ``d``; a new peak remembers ``label``."""
