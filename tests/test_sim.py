@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import pathlib
 from dataclasses import replace
@@ -271,6 +272,31 @@ def test_a_cpu_device_description_simulates_virtual_devices():
     table = build_table("roundpipe", Partition.per_layer(len(costs)), Partition.per_layer(len(costs)), 2, 4)
     r = simulate(table, work, hw)
     assert r.fits and r.iteration_s > 0 and r.timeline.meta["hardware"] == "2xcpu"
+
+
+def test_simulate_leaves_the_cycle_collector_as_it_found_it(monkeypatch):
+    table = build_table("1f1b", P(2), P(2), 2, 2)
+    hw = load_hardware("2xrtx4090")
+    assert gc.isenabled()
+    simulate(table, uniform_workload(2, 1.0, 2.0), hw, without_costs())
+    assert gc.isenabled()
+    import roundpipe.sim.simulator as simulator_module
+
+    def fail(self):
+        assert not gc.isenabled()  # paused while the simulation runs
+        raise RuntimeError("event loop failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(simulator_module._Sim, "run", fail)
+        with pytest.raises(RuntimeError, match="event loop failed"):
+            simulate(table, uniform_workload(2, 1.0, 2.0), hw, without_costs())
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        simulate(table, uniform_workload(2, 1.0, 2.0), hw, without_costs())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize(
