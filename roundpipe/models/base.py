@@ -91,6 +91,14 @@ class Layer(ABC):
         packed; the last shard packed -> the same 0-dim fp32 loss sum (format in ``head_shards.py``).
         """
 
+    def row_slices(self) -> dict[str, tuple[int, int]]:
+        """Tensors (``module``-relative names) this layer reads only rows ``[start, stop)`` of.
+
+        The runtime uploads and returns just those rows (a vocabulary shard of the LM head); every
+        other tensor moves whole. Most layers read whole tensors: ``{}``.
+        """
+        return {}
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 

@@ -92,7 +92,7 @@ class ParameterStore:
             binds = []
             # {parameter path in the layer's module: rows}, for layers that use only rows of some
             # tensors (HeadShardLayer); every other tensor is bound whole.
-            row_slices = layer.row_slices() if hasattr(layer, "row_slices") else {}
+            row_slices = layer.row_slices()
             for mpath, module in layer.module.named_modules(remove_duplicate=False):
                 for is_buffer, table in ((False, module._parameters), (True, module._buffers)):
                     for attr, t in table.items():
