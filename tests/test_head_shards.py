@@ -23,7 +23,8 @@ from torch.nn import functional as F
 from roundpipe.errors import ConfigError, InputError, UnsupportedModel
 from roundpipe.models import MicrobatchInputs, adapt_model
 from roundpipe.models.adapter import HeadLayer, HeadShardLayer
-from roundpipe.models.head_shards import STATS, vocab_ranges
+from roundpipe.models.base import loss_positions
+from roundpipe.models.head_shards import STATS, HeadTensors, vocab_ranges
 
 torch.set_num_threads(1)
 
@@ -46,12 +47,13 @@ CASES = {
 }
 
 
-def _inputs(batch: dict[str, torch.Tensor]) -> MicrobatchInputs:
-    return MicrobatchInputs(batch["input_ids"], batch.get("attention_mask"), None, batch["labels"])
+def _inputs(batch: dict[str, torch.Tensor], positions: bool = False) -> MicrobatchInputs:
+    found = loss_positions(batch["labels"]) if positions else None
+    return MicrobatchInputs(batch["input_ids"], batch.get("attention_mask"), None, batch["labels"], found)
 
 
-def _context(adapter, batch, chunk_tokens: int, dtype=torch.float32):
-    ctx = adapter.build_context(adapter.context_module, _inputs(batch), dtype)
+def _context(adapter, batch, chunk_tokens: int, dtype=torch.float32, positions: bool = False):
+    ctx = adapter.build_context(adapter.context_module, _inputs(batch, positions), dtype)
     ctx.head_chunk_tokens = chunk_tokens
     return ctx
 
@@ -75,9 +77,11 @@ def _reference(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), grads
 
 
-def run_whole_chain(adapter, batch, chunk_tokens: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+def run_whole_chain(
+    adapter, batch, chunk_tokens: int, positions: bool = False
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Mean loss with one backward through every layer; gradients keyed by ``id(parameter)``."""
-    ctx = _context(adapter, batch, chunk_tokens)
+    ctx = _context(adapter, batch, chunk_tokens, positions=positions)
     x = ctx.inputs.input_ids
     for layer in adapter.layers:
         x = layer.forward(layer.module, x, ctx)
@@ -147,6 +151,50 @@ def test_sharded_head_reproduces_hf_loss_and_grads(case, shards, run):
         torch.testing.assert_close(
             grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("case", ["llama-untied", "gemma2-softcap", "llama-lora-head-tied"])
+def test_the_head_computes_only_tokens_with_a_label_and_gives_the_same_result(case, shards, monkeypatch):
+    family, tied, lora = CASES[case]
+    model = make_model(family, tied=tied, lora=lora)
+    batch = make_batch()
+    ref_loss, ref_grads = _reference(model, batch)
+    adapter = adapt_model(model, head_shards=shards)
+    names = {id(p): name for name, p in model.named_parameters()}
+    rows = []
+    if shards == 1:
+        lm_head = model.get_output_embeddings()
+        lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+    else:
+        original = HeadTensors.logits
+
+        def counting(self, hidden, softcap):
+            rows.append(hidden.shape[0])
+            return original(self, hidden, softcap)
+
+        monkeypatch.setattr(HeadTensors, "logits", counting)
+    loss_all, grads_all = run_whole_chain(adapter, batch, chunk_tokens=7)
+    every = sum(rows)
+    rows.clear()
+    model.zero_grad(set_to_none=True)
+    loss, grads = run_whole_chain(adapter, batch, chunk_tokens=7, positions=True)
+    counted = int((batch["labels"][:, 1:] != -100).sum())
+    tokens = batch["labels"].numel()
+    assert counted < tokens * 0.8  # the batch has prompts and padding worth skipping
+    assert sum(rows) * tokens == every * counted  # logits only for the label tokens, in every pass
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss, loss_all, rtol=1e-6, atol=0)
+    assert {names[k] for k in grads} == set(ref_grads)
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[names[key]], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(grad, grads_all[key], rtol=1e-5, atol=1e-7)
+
+
+def test_loss_positions_name_the_tokens_whose_next_token_has_a_label():
+    labels = torch.tensor([[-100, 5, 6, -100], [7, -100, 8, 9]])
+    # row 0: position 0 predicts 5, 1 predicts 6; row 1: 1 predicts 8, 2 predicts 9 (flat 5, 6)
+    assert loss_positions(labels).tolist() == [0, 1, 5, 6]
 
 
 @pytest.mark.parametrize("run", [run_whole_chain, run_layer_by_layer], ids=["whole-chain", "layer-by-layer"])

@@ -105,6 +105,23 @@ def pipe():
     p.close()
 
 
+def test_the_head_gets_logits_only_for_tokens_with_a_label(pipe, monkeypatch):
+    import roundpipe.models.adapter as adapter_module
+
+    seen = []
+    original = adapter_module.chunked_lm_loss
+
+    def recording(hidden, shift_labels, lm_head, **kwargs):
+        seen.append(kwargs["positions"])
+        return original(hidden, shift_labels, lm_head, **kwargs)
+
+    monkeypatch.setattr(adapter_module, "chunked_lm_loss", recording)
+    batch = make_batch(batch=8)
+    _fb(pipe, batch)
+    assert len(seen) == 4 and all(p is not None for p in seen)  # one head run per microbatch
+    assert sum(p.numel() for p in seen) == int((batch["labels"][:, 1:] != -100).sum())
+
+
 def test_more_microbatches_than_samples_is_an_input_error(pipe):
     batch = make_batch(batch=3)
     with pytest.raises(InputError, match="num_microbatches=4 is larger than the batch"):

@@ -86,7 +86,12 @@ class HeadLayer(Layer):
         softcap = getattr(self.config, "final_logit_softcapping", None) if self.softcapping else None
         hidden = module["norm"](x)
         return chunked_lm_loss(
-            hidden, ctx.shift_labels, module["lm_head"], chunk_tokens=ctx.head_chunk_tokens, softcap=softcap
+            hidden,
+            ctx.shift_labels,
+            module["lm_head"],
+            chunk_tokens=ctx.head_chunk_tokens,
+            softcap=softcap,
+            positions=ctx.inputs.loss_positions,
         )
 
 
@@ -157,6 +162,7 @@ class HeadShardLayer(Layer):
             chunk_tokens=ctx.head_chunk_tokens,
             softcap=softcap,
             norm=module["norm"] if first else None,
+            positions=ctx.inputs.loss_positions,
         )
 
 

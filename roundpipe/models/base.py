@@ -14,35 +14,38 @@ the label-token count of the whole batch).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
 from torch import nn
+
+from roundpipe.models.head import IGNORE_INDEX
 
 LayerKind = Literal["embed", "block", "head"]
 
 
 @dataclass
 class MicrobatchInputs:
-    """The raw inputs of one microbatch. Labels are *unshifted* (HF convention, -100 ignored)."""
+    """The raw inputs of one microbatch. Labels are *unshifted* (HF convention, -100 ignored).
+
+    ``loss_positions``: int64 flat indices into ``[b * T]`` of the tokens whose *shifted* label is
+    not -100 (:func:`loss_positions`). The head computes logits for those tokens only; they are
+    found on the host, where the labels already are, so the device never waits to learn how many
+    there are. None: the head computes every token (same result, more work).
+    """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     labels: torch.Tensor | None = None
+    loss_positions: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> MicrobatchInputs:
         def move(t):
             return None if t is None else t.to(device)
 
-        return replace(
-            self,
-            input_ids=move(self.input_ids),
-            attention_mask=move(self.attention_mask),
-            position_ids=move(self.position_ids),
-            labels=move(self.labels),
-        )
+        return replace(self, **{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
     @property
     def batch_size(self) -> int:
@@ -51,6 +54,17 @@ class MicrobatchInputs:
     @property
     def seq_len(self) -> int:
         return int(self.input_ids.shape[1])
+
+
+def loss_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the tokens of ``labels`` [b, T] (unshifted) whose next-token target counts.
+
+    Position ``t`` of a row predicts label ``t + 1``; the last position of every row predicts
+    nothing. Run on the host: ``nonzero`` on a device would wait for it.
+    """
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    return (shifted.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 @dataclass

@@ -24,6 +24,18 @@ from roundpipe.errors import ConfigError, InputError
 IGNORE_INDEX = -100
 
 
+def gather_positions(
+    hidden: torch.Tensor, shift_labels: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden`` [..., H] and ``shift_labels`` [...] flattened to the rows ``positions`` names.
+
+    Differentiable: the gradient of the gathered rows lands back on those rows of ``hidden``, the
+    other rows get zero.
+    """
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+    return flat_hidden, shift_labels.reshape(-1).index_select(0, positions)
+
+
 def _chunk_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, softcap: float | None):
     """Summed fp32 cross-entropy of ``hidden`` [n, H] against ``labels`` [n]; exactly HF's math."""
     logits = lm_head(hidden)
@@ -88,6 +100,7 @@ def chunked_lm_loss(
     *,
     chunk_tokens: int,
     softcap: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``lm_head(hidden)`` against ``shift_labels``.
 
@@ -98,6 +111,9 @@ def chunked_lm_loss(
             ``modules_to_save`` wrapper, ...); called as a black box, once per chunk.
         chunk_tokens: tokens per chunk (> 0); at most ``chunk_tokens x V`` logits exist at a time.
         softcap: ``final_logit_softcapping`` (gemma2/3), or None.
+        positions: int64 flat indices of the tokens whose label is not -100
+            (``base.loss_positions``); only they get logits. The others add nothing to the sum and
+            get a zero gradient either way. None: every token is computed.
 
     Returns:
         0-dim fp32 loss sum, differentiable w.r.t. ``hidden`` and the trainable tensors of
@@ -111,6 +127,8 @@ def chunked_lm_loss(
             f"labels of shape {tuple(shift_labels.shape)} do not match hidden states of shape "
             f"{tuple(hidden.shape)}; labels must be [batch, seq] like input_ids"
         )
+    if positions is not None:
+        hidden, shift_labels = gather_positions(hidden, shift_labels, positions)
     params = [p for p in lm_head.parameters() if p.requires_grad]
     if torch.is_grad_enabled() and (hidden.requires_grad or params):
         return _ChunkedHeadLoss.apply(hidden, shift_labels, lm_head, softcap, chunk_tokens, *params)

@@ -50,6 +50,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from roundpipe.errors import ConfigError, InputError, UnsupportedModel
+from roundpipe.models.head import gather_positions
 
 IGNORE_INDEX = -100
 STATS = 2  # fp32 statistics after the hidden states in the packed tensor: LSE, TARGET
@@ -386,6 +387,7 @@ def vocab_shard_forward(
     chunk_tokens: int,
     softcap: float | None = None,
     norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run one vocabulary shard of the head + loss (see the module docstring for the format).
 
@@ -401,6 +403,10 @@ def vocab_shard_forward(
         chunk_tokens: tokens per chunk (> 0).
         softcap: ``final_logit_softcapping`` (gemma2/3), or None.
         norm: the final norm (only with ``first``).
+        positions: int64 flat indices of the tokens whose label is not -100
+            (``base.loss_positions``): only they get logits; the others keep ``LSE = TARGET = 0``,
+            which the last shard masks out. The packed tensor keeps every token, so the hand-off
+            between shards does not depend on the labels. None: every token is computed.
 
     Returns:
         ``last``: the 0-dim fp32 loss sum over the label tokens; else the packed fp32 [b, T, H + 2].
@@ -432,14 +438,15 @@ def vocab_shard_forward(
         bad = (shift_labels != IGNORE_INDEX) & ((shift_labels < 0) | (shift_labels >= vocab))
         if bool(bad.any()):
             raise InputError(f"labels must be -100 or lie in [0, {vocab}) (the LM head's rows)")
+    flat_hidden, flat_labels = hidden.reshape(-1, size), shift_labels.reshape(-1)
+    if positions is not None:
+        flat_hidden, flat_labels = gather_positions(hidden, shift_labels, positions)
     lse, target = shard_stats(
-        hidden.reshape(-1, size),
-        shift_labels.reshape(-1),
-        head,
-        vocab_range,
-        chunk_tokens=chunk_tokens,
-        softcap=softcap,
+        flat_hidden, flat_labels, head, vocab_range, chunk_tokens=chunk_tokens, softcap=softcap
     )
+    if positions is not None:  # back to every token: zeros where the label is ignored
+        every = torch.zeros(shift_labels.numel(), dtype=lse.dtype, device=lse.device)
+        lse, target = every.index_copy(0, positions, lse), every.index_copy(0, positions, target)
     lse, target = lse.view(shift_labels.shape), target.view(shift_labels.shape)
     if not first:
         lse = torch.logaddexp(lse_prev, lse)

@@ -32,7 +32,7 @@ from roundpipe.errors import (
     WatchdogTimeout,
 )
 from roundpipe.models import adapt_model
-from roundpipe.models.base import MicrobatchInputs
+from roundpipe.models.base import MicrobatchInputs, loss_positions
 from roundpipe.optim import DynamicLossScaler, LayerwiseAdamW, OptimizerConfig, clip_factor
 from roundpipe.runtime.exchange import AbortedWait, Exchange, Slot
 from roundpipe.runtime.hostqueue import HostQueue
@@ -713,6 +713,7 @@ class Pipeline:
                     None if attention_mask is None else attention_mask[sl].contiguous(),
                     None if pos is None else pos.long().contiguous(),
                     labels[sl].contiguous(),
+                    loss_positions(labels[sl]),
                 )
             )
         return out, total
