@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -177,6 +178,32 @@ def test_ready_order_completes_any_shuffle_of_a_valid_table(seed, devices, polic
         model, batch, 1, devices=f"cpu:{devices}", num_microbatches=2, schedule=table, order="ready"
     )
     assert got.losses[0] == pytest.approx(want.losses[0], rel=1e-5)
+
+
+def test_a_prefetched_layer_released_unused_waits_for_its_upload(monkeypatch):
+    """Under ready order the task that runs next need not be the one whose layers were prefetched;
+    releasing such a layer must wait for its (slowed) upload instead of freeing it mid-copy."""
+    from roundpipe.backend.base import Device
+
+    slow_copy = Device.copy_in
+
+    def copy_in(self, dst, src):
+        time.sleep(0.002)
+        slow_copy(self, dst, src)
+
+    monkeypatch.setattr(Device, "copy_in", copy_in)
+    model, batch, want = _reference(None)
+    part = Partition.per_layer(NUM_LAYERS)
+    rows = [list(r) for r in build_table("roundpipe", part, part, 1, 2).devices]
+    for seed in range(6):
+        shuffled = [r[:] for r in rows]
+        for r in shuffled:
+            random.Random(seed).shuffle(r)
+        table = ScheduleTable(tuple(tuple(r) for r in shuffled), part, part, 2, policy="shuffled")
+        got = pipeline_train(
+            model, batch, 1, devices="cpu:1", num_microbatches=2, schedule=table, order="ready"
+        )
+        assert got.losses[0] == pytest.approx(want.losses[0], rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- async optimizer

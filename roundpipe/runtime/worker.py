@@ -109,6 +109,10 @@ class Worker:
             r.slot.value = None
             dev.memory.release(r.nbytes, f"weights:{name}", "weights")
 
+        # A prefetched layer can be released before any task used it (under ``order="ready"`` the
+        # task that runs next need not be the one prefetched for): its upload may still be queued
+        # on the weights stream, so the release waits for it. A no-op when compute used the layer.
+        self.streams["compute"].wait_event(r.event)
         self.streams["compute"].submit(free)
 
     def _ensure(self, need: range, upcoming: range | None, remaining: list[TaskFlow]) -> list[Resident]:
