@@ -813,7 +813,9 @@ class Pipeline:
             if not isinstance(e, (Aborted, AbortedWait)):
                 if isinstance(e, RoundpipeError):
                     return e
-                return StageError(f"{type(e).__name__}: {e}")
+                wrapped = StageError(f"{type(e).__name__}: {e}")
+                wrapped.__cause__ = e  # the traceback says where it happened
+                return wrapped
         return candidates[0] if candidates else StageError("the step failed for an unknown reason")
 
     # ----------------------------------------------------------------- optimizer
