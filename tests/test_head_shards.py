@@ -132,17 +132,22 @@ def run_layer_by_layer(adapter, batch, chunk_tokens: int) -> tuple[torch.Tensor,
     return loss, grads
 
 
+def _case(case: str, shards: int):
+    """The model of ``CASES[case]``, a batch, HF's loss and gradients, the adapter, parameter names."""
+    family, tied, lora = CASES[case]
+    model = make_model(family, tied=tied, lora=lora)
+    batch = make_batch()
+    reference = _reference(model, batch)
+    names = {id(p): name for name, p in model.named_parameters()}
+    return model, batch, reference, adapt_model(model, head_shards=shards), names
+
+
 @pytest.mark.parametrize("run", [run_whole_chain, run_layer_by_layer], ids=["whole-chain", "layer-by-layer"])
 @pytest.mark.parametrize("shards", [2, 3, 5])
 @pytest.mark.parametrize("case", CASES)
 def test_sharded_head_reproduces_hf_loss_and_grads(case, shards, run):
-    family, tied, lora = CASES[case]
-    model = make_model(family, tied=tied, lora=lora)
-    batch = make_batch()
-    ref_loss, ref_grads = _reference(model, batch)
-    adapter = adapt_model(model, head_shards=shards)
+    model, batch, (ref_loss, ref_grads), adapter, names = _case(case, shards)
     assert [layer.name for layer in adapter.layers[-shards:]] == [f"head.{j}" for j in range(shards)]
-    names = {id(p): name for name, p in model.named_parameters()}
     loss, grads = run(adapter, batch, chunk_tokens=7)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     assert {names[k] for k in grads} == set(ref_grads), "some trainable parameter got no gradient"
@@ -156,12 +161,7 @@ def test_sharded_head_reproduces_hf_loss_and_grads(case, shards, run):
 @pytest.mark.parametrize("shards", [1, 3])
 @pytest.mark.parametrize("case", ["llama-untied", "gemma2-softcap", "llama-lora-head-tied"])
 def test_the_head_computes_only_tokens_with_a_label_and_gives_the_same_result(case, shards, monkeypatch):
-    family, tied, lora = CASES[case]
-    model = make_model(family, tied=tied, lora=lora)
-    batch = make_batch()
-    ref_loss, ref_grads = _reference(model, batch)
-    adapter = adapt_model(model, head_shards=shards)
-    names = {id(p): name for name, p in model.named_parameters()}
+    model, batch, (ref_loss, ref_grads), adapter, names = _case(case, shards)
     rows = []
     if shards == 1:
         lm_head = model.get_output_embeddings()
