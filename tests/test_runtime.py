@@ -218,6 +218,26 @@ def test_an_error_inside_a_layer_reaches_the_caller_with_where_it_happened():
     assert _threads_of(pipe) == []
 
 
+def test_an_error_in_a_copy_reaches_the_caller_with_its_traceback(monkeypatch):
+    from roundpipe.backend.base import Device
+
+    def broken(self, dst, src):
+        raise RuntimeError("the copy engine broke")
+
+    monkeypatch.setattr(Device, "copy_in", broken)
+    batch = make_batch(batch=4)
+    with (
+        roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(devices="cpu:1")) as pipe,
+        pytest.raises(StageError, match="the copy engine broke") as info,
+    ):
+        _fb(pipe, batch)
+    causes, e = [], info.value
+    while e is not None:
+        causes.append(e)
+        e = e.__cause__
+    assert any(isinstance(c, RuntimeError) and c.__traceback__ is not None for c in causes[1:])
+
+
 def test_an_optimizer_error_names_the_layer():
     with roundpipe.wrap(
         make_model("llama"), roundpipe.RunConfig(devices="cpu:1", num_microbatches=2)
