@@ -225,6 +225,22 @@ def test_head_shards_split_the_head_evenly_and_keep_totals():
     assert heads[1].work_bytes < one[-1].work_bytes
 
 
+def test_the_head_costs_only_the_tokens_with_a_label():
+    cfg = load_model_config("qwen3-8b")
+    for shards in (1, 4):
+        every = model_costs(cfg, SEQ, head_shards=shards)
+        masked = model_costs(cfg, SEQ, head_shards=shards, label_fraction=0.25)
+        for a, b in zip(every, masked):
+            if a.kind != "head":
+                assert a == b  # blocks and embedding see every token
+                continue
+            assert b.fwd_flops == pytest.approx(a.fwd_flops / 4)
+            assert b.saved_bytes < a.saved_bytes and b.act_in_bytes == a.act_in_bytes  # hand-off keeps all
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ConfigError, match="label_fraction"):
+            model_costs(cfg, SEQ, label_fraction=bad)
+
+
 def test_measured_times_replace_analytic_ones_by_layer_name():
     costs = model_costs(load_model_config("qwen3-0.6b"), 512)
     hw = load_hardware("rtx4090")

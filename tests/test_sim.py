@@ -309,6 +309,7 @@ def test_simulate_leaves_the_cycle_collector_as_it_found_it(monkeypatch):
         (dict(num_devices=9), "has 8"),
         (dict(microbatches=5), "do not divide"),
         (dict(policy="pipedream"), "unknown policy"),
+        (dict(label_fraction=0.0), "label fraction .* must lie in"),
     ],
 )
 def test_bad_input_says_what_to_change(kwargs, match):
@@ -386,6 +387,19 @@ def test_simulate_command_prints_one_json_object(capsys, tmp_path):
         assert key in out
     assert out["policy"] == "1f1b" and out["num_microbatches"] == 4
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+
+
+def test_masked_labels_make_the_simulated_step_shorter(capsys):
+    from roundpipe.sim.simulate_command import main
+
+    def step(*extra):
+        main(["--model", "qwen3-0.6b", "--hardware", "2xrtx4090", "--seq-len", "512", "--global-batch", "8",
+              "--json", *extra])  # fmt: skip
+        return json.loads(capsys.readouterr().out)
+
+    every, masked = step(), step("--label-fraction", "0.3")
+    assert every["label_fraction"] == 1.0 and masked["label_fraction"] == 0.3
+    assert masked["iteration_s"] < every["iteration_s"]
 
 
 def test_plan_command_tunes_and_finds_the_longest_sequence(capsys):

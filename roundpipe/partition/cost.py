@@ -316,6 +316,7 @@ def model_costs(
     head_shards: int = 1,
     head_chunk_tokens: int = DEFAULT_HEAD_CHUNK_TOKENS,
     lora_experts: bool = True,
+    label_fraction: float = 1.0,
 ) -> list[LayerCost]:
     """Per-layer costs ``[embed, layers.0 .. layers.{L-1}, head | head.0 .. head.{k-1}]``.
 
@@ -323,12 +324,19 @@ def model_costs(
     ``lora_rank=None`` means full fine-tuning (every parameter trainable); an int means LoRA of that
     rank on every linear layer of the blocks (attention, MLP, MoE router and, unless
     ``lora_experts=False``, every expert), with embedding and head frozen.
-    ``head_chunk_tokens`` is the token chunk of the fused head + loss.
+    ``head_chunk_tokens`` is the token chunk of the fused head + loss. ``label_fraction`` is the
+    share of tokens that have a label (not -100): the head computes logits and keeps gradients for
+    those only (``models/head.py``), while the hand-off between head shards still carries every token.
     """
     if seq_len < 1 or micro_batch_size < 1:
         raise ConfigError(f"seq_len and micro_batch_size must be >= 1, got {seq_len} and {micro_batch_size}")
     if lora_rank is not None and lora_rank < 1:
         raise ConfigError(f"lora_rank must be a positive int or None (full fine-tuning), got {lora_rank}")
+    if isinstance(label_fraction, bool) or not (0.0 < float(label_fraction) <= 1.0):
+        raise ConfigError(
+            f"label_fraction is the share of tokens with a label and must lie in (0, 1], got "
+            f"{label_fraction!r}; use 1 when every token is trained on"
+        )
     dt = normalize_dtype(dtype)
     b = DTYPE_BYTES[dt]
     shape = model_shape(config)
@@ -364,14 +372,15 @@ def model_costs(
             (f"layers.{i}", "block", _block_cost(shape, i, seq_len, tokens, b, lora_rank, lora_experts))
         )
 
-    chunk = min(head_chunk_tokens, tokens)
+    labelled = max(1, round(tokens * label_fraction))  # the rows the head gathers
+    chunk = min(head_chunk_tokens, labelled)
     for j, vs in enumerate(_shard_sizes(v, head_shards)):
         weight = vs * h
         norm = h if j == 0 else 0
-        fwd = 2.0 * h * vs * tokens
+        fwd = 2.0 * h * vs * labelled
         trainable = (weight + norm) if full else 0
         tied = weight if shape.tied else 0
-        saved = tokens * h * b * (2 if j == 0 else 1)
+        saved = (tokens if j == 0 else 0) * h * b + labelled * h * b
         stats = tokens * FP32 * HEAD_STATS_PER_TOKEN if j > 0 else 0
         # After the first shard the hand-off is one packed fp32 tensor [tokens, H + 2] (models/head_shards.py).
         hidden_in = tokens * h * (FP32 if j > 0 else b)

@@ -609,6 +609,7 @@ def _plan_with_shards(
     head_chunk_tokens: int,
     lora_experts: bool,
     target_bubble: float,
+    label_fraction: float,
 ) -> tuple[Plan, list[LayerCost], PartitionResult, PartitionResult]:
     costs = model_costs(
         config,
@@ -619,6 +620,7 @@ def _plan_with_shards(
         head_shards=k,
         head_chunk_tokens=head_chunk_tokens,
         lora_experts=lora_experts,
+        label_fraction=label_fraction,
     )
     fwd_t, bwd_t = layer_times(costs, hw, efficiency=efficiency, times=times)
     sf, sb = _stage_counts(stages)
@@ -697,6 +699,7 @@ def plan(
     tolerance: float = DEFAULT_TOLERANCE,
     max_head_shards: int = DEFAULT_MAX_HEAD_SHARDS,
     target_bubble: float = DEFAULT_TARGET_BUBBLE,
+    label_fraction: float = 1.0,
 ) -> Plan:
     """Plan forward and backward partitions of ``model`` on ``hardware`` (one device kind).
 
@@ -714,6 +717,7 @@ def plan(
     int or ``"auto"`` (:func:`auto_microbatches`). ``memory_budget`` defaults to the GPU's memory,
     ``reserve_bytes`` to its preset workspace reserve; ``efficiency`` to its preset matmul
     efficiency; ``times`` are measured per-layer ``(forward_s, backward_s)`` overrides.
+    ``label_fraction``: the share of tokens with a label; the head works on those only.
 
     Raises :class:`PlanError` when nothing fits (the message names the layer, the bytes, the budget
     and the levers), :class:`ConfigError` on bad arguments.
@@ -744,6 +748,7 @@ def plan(
         head_chunk_tokens=head_chunk_tokens,
         lora_experts=lora_experts,
         target_bubble=target_bubble,
+        label_fraction=label_fraction,
     )
     if head_shards != "auto":
         if not isinstance(head_shards, int) or head_shards < 1:

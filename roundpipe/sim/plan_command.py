@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
                 lora_rank=args.lora_rank,
                 dtype=args.dtype,
                 num_devices=args.num_devices,
+                label_fraction=args.label_fraction,
             )
             if args.json:
                 out = {"model": args.model, "hardware": args.hardware, "max_seq_len": n}
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             num_devices=args.num_devices,
             policies=policies,
             time_budget_s=args.time_budget,
+            label_fraction=args.label_fraction,
         )
     except (RoundpipeError, ValueError) as err:
         print(f"roundpipe plan: error: {err}", file=sys.stderr)

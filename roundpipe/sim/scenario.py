@@ -57,6 +57,7 @@ class Scenario:
     stages: int | tuple[int, int] | None = None
     times: Mapping[str, tuple[float, float]] | None = field(default=None, compare=False)
     efficiency: float | None = None
+    label_fraction: float = 1.0  # share of tokens with a label: the head computes only those
 
     @property
     def model_name(self) -> str:
@@ -101,6 +102,11 @@ def check_scenario(s: Scenario) -> tuple[Server, int, int]:
         v = getattr(s, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer, got {v!r}")
+    if isinstance(s.label_fraction, bool) or not (0.0 < float(s.label_fraction) <= 1.0):
+        raise ConfigError(
+            f"label fraction is the share of tokens with a label and must lie in (0, 1], got "
+            f"{s.label_fraction!r}; use 1 when every token is trained on"
+        )
     if s.lora_rank is not None and (not isinstance(s.lora_rank, int) or s.lora_rank < 1):
         raise ConfigError(
             f"lora rank must be a positive integer (or omitted for full fine-tuning), got {s.lora_rank!r}"
@@ -127,6 +133,11 @@ def _classic_stages(policy: str, n_dev: int, stages) -> int:
     return n_dev * (DEFAULT_VIRTUAL_STAGES if policy in ("interleaved", "hanayo") else 1)
 
 
+def _cost_args(s: Scenario) -> dict:
+    """The scenario's settings that shape every layer's cost."""
+    return dict(dtype=s.dtype, lora_rank=s.lora_rank, label_fraction=s.label_fraction)
+
+
 def _classic_partition(
     s: Scenario, hw: Server, config: dict, mbs: int, n_stages: int
 ) -> tuple[Partition, int, list]:
@@ -134,7 +145,7 @@ def _classic_partition(
     shard_options = [s.head_shards] if s.head_shards != "auto" else list(HEAD_SHARD_CANDIDATES[:8])
     best = None
     for k in shard_options:
-        costs = model_costs(config, s.seq_len, mbs, dtype=s.dtype, lora_rank=s.lora_rank, head_shards=k)
+        costs = model_costs(config, s.seq_len, mbs, **_cost_args(s), head_shards=k)
         if n_stages > len(costs):
             continue
         f, b = layer_times(costs, hw, efficiency=s.efficiency, times=s.times)
@@ -167,9 +178,10 @@ def prepare(s: Scenario) -> Prepared:
             microbatches=m,
             efficiency=s.efficiency,
             times=s.times,
+            label_fraction=s.label_fraction,
         )
         forward, backward, shards = p.forward, p.backward, p.head_shards
-        costs = model_costs(config, s.seq_len, mbs, dtype=s.dtype, lora_rank=s.lora_rank, head_shards=shards)
+        costs = model_costs(config, s.seq_len, mbs, **_cost_args(s), head_shards=shards)
         notes += list(p.notes)
         table = build_table("roundpipe", forward, backward, n_dev, m)
     else:

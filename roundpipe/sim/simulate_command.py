@@ -33,6 +33,13 @@ def add_model_args(ap: argparse.ArgumentParser, *, seq_required: bool = False) -
     )
     ap.add_argument("--global-batch", type=int, default=64, help="sequences per optimizer step (default 64)")
     ap.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: full fine-tuning)")
+    ap.add_argument(
+        "--label-fraction",
+        type=float,
+        default=1.0,
+        help="share of tokens with a label (not -100), e.g. 0.4 for SFT with masked prompts; the LM "
+        "head computes only those (default 1)",
+    )
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument(
         "--optimizer", default="sync", choices=["sync", "async"], help="exact (sync) or one-step-stale"
@@ -96,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             dtype=args.dtype,
             optimizer=args.optimizer,
             num_devices=args.num_devices,
+            label_fraction=args.label_fraction,
             head_shards=shards,
             stages=_stages(args.stages),
             times=parse_times(args.times),
@@ -121,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             "seq_len": args.seq_len,
             "global_batch": args.global_batch,
             "lora_rank": args.lora_rank,
+            "label_fraction": args.label_fraction,
             **result.to_dict(),
         }
         print(dumps(out))

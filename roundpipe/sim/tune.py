@@ -305,6 +305,7 @@ def tune(
     options: SimOptions | None = None,
     time_budget_s: float = DEFAULT_TIME_BUDGET_S,
     refine_top: int = REFINE_TOP,
+    label_fraction: float = 1.0,
 ) -> TuneResult:
     """Search policy x partition x microbatches x stage grain (head shards with the partition) and
     return the best plan and a ranked table of alternatives (see the module docstring).
@@ -316,7 +317,7 @@ def tune(
     deadline = t0 + time_budget_s
     base = Scenario(
         model, hardware, "roundpipe", seq_len=seq_len, global_batch=global_batch, lora_rank=lora_rank,
-        dtype=dtype, optimizer=optimizer, num_devices=num_devices,
+        dtype=dtype, optimizer=optimizer, num_devices=num_devices, label_fraction=label_fraction,
     )  # fmt: skip
     hw, _, _ = check_scenario(base)
     n_dev = hw.num_gpus
@@ -408,6 +409,7 @@ def max_seq_len(
     num_devices: int | None = None,
     upper: int | None = None,
     grain: int = SEQ_LEN_GRAIN,
+    label_fraction: float = 1.0,
 ) -> tuple[int, SimResult | None]:
     """The longest sequence (a multiple of ``grain``) whose step fits device and host memory, and
     its simulated result; ``(0, None)`` if not even ``grain`` tokens fit.
@@ -417,7 +419,7 @@ def max_seq_len(
     """
     base = Scenario(
         model, hardware, policy, seq_len=grain, global_batch=global_batch, microbatches=microbatches,
-        lora_rank=lora_rank, dtype=dtype, num_devices=num_devices,
+        lora_rank=lora_rank, dtype=dtype, num_devices=num_devices, label_fraction=label_fraction,
     )  # fmt: skip
     check_scenario(base)
     if upper is None:
