@@ -180,6 +180,17 @@ def test_ready_order_completes_any_shuffle_of_a_valid_table(seed, devices, polic
     assert got.losses[0] == pytest.approx(want.losses[0], rel=1e-5)
 
 
+@pytest.mark.parametrize("head_shards", [1, 3])
+def test_a_microbatch_without_any_label_adds_nothing_and_breaks_nothing(head_shards):
+    """The head gathers no row for it: an empty chunk loop, a zero loss and zero gradients."""
+    model = make_model("llama")
+    batch = make_batch(batch=4)
+    batch["labels"][:2] = -100  # microbatch 0 (samples 0 and 1) has no label at all
+    want = reference_train(model, batch, 2)
+    got = pipeline_train(model, batch, 2, devices="cpu:2", num_microbatches=2, head_shards=head_shards)
+    assert_same_run(got, want)
+
+
 def test_a_prefetched_layer_released_unused_waits_for_its_upload(monkeypatch):
     """Under ready order the task that runs next need not be the one whose layers were prefetched;
     releasing such a layer must wait for its (slowed) upload instead of freeing it mid-copy."""
