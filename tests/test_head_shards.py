@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import copy
 import math
-import weakref
 
 import pytest
 import torch
-from tiny_models import VOCAB, make_batch, make_model
+from tiny_models import VOCAB, make_batch, make_model, saved_vocab_shapes
 from torch import nn
 from torch.nn import functional as F
 
@@ -295,22 +294,6 @@ def test_bf16_sharded_head_stays_close_to_hf():
 # --- memory: no [tokens x vocab] logits kept for backward ------------------------------------------
 
 
-def _saved_vocab_shapes(fn, vocab_sizes: set[int]) -> list[tuple[int, ...]]:
-    """Shapes of tensors saved for backward during ``fn()`` that are still alive after it returns
-    and whose last dimension is the vocabulary or a shard of it (i.e. logits-like)."""
-    saved: list[tuple[weakref.ref, tuple[int, ...]]] = []
-
-    def pack(t):
-        saved.append((weakref.ref(t), tuple(t.shape)))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    alive = [shape for ref, shape in saved if ref() is not None and shape and shape[-1] in vocab_sizes]
-    del out
-    return alive
-
-
 @pytest.mark.parametrize("lora", [None, ["lm_head"]], ids=["full", "lora-head"])
 @pytest.mark.parametrize("shards", [2, 3, 5])
 def test_shards_save_no_logits_for_backward(shards, lora):
@@ -328,7 +311,7 @@ def test_shards_save_no_logits_for_backward(shards, lora):
             x = layer.forward(layer.module, x, ctx)
         return x
 
-    assert _saved_vocab_shapes(sharded, vocab_sizes) == []
+    assert saved_vocab_shapes(sharded, vocab_sizes) == []
 
     # The detector works: plain autograd over one shard's logits keeps them alive for backward.
     def naive_shard():
@@ -339,7 +322,7 @@ def test_shards_save_no_logits_for_backward(shards, lora):
         return torch.logsumexp(logits.float(), dim=-1).sum()
 
     assert any(
-        math.prod(shape) >= 72 * (VOCAB // shards) for shape in _saved_vocab_shapes(naive_shard, vocab_sizes)
+        math.prod(shape) >= 72 * (VOCAB // shards) for shape in saved_vocab_shapes(naive_shard, vocab_sizes)
     )
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import copy
 import math
-import weakref
 
 import pytest
 import torch
-from tiny_models import FAMILIES, VOCAB, make_batch, make_model
+from tiny_models import FAMILIES, VOCAB, make_batch, make_model, saved_vocab_shapes
 from torch.nn import functional as F
 
 from roundpipe.errors import ConfigError, InputError, UnsupportedModel
@@ -306,27 +305,11 @@ def test_head_chunks_give_the_same_loss_and_grads_as_one_chunk(lora_head):
             torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-7)
 
 
-def _saved_logit_shapes(fn) -> list[tuple[int, ...]]:
-    """Shapes of tensors saved for backward during ``fn()`` that are still alive after it returns
-    and whose last dimension is the vocabulary (i.e. logits-like)."""
-    saved: list[tuple[weakref.ref, tuple[int, ...]]] = []
-
-    def pack(t):
-        saved.append((weakref.ref(t), tuple(t.shape)))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    alive = [shape for ref, shape in saved if ref() is not None and shape and shape[-1] == VOCAB]
-    del out
-    return alive
-
-
 @pytest.mark.parametrize("chunk", [5, 10_000])
 def test_head_saves_no_logits_for_backward(chunk):
     _, head, ctx, hidden = _head_problem()
     ctx.head_chunk_tokens = chunk
-    assert _saved_logit_shapes(lambda: head.forward(head.module, hidden, ctx)) == []
+    assert saved_vocab_shapes(lambda: head.forward(head.module, hidden, ctx), {VOCAB}) == []
 
     # The detector works: the naive head keeps [tokens x vocab] logits alive for backward.
     def naive():
@@ -335,7 +318,7 @@ def test_head_saves_no_logits_for_backward(chunk):
             logits.float().reshape(-1, VOCAB), ctx.shift_labels.reshape(-1), reduction="sum"
         )
 
-    assert any(math.prod(shape) >= 72 * VOCAB for shape in _saved_logit_shapes(naive))
+    assert any(math.prod(shape) >= 72 * VOCAB for shape in saved_vocab_shapes(naive, {VOCAB}))
 
 
 def test_head_without_grad_builds_no_graph():

@@ -10,6 +10,7 @@ of experts (qwen3_moe) and fused projections (phi3). Other test files import ``F
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -199,3 +200,19 @@ def make_timing_llama(*, vocab: int, num_layers: int, hidden: int = 256, seed: i
     )
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def saved_vocab_shapes(fn, vocab_sizes: set[int]) -> list[tuple[int, ...]]:
+    """Shapes of tensors saved for backward during ``fn()`` that are still alive after it returns
+    and whose last dimension is one of ``vocab_sizes`` (the vocabulary or a shard of it: logits)."""
+    saved: list[tuple[weakref.ref, tuple[int, ...]]] = []
+
+    def pack(t):
+        saved.append((weakref.ref(t), tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    alive = [shape for ref, shape in saved if ref() is not None and shape and shape[-1] in vocab_sizes]
+    del out
+    return alive

@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from roundpipe.errors import ConfigError, InputError, UnsupportedModel
 from roundpipe.models.base import Layer, LayerContext, MicrobatchInputs, ModelAdapter
 from roundpipe.models.families import FAMILIES, SLIDING, FamilySpec, supported_families
-from roundpipe.models.head import IGNORE_INDEX, chunked_lm_loss
+from roundpipe.models.head import chunked_lm_loss, shift_labels
 from roundpipe.models.head_shards import head_tensors, vocab_ranges, vocab_shard_forward
 
 
@@ -261,15 +260,12 @@ class DecoderOnlyAdapter(ModelAdapter):
         else:
             table = rotary(dummy_embeds, position_ids)
             position_embeddings = {t: table for t in self.attention_types}
-        shift_labels = None
-        if inputs.labels is not None:
-            shift_labels = F.pad(inputs.labels, (0, 1), value=IGNORE_INDEX)[:, 1:].contiguous()
         return LayerContext(
             inputs=inputs,
             position_ids=position_ids,
             masks=masks,
             position_embeddings=position_embeddings,
-            shift_labels=shift_labels,
+            shift_labels=None if inputs.labels is None else shift_labels(inputs.labels),
         )
 
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from roundpipe.models.head import IGNORE_INDEX
+from roundpipe.models.head import IGNORE_INDEX, shift_labels
 
 LayerKind = Literal["embed", "block", "head"]
 
@@ -62,9 +62,7 @@ def loss_positions(labels: torch.Tensor) -> torch.Tensor:
     Position ``t`` of a row predicts label ``t + 1``; the last position of every row predicts
     nothing. Run on the host: ``nonzero`` on a device would wait for it.
     """
-    shifted = torch.full_like(labels, IGNORE_INDEX)
-    shifted[:, :-1] = labels[:, 1:]
-    return (shifted.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+    return (shift_labels(labels).reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 @dataclass

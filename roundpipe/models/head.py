@@ -24,6 +24,12 @@ from roundpipe.errors import ConfigError, InputError
 IGNORE_INDEX = -100
 
 
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The target of every position of ``labels`` [b, T] (HF, unshifted): the next token's label;
+    the last position of a row predicts nothing (-100)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].contiguous()
+
+
 def gather_positions(
     hidden: torch.Tensor, shift_labels: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -438,8 +438,9 @@ def vocab_shard_forward(
         bad = (shift_labels != IGNORE_INDEX) & ((shift_labels < 0) | (shift_labels >= vocab))
         if bool(bad.any()):
             raise InputError(f"labels must be -100 or lie in [0, {vocab}) (the LM head's rows)")
-    flat_hidden, flat_labels = hidden.reshape(-1, size), shift_labels.reshape(-1)
-    if positions is not None:
+    if positions is None:
+        flat_hidden, flat_labels = hidden.reshape(-1, size), shift_labels.reshape(-1)
+    else:
         flat_hidden, flat_labels = gather_positions(hidden, shift_labels, positions)
     lse, target = shard_stats(
         flat_hidden, flat_labels, head, vocab_range, chunk_tokens=chunk_tokens, softcap=softcap

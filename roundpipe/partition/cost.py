@@ -307,6 +307,16 @@ def _shard_sizes(vocab: int, shards: int) -> list[int]:
     return [base + (1 if j < extra else 0) for j in range(shards)]
 
 
+def check_label_fraction(value) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a share of tokens in ``(0, 1]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ConfigError(
+            f"label fraction (label_fraction, --label-fraction) is the share of tokens with a label "
+            f"and must lie in (0, 1], got "
+            f"{value!r}; use 1 when every token is trained on"
+        )
+
+
 def model_costs(
     config: Mapping[str, Any],
     seq_len: int,
@@ -332,11 +342,7 @@ def model_costs(
         raise ConfigError(f"seq_len and micro_batch_size must be >= 1, got {seq_len} and {micro_batch_size}")
     if lora_rank is not None and lora_rank < 1:
         raise ConfigError(f"lora_rank must be a positive int or None (full fine-tuning), got {lora_rank}")
-    if isinstance(label_fraction, bool) or not (0.0 < float(label_fraction) <= 1.0):
-        raise ConfigError(
-            f"label_fraction is the share of tokens with a label and must lie in (0, 1], got "
-            f"{label_fraction!r}; use 1 when every token is trained on"
-        )
+    check_label_fraction(label_fraction)
     dt = normalize_dtype(dtype)
     b = DTYPE_BYTES[dt]
     shape = model_shape(config)

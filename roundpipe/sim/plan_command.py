@@ -18,7 +18,7 @@ import sys
 
 from roundpipe.errors import ConfigError, RoundpipeError
 from roundpipe.sim.report import dumps, result_table
-from roundpipe.sim.simulate_command import add_model_args
+from roundpipe.sim.simulate_command import add_model_args, model_settings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,15 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         from roundpipe.sim.tune import format_ranked, max_seq_len, tune
 
         if args.max_seq_len:
-            n, res = max_seq_len(
-                args.model,
-                args.hardware,
-                global_batch=args.global_batch,
-                lora_rank=args.lora_rank,
-                dtype=args.dtype,
-                num_devices=args.num_devices,
-                label_fraction=args.label_fraction,
-            )
+            n, res = max_seq_len(args.model, args.hardware, **model_settings(args))
             if args.json:
                 out = {"model": args.model, "hardware": args.hardware, "max_seq_len": n}
                 out.update(res.to_dict() if res is not None else {"fits": False})
@@ -64,14 +56,10 @@ def main(argv: list[str] | None = None) -> None:
             args.model,
             args.hardware,
             seq_len=args.seq_len,
-            global_batch=args.global_batch,
-            lora_rank=args.lora_rank,
-            dtype=args.dtype,
             optimizer=args.optimizer,
-            num_devices=args.num_devices,
             policies=policies,
             time_budget_s=args.time_budget,
-            label_fraction=args.label_fraction,
+            **model_settings(args),
         )
     except (RoundpipeError, ValueError) as err:
         print(f"roundpipe plan: error: {err}", file=sys.stderr)

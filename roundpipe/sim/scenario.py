@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
-from roundpipe.partition.cost import layer_times, model_costs
+from roundpipe.partition.cost import check_label_fraction, layer_times, model_costs
 from roundpipe.partition.partitioner import HEAD_SHARD_CANDIDATES, optimal_partition, plan
 from roundpipe.schedule import POLICIES, build_table
 from roundpipe.schedule.table import Partition, ScheduleTable
@@ -102,11 +102,7 @@ def check_scenario(s: Scenario) -> tuple[Server, int, int]:
         v = getattr(s, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer, got {v!r}")
-    if isinstance(s.label_fraction, bool) or not (0.0 < float(s.label_fraction) <= 1.0):
-        raise ConfigError(
-            f"label fraction is the share of tokens with a label and must lie in (0, 1], got "
-            f"{s.label_fraction!r}; use 1 when every token is trained on"
-        )
+    check_label_fraction(s.label_fraction)
     if s.lora_rank is not None and (not isinstance(s.lora_rank, int) or s.lora_rank < 1):
         raise ConfigError(
             f"lora rank must be a positive integer (or omitted for full fine-tuning), got {s.lora_rank!r}"

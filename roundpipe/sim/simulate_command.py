@@ -46,6 +46,17 @@ def add_model_args(ap: argparse.ArgumentParser, *, seq_required: bool = False) -
     )
 
 
+def model_settings(args: argparse.Namespace) -> dict:
+    """The settings :func:`add_model_args` parsed that every simulation and search takes."""
+    return dict(
+        global_batch=args.global_batch,
+        lora_rank=args.lora_rank,
+        dtype=args.dtype,
+        num_devices=args.num_devices,
+        label_fraction=args.label_fraction,
+    )
+
+
 def parse_times(path: str | None) -> dict | None:
     """Measured per-layer times: a JSON object ``{"layers.3": [forward_s, backward_s], ...}``."""
     if path is None:
@@ -97,16 +108,12 @@ def main(argv: list[str] | None = None) -> None:
             hardware=args.hardware,
             policy=args.policy,
             seq_len=args.seq_len,
-            global_batch=args.global_batch,
             microbatches=args.microbatches,
-            lora_rank=args.lora_rank,
-            dtype=args.dtype,
             optimizer=args.optimizer,
-            num_devices=args.num_devices,
-            label_fraction=args.label_fraction,
             head_shards=shards,
             stages=_stages(args.stages),
             times=parse_times(args.times),
+            **model_settings(args),
         )
         record = bool(args.timeline or args.trace)
         result = run_scenario(
