@@ -66,17 +66,6 @@ class Workload:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def scaled(self, fwd: float = 1.0, bwd: float | None = None) -> Workload:
-        """The same workload with compute times multiplied (what-if on a faster or slower device)."""
-        bwd = fwd if bwd is None else bwd
-        layers = tuple(
-            LayerWork(**{**lw.__dict__, "fwd_s": lw.fwd_s * fwd, "bwd_s": lw.bwd_s * bwd})
-            for lw in self.layers
-        )
-        return Workload(
-            layers, self.tokens_per_microbatch, self.host_state_bytes, self.name, self.dtype, self.w_fraction
-        )
-
 
 def workload_from_costs(
     costs: Sequence[LayerCost],
