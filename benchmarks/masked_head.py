@@ -19,7 +19,7 @@ import torch
 from _common import llama_model, median_step_s, write_results
 
 import roundpipe
-import roundpipe.runtime.engine as engine
+import roundpipe.runtime.inputs as inputs
 
 
 def main() -> None:
@@ -33,12 +33,12 @@ def main() -> None:
     ids = torch.randint(0, 32000, (4, 512), generator=g)
     labels = ids.clone()
     labels[:, :256] = -100
-    shipped = engine.loss_positions
+    shipped = inputs.loss_positions
     times: dict[str, list[float]] = {"all tokens": [], "label tokens": []}
     losses: dict[str, float] = {}
     for _ in range(args.rounds):
         for name, positions in (("all tokens", lambda labels: None), ("label tokens", shipped)):
-            engine.loss_positions = positions
+            inputs.loss_positions = positions
             try:
                 with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", num_microbatches=2)) as pipe:
 
@@ -48,7 +48,7 @@ def main() -> None:
 
                     median, _ = median_step_s(step, warmup=1, repeats=args.steps)
             finally:
-                engine.loss_positions = shipped
+                inputs.loss_positions = shipped
             times[name].append(median)
     if not math.isclose(losses["all tokens"], losses["label tokens"], rel_tol=1e-6):
         raise SystemExit(f"losses differ: {losses}")

@@ -1,5 +1,6 @@
-"""The runtime: parameter store, workers, executor and the Pipeline engine."""
+"""The runtime: parameter store, planning, workers, executor and the Pipeline facade."""
 
-from roundpipe.runtime.engine import Pipeline, StepOutput
+from roundpipe.runtime.pipeline import Pipeline
+from roundpipe.runtime.step import StepOutput
 
 __all__ = ["Pipeline", "StepOutput"]

@@ -1,6 +1,6 @@
 """Discrete-event simulation of training steps: a schedule table replayed on modelled hardware.
 
-What is modelled, and why it matches the runtime (DESIGN.md §3-§4):
+What is modelled, and why it matches the runtime (docs/design.md §3-§4):
 
 - **Per device, three engines**: ``compute`` runs the device's operations strictly in table order
   (fused F+B pairs as one operation, see ``workload.device_ops``); ``h2d`` and ``d2h`` copy engines

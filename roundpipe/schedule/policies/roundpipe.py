@@ -8,7 +8,7 @@ so that consecutive iterations start on different workers.
 
 Bubble: a device idles only while the stage dealt to it waits for the previous deal's first
 microbatch, so with enough microbatches the pipeline stays full for any number of stages; the fill
-and drain at the ends of a step remain (see DESIGN.md, exact vs async optimizer). Memory: a device
+and drain at the ends of a step remain (see docs/design.md §3, optimizer modes). Memory: a device
 holds one stage's weights (plus the prefetched next one) and one microbatch's activations at a
 time; saved stage inputs live on the CPU. Weights stream from the CPU per deal, so tables are not
 ``weight_bound``.

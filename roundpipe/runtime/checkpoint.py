@@ -1,0 +1,67 @@
+"""The fp32 masters seen from outside: writing them into a model, saving and restoring them.
+
+Caller's thread only, with the host queue drained first (an async update still running must land
+before the masters are read or overwritten); ``Pipeline`` does that before calling in here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from roundpipe.errors import PipelineStateError
+from roundpipe.runtime.store import ParameterStore
+
+
+def export_masters(store: ParameterStore, model: nn.Module) -> None:
+    """Copy every trained master into the matching parameter of ``model``: the very tensor the
+    store was built from, else the parameter whose name ends with the entry's name.
+
+    Raises:
+        PipelineStateError: ``model`` has none of the trained parameters.
+    """
+    own = {id(e.tensor): e for e in store.entries}
+    by_name = {e.name: e for e in store.entries if e.trainable}
+    written = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters(remove_duplicate=False):
+            e = own.get(id(p)) or _match_name(name, by_name)
+            if e is not None and e.trainable:
+                p.data.copy_(e.master.data)
+                written += 1
+    if written == 0 and by_name:
+        raise PipelineStateError(
+            "export_to found none of the trained parameters in that model; pass the model given to wrap() "
+            "or one with the same parameter names"
+        )
+
+
+def masters_state(store: ParameterStore) -> dict[str, torch.Tensor]:
+    """Copies of the trained masters keyed by parameter name."""
+    return {e.name: e.master.detach().clone() for e in store.entries if e.trainable}
+
+
+def load_masters(store: ParameterStore, masters: dict[str, torch.Tensor]) -> None:
+    """Overwrite the trained masters and refresh the compute copies the next upload reads.
+
+    Raises:
+        PipelineStateError: a trained parameter is missing from ``masters``.
+    """
+    with torch.no_grad():
+        for e in store.entries:
+            if e.trainable:
+                if e.name not in masters:
+                    raise PipelineStateError(
+                        f"checkpoint lacks parameter {e.name!r}; was it saved from this model?"
+                    )
+                e.master.data.copy_(masters[e.name])
+        store.refresh_compute([e.key for e in store.entries if e.trainable])
+
+
+def _match_name(name: str, by_name: dict) -> object:
+    if name in by_name:
+        return by_name[name]
+    for n, e in by_name.items():
+        if name.endswith("." + n):
+            return e
+    return None

@@ -1,0 +1,146 @@
+"""Running one step over the worker threads: start them, watch them, finish or recover.
+
+``Executor.run`` is called on the caller's thread. It starts one thread per worker (each issues its
+device's tasks, see ``worker.py``), then polls: once every worker has issued everything it records a
+final event on every stream and waits for those and for the host queue. Progress is the tasks the
+workers have issued, the stream work the backend has completed and the host jobs still pending; no
+change in any of them for ``watchdog_s`` seconds is a stall, reported as ``WatchdogTimeout`` with
+what every worker and stream is doing.
+
+On any error it aborts the backend (every wait is cut short), joins the threads, drains the host
+queue, resets the backend, the workers and the memory ledgers, and raises the root error: the
+pipeline is reusable and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from roundpipe.backend import Backend, MemoryLedger
+from roundpipe.backend.cpu import Aborted
+from roundpipe.errors import RoundpipeError, StageError, WatchdogTimeout
+from roundpipe.runtime.exchange import AbortedWait
+from roundpipe.runtime.hostqueue import HostQueue
+from roundpipe.runtime.step import StepRun
+from roundpipe.runtime.worker import Worker
+
+
+class Executor:
+    """Runs steps on ``workers`` (one per device of ``backend``) with the host thread ``hostq``."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        workers: list[Worker],
+        hostq: HostQueue,
+        host_memory: MemoryLedger,
+        watchdog_s: float,
+    ):
+        self.backend = backend
+        self.workers = workers
+        self.hostq = hostq
+        self.host_memory = host_memory
+        self.watchdog_s = watchdog_s
+
+    def run(self, step: StepRun) -> None:
+        """Run ``step`` to completion: every stream and host job done, or raise its root error."""
+        errors: list[BaseException] = []
+
+        def worker_main(worker: Worker, flows) -> None:
+            try:
+                worker.run(step, flows)
+            except BaseException as e:  # carried to the caller below
+                errors.append(e)
+                self.backend.abort()
+
+        threads = [
+            threading.Thread(
+                target=worker_main,
+                args=(w, step.flow_plan.flows[i]),
+                name=f"roundpipe-worker-{i}",
+                daemon=True,
+            )
+            for i, w in enumerate(self.workers)
+        ]
+        for t in threads:
+            t.start()
+        final_events, timed_out = self._watch(threads, errors)
+        if not errors and not self.backend.errors and timed_out is None:
+            try:
+                for ev in final_events:
+                    ev.synchronize()
+                self.hostq.drain()
+                self.backend.check_empty()  # stateless workers: nothing stays on a device
+                return
+            except BaseException as e:
+                errors.append(e)
+        late = self._recover(threads)
+        raise _root_error(timed_out, late + errors)
+
+    def _watch(self, threads, errors) -> tuple[list | None, WatchdogTimeout | None]:
+        """Poll until all work is done, an error is reported, or nothing progresses for too long.
+        Returns the final events (None if the workers never finished issuing) and the timeout."""
+        final_events = None
+        last_progress, last_change = None, time.monotonic()
+        while True:
+            if final_events is None and not any(t.is_alive() for t in threads):
+                final_events = [s.record_event() for d in self.backend.devices for s in d.streams.values()]
+            if final_events is not None and all(ev.query() for ev in final_events):
+                return final_events, None
+            if errors or self.backend.errors:
+                return final_events, None
+            # Progress the devices report through events, not what the hosts have issued: on CUDA a
+            # worker may finish issuing long before its GPU finishes the work.
+            progress = (
+                sum(w.tasks_done for w in self.workers),
+                sum(w.progress() for w in self.workers),
+                self.hostq.pending,
+            )
+            now = time.monotonic()
+            if progress != last_progress:
+                last_progress, last_change = progress, now
+            elif now - last_change > self.watchdog_s:
+                return final_events, WatchdogTimeout(
+                    f"no progress for {self.watchdog_s:.0f}s; "
+                    + "; ".join(
+                        f"{w.device.name}: worker {w.status} ["
+                        + "; ".join(st.describe() for st in w.device.streams.values())
+                        + "]"
+                        for w in self.workers
+                    )
+                )
+            time.sleep(0.002)
+
+    def _recover(self, threads) -> list[BaseException]:
+        """After a failure: stop every wait, let threads end, and leave the pipeline reusable.
+        Returns the errors the streams and the host thread reported meanwhile."""
+        self.backend.abort()
+        for t in threads:
+            t.join()
+        late: list[BaseException] = []
+        try:
+            self.hostq.drain(is_aborted=lambda: True)
+        except BaseException as e:
+            late.append(e)
+        late = list(self.backend.errors) + late
+        self.backend.reset()
+        for w in self.workers:
+            w.reset()
+            w.device.ledger.clear()
+        self.host_memory.clear()
+        return late
+
+
+def _root_error(timed_out: WatchdogTimeout | None, candidates: list[BaseException]) -> BaseException:
+    """The error to raise: a timeout, else the first one that is not a side effect of aborting."""
+    if timed_out is not None:
+        return timed_out
+    for e in candidates:
+        if not isinstance(e, (Aborted, AbortedWait)):
+            if isinstance(e, RoundpipeError):
+                return e
+            wrapped = StageError(f"{type(e).__name__}: {e}")
+            wrapped.__cause__ = e  # the traceback says where it happened
+            return wrapped
+    return candidates[0] if candidates else StageError("the step failed for an unknown reason")

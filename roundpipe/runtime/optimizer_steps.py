@@ -1,0 +1,109 @@
+"""When and how the optimizer steps each layer: eagerly as gradients become final, or deferred.
+
+With the synchronous optimizer and nothing that needs every gradient first, the host thread steps
+a layer's group the moment its last gradient contribution lands (``StepRun`` calls
+``step_group``), overlapping the backward of lower layers. Gradient clipping and fp16 loss scaling
+need the whole gradient, so those runs defer every step to ``deferred_step`` (``Pipeline.step``,
+or the host queue under ``optimizer_mode="async"``). Either way the steps themselves run on the
+host thread or the caller's thread, never on a worker.
+"""
+
+from __future__ import annotations
+
+from roundpipe.errors import OptimizerError, PipelineStateError
+from roundpipe.optim import DynamicLossScaler, LayerwiseAdamW, OptimizerConfig, clip_factor
+from roundpipe.runtime.report import Recorder
+from roundpipe.runtime.store import ParameterStore
+
+
+class OptimizerSteps:
+    """The optimizer (None until configured), the fp16 loss scaler, and what the last step did.
+
+    ``store`` holds the fp32 gradient buffers and masters it steps; ``names`` the layer names (for
+    errors and host spans); ``recorder`` times each step on the host lane.
+
+    ``last_step_skipped``: the last deferred step found non-finite gradients (fp16) and skipped;
+    ``last_grad_norm``: the unscaled gradient norm of the last clipped step.
+    """
+
+    def __init__(self, store: ParameterStore, names: list[str], recorder: Recorder, loss_scaling: bool):
+        self.store = store
+        self.names = names
+        self.recorder = recorder
+        self.optimizer: LayerwiseAdamW | None = None
+        self.scaler = DynamicLossScaler() if loss_scaling else None
+        self.last_step_skipped = False
+        self.last_grad_norm: float | None = None
+
+    def configure(self, config: OptimizerConfig) -> None:
+        self.optimizer = LayerwiseAdamW(self.store, config)
+
+    def require(self, what: str) -> None:
+        if self.optimizer is None:
+            raise PipelineStateError(f"{what}() needs an optimizer: call configure_optimizer(lr=...) first")
+
+    def groups(self) -> dict[int, list[int]]:
+        """Step groups: owner layer -> keys of the trainable entries stepped together."""
+        if self.optimizer is not None:
+            return self.optimizer.groups
+        groups: dict[int, list[int]] = {}
+        for e in self.store.entries:
+            if e.trainable:
+                groups.setdefault(e.owner, []).append(e.key)
+        return groups
+
+    def eager(self, accumulate: bool, mode: str) -> bool:
+        """Whether this ``forward_backward`` steps each layer as soon as its gradient is final."""
+        return (
+            self.optimizer is not None
+            and not accumulate
+            and mode == "sync"
+            and self.optimizer.config.max_grad_norm is None
+            and self.scaler is None
+        )
+
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def step_group(self, owner: int, factor: float = 1.0, publish_to: int | None = None) -> None:
+        """Step one layer's group (host or caller's thread); errors name the layer."""
+        name = self.names[owner]
+        try:
+            with self.recorder.host_span(f"optim:{name}", "optim"):
+                self.optimizer.step_group(owner, factor, publish_to)
+        except BaseException as e:
+            raise OptimizerError(
+                f"{type(e).__name__} while stepping layer {name}: {e}", layer=name, device="host"
+            ) from e
+
+    def deferred_step(self, publish_to: int | None = None) -> None:
+        """Step every group with the whole gradient known: unscale, skip on overflow, clip."""
+        factor = 1.0 / self.loss_scale()
+        if self.scaler is not None:
+            finite = self.optimizer.grads_finite()
+            self.scaler.update(not finite)
+            if not finite:
+                self.store.zero_grads()
+                self.last_step_skipped = True
+                return
+        if self.optimizer.config.max_grad_norm is not None:
+            norm = (self.optimizer.grad_norm_sq() ** 0.5) * factor
+            self.last_grad_norm = norm
+            factor *= clip_factor(norm, self.optimizer.config.max_grad_norm)
+        for owner in sorted(self.optimizer.groups, reverse=True):
+            self.step_group(owner, factor, publish_to)
+
+    def state_dict(self) -> dict:
+        """The optimizer's and the loss scaler's state, where there is one."""
+        sd = {}
+        if self.optimizer is not None:
+            sd["optimizer"] = self.optimizer.state_dict()
+        if self.scaler is not None:
+            sd["loss_scaler"] = self.scaler.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        if "optimizer" in sd and self.optimizer is not None:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        if "loss_scaler" in sd and self.scaler is not None:
+            self.scaler.load_state_dict(sd["loss_scaler"])

@@ -1,0 +1,308 @@
+"""The Pipeline: wraps a HF model and trains it with stateless workers.
+
+One ``forward_backward`` call: split the batch into microbatches (``inputs``), build or reuse the
+schedule table for that microbatch count (``planning``), let one worker thread per device issue its
+tasks while the host thread accumulates gradients and steps each layer as soon as its gradient is
+final (``executor``, ``step``, ``optimizer_steps``), and keep the step's spans (``report``). Errors
+from any thread reach the caller as ``StageError`` / ``OptimizerError`` with where they happened;
+a watchdog turns a stall into ``WatchdogTimeout``. Nothing is left running after an error.
+
+Workers read ``store``, ``adapter``, ``config``, ``host_memory``, ``store_num_layers``,
+``random_layers``, ``weight_bound`` and ``weight_cache_bytes`` from the pipeline; everything else
+here is the caller's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from roundpipe.backend import MemoryLedger, make_backend
+from roundpipe.config import RunConfig
+from roundpipe.errors import PipelineStateError
+from roundpipe.models import adapt_model
+from roundpipe.optim import LayerwiseAdamW, OptimizerConfig
+from roundpipe.runtime.checkpoint import export_masters, load_masters, masters_state
+from roundpipe.runtime.exchange import Exchange
+from roundpipe.runtime.executor import Executor
+from roundpipe.runtime.hostqueue import HostQueue
+from roundpipe.runtime.inputs import split_batch
+from roundpipe.runtime.optimizer_steps import OptimizerSteps
+from roundpipe.runtime.plan import FlowPlan, build_flow_plan
+from roundpipe.runtime.planning import Planner, RuntimePlan
+from roundpipe.runtime.report import Recorder
+from roundpipe.runtime.step import StepOutput, StepRun
+from roundpipe.runtime.store import ParameterStore
+from roundpipe.runtime.worker import Worker
+
+
+class Pipeline:
+    """A HF causal LM (optionally peft-wrapped) trained with all state on the CPU.
+
+    Use as a context manager, or call ``close()``. Thread-safety: one caller thread at a time.
+    """
+
+    def __init__(self, model: nn.Module, config: RunConfig | None = None):
+        self.config = config or RunConfig()
+        self.adapter = adapt_model(model, head_shards=self.config.head_shards)
+        self.backend = make_backend(self.config.devices, self.config.device_capacity, self.config.sanitize)
+        names = [layer.name for layer in self.adapter.layers]
+        try:
+            self.store = ParameterStore(
+                self.adapter,
+                self.config.torch_dtype,
+                self.backend,
+                double_buffer=self.config.optimizer_mode == "async",
+                host_memory=self.config.host_memory,
+            )
+            self.backend.host_buffers = self.store.host.pool  # where downloads land
+            self.store_num_layers = len(self.adapter.layers)
+            self._planner = Planner(self.config, names, self.store, self.backend)
+            self._planner.check_capacity()
+            self.random_layers = _layers_with_dropout(self.adapter)
+            self.workers = [Worker(self, d) for d in self.backend.devices]
+            self._hostq = HostQueue()
+        except BaseException:
+            self.backend.close()
+            raise
+        self.host_memory = MemoryLedger("host", None)  # hand-offs (activations, gradients) held on the CPU
+        self._recorder = Recorder(self.backend, self.host_memory)
+        self._updates = OptimizerSteps(
+            self.store, names, self._recorder, loss_scaling=self.config.dtype == "fp16"
+        )
+        self._executor = Executor(
+            self.backend, self.workers, self._hostq, self.host_memory, self.config.watchdog_s
+        )
+        self.last_plan: FlowPlan | None = None  # the flow plan of the last forward_backward
+        self.weight_bound = False  # the running table keeps weights resident (every policy but roundpipe)
+        capacity = self.backend.devices[0].memory.capacity
+        self.weight_cache_bytes = self.config.weight_cache_bytes or (capacity // 2 if capacity else None)
+        self._steps_run = 0
+        self._grads_pending = False  # forward_backward ran since the last step
+        self._stepped_eagerly = False
+        self._closed = False
+
+    # ----------------------------------------------------------------- training
+    def configure_optimizer(
+        self,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        """AdamW on the fp32 CPU masters (``torch.optim.AdamW`` semantics, fused CPU kernel)."""
+        self._updates.configure(OptimizerConfig(lr, weight_decay, tuple(betas), eps, max_grad_norm))
+
+    def set_lr(self, lr: float) -> None:
+        self._updates.require("set_lr")
+        self._optimizer.set_lr(lr)
+
+    def forward_backward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        accumulate: bool = False,
+    ) -> StepOutput:
+        """Run forward and backward over the whole batch; gradients accumulate on the CPU.
+
+        The loss is the mean cross-entropy over every label token of the batch (labels are shifted
+        inside, -100 ignored), whatever the microbatch count. With an optimizer configured, each
+        layer's update starts as soon as its gradient is final (overlapping the backward of lower
+        layers) unless ``accumulate=True`` (keep the gradients for a later call) or the update
+        needs every gradient first (``max_grad_norm``, fp16 loss scaling); ``step()`` completes it.
+        """
+        self._check_open()
+        if self._stepped_eagerly:
+            raise PipelineStateError(
+                "call step() after each forward_backward (or pass accumulate=True to the earlier call)"
+            )
+        microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
+        if self.config.partition == "auto" and self.layer_times is None:
+            self.profile(input_ids, labels, attention_mask, position_ids, steps=1)
+        plan = self._planner.flow_plan(len(microbatches))
+        eager = self._updates.eager(accumulate, self.config.optimizer_mode)
+        self.store.set_read_buffer(self._steps_run)
+        step = self._new_step(microbatches, total, plan, eager)
+        self.weight_bound = plan.table.weight_bound
+        self.last_plan = plan
+        with self._recorder.recording():
+            self._executor.run(step)
+        self._planner.advance_start_device(plan)
+        self._planner.observe(self._recorder.last_spans, plan, input_ids.numel() / len(microbatches))
+        self._steps_run += 1
+        self._grads_pending = True
+        self._stepped_eagerly = eager
+        return StepOutput(step.loss_sum / total, total)
+
+    def step(self) -> None:
+        """Complete the optimizer update for the gradients accumulated so far, then zero them."""
+        self._check_open()
+        self._updates.require("step")
+        if not self._grads_pending:
+            raise PipelineStateError("step() needs gradients: call forward_backward first")
+        self._updates.last_step_skipped = False
+        if self.config.optimizer_mode == "async":
+            # Publish into the copy this iteration read: the iteration after next reads it, while
+            # the next one computes on the other copy (staleness exactly 1).
+            publish_to = self._steps_run - 1
+            self._hostq.submit(lambda: self._updates.deferred_step(publish_to))
+        elif not self._stepped_eagerly:
+            self._updates.deferred_step()
+        self._grads_pending = False
+        self._stepped_eagerly = False
+
+    def zero_grad(self) -> None:
+        self.store.zero_grads()
+        self._grads_pending = False
+
+    @property
+    def _optimizer(self) -> LayerwiseAdamW | None:
+        return self._updates.optimizer
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """The last ``step()`` found non-finite gradients (fp16 loss scaling) and skipped the update."""
+        return self._updates.last_step_skipped
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The gradient norm of the last clipped ``step()`` (``max_grad_norm``), before clipping."""
+        return self._updates.last_grad_norm
+
+    # ----------------------------------------------------------------- weights and checkpoints
+    def export_to(self, model: nn.Module) -> None:
+        """Write the trained fp32 masters into ``model`` (the wrapped HF / peft model, or a copy of it)."""
+        self._hostq.drain()  # an async update still running must land first
+        export_masters(self.store, model)
+
+    def state_dict(self) -> dict:
+        """fp32 masters and optimizer state keyed by parameter name (a checkpoint)."""
+        self._hostq.drain()
+        return {
+            "masters": masters_state(self.store),
+            "steps_run": self._steps_run,
+            **self._updates.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        masters = sd["masters"]
+        self._hostq.drain()
+        load_masters(self.store, masters)
+        self._steps_run = sd.get("steps_run", 0)
+        self._updates.load_state_dict(sd)
+
+    # ----------------------------------------------------------------- planning and measuring
+    @property
+    def plan(self) -> RuntimePlan:
+        """The partitions and per-stage estimates the next step will use (``print(pipe.plan)``)."""
+        return self._planner.report()
+
+    @property
+    def layer_times(self) -> dict[str, tuple[float, float]] | None:
+        """Measured (forward s, backward s) per layer and microbatch; None before ``profile``."""
+        return self._planner.layer_times
+
+    def profile(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        steps: int = 2,
+    ) -> dict[str, tuple[float, float]]:
+        """Measure every layer's forward and backward (without recompute) seconds per microbatch.
+
+        Runs ``steps`` forward/backward passes of this batch, one layer per task, every worker
+        taking its share of the microbatches at once (so shared-machine contention is included),
+        and keeps the medians as ``self.layer_times`` (the partitioner's measured costs,
+        then refreshed by a moving average during training). Weights and optimizer state are not
+        touched; the gradients it makes are discarded.
+        """
+        self._check_open()
+        if self._grads_pending:
+            raise PipelineStateError("profile() would mix its gradients with pending ones: call step() first")
+        from roundpipe.runtime.profiler import layer_times_from_spans, profiling_table
+
+        microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
+        table = profiling_table(len(self.adapter.layers), len(self.backend.devices), len(microbatches))
+        plan = build_flow_plan(table, fuse=False)
+        spans = []
+        self.weight_bound = False
+        for _ in range(steps):
+            step = self._new_step(microbatches, total, plan, eager=False)
+            with self._recorder.recording():
+                self._executor.run(step)
+            spans += self._recorder.last_spans
+        self.store.zero_grads()
+        times = layer_times_from_spans(spans, self._planner.names)
+        self._planner.set_measured(times, input_ids.numel() / len(microbatches))
+        return dict(times)
+
+    def stats(self) -> dict:
+        """Figures of the last ``forward_backward``: per device busy (compute) time, idle (bubble)
+        time within the step, bytes copied each way, peak bytes held; and host-side time."""
+        return self._recorder.stats()
+
+    def last_timeline(self):
+        """Every labelled piece of work of the last step: a ``roundpipe.schedule.timeline.Timeline``
+        (device lanes ``compute``/``h2d``/``d2h``, and the ``host`` lane as device -1)."""
+        return self._recorder.timeline(self.config.policy)
+
+    # ----------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._hostq.close()
+        self.backend.close()
+        self.store.close()  # unpins the host arena: only after every device has synchronized
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # ----------------------------------------------------------------- internals
+    def _split(self, input_ids, labels, attention_mask, position_ids):
+        return split_batch(
+            input_ids,
+            labels,
+            attention_mask,
+            position_ids,
+            vocab_size=self.adapter.config.vocab_size,
+            microbatch_count=self._planner.microbatch_count,
+        )
+
+    def _new_step(self, microbatches, total: int, plan: FlowPlan, eager: bool) -> StepRun:
+        exchange = Exchange(lambda: self.backend.aborted)
+        return StepRun(
+            self._steps_run, microbatches, total, plan, eager, exchange, self._hostq, self._updates
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineStateError("this pipeline is closed; wrap the model again")
+
+
+def _layers_with_dropout(adapter) -> set[int]:
+    """Layers whose forward draws random numbers in training mode (dropout), so recompute must replay them."""
+    out = set()
+    attn_p = float(getattr(adapter.config, "attention_dropout", 0.0) or 0.0)
+    for layer in adapter.layers:
+        mods = list(layer.module.modules())
+        training = any(m.training for m in mods)
+        if not training:
+            continue
+        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in mods) or (layer.kind == "block" and attn_p > 0):
+            out.add(layer.index)
+    return out

@@ -1,0 +1,109 @@
+"""Per-call state of one ``forward_backward``: shared by the worker threads and the host thread.
+
+Workers read the microbatches, the flow plan and the gradient seed, pass hand-offs through the
+``exchange``, and report downloads with ``on_loss`` / ``on_grads`` (worker threads). Those queue
+jobs on the host thread, which adds losses and gradients in issue order and steps every layer
+group whose gradient became final (when stepping eagerly). The caller's thread reads ``loss_sum``
+once the step has been synchronized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from roundpipe.models.base import MicrobatchInputs
+from roundpipe.runtime.exchange import Exchange, Slot
+from roundpipe.runtime.hostqueue import HostQueue
+from roundpipe.runtime.optimizer_steps import OptimizerSteps
+from roundpipe.runtime.plan import FlowPlan
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What ``forward_backward`` returns: the batch loss (mean over label tokens) and that token count."""
+
+    loss: float
+    num_tokens: int
+
+
+class StepRun:
+    """State of one ``forward_backward`` call.
+
+    Args:
+        index: the step's number (with the layer and microbatch, it seeds the dropout that
+            recompute replays).
+        microbatches: the split batch (CPU tensors).
+        total_tokens: label tokens of the whole batch; the backward seed is ``loss_scale / total``.
+        flow_plan: what every device runs.
+        eager: step each layer group on the host thread as soon as its gradient is final.
+        exchange: the host-side hand-offs of this call (abandoned waits raise on abort).
+        hostq: the host thread, which runs the jobs ``on_loss`` / ``on_grads`` queue.
+        updates: the optimizer side: step groups, loss scale, the store whose fp32 gradient
+            buffers receive the downloads, and the recorder that times host work.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        microbatches: list[MicrobatchInputs],
+        total_tokens: int,
+        flow_plan: FlowPlan,
+        eager: bool,
+        exchange: Exchange,
+        hostq: HostQueue,
+        updates: OptimizerSteps,
+    ):
+        self.index = index
+        self.microbatches = microbatches
+        self.flow_plan = flow_plan
+        self.eager = eager
+        self.exchange = exchange
+        self.grad_seed = updates.loss_scale() / total_tokens
+        self.loss_sum = 0.0
+        self._hostq, self._updates = hostq, updates
+        store = updates.store
+        # How many gradient contributions each trainable entry gets this call (one per backward stage
+        # that uses it, per microbatch); a step group is final when all of its entries reach zero.
+        self.remaining: dict[int, int] = {}
+        bwd = flow_plan.table.backward
+        for s in range(bwd.num_stages):
+            for k in store.trainable_keys(bwd.layers(s)):
+                self.remaining[k] = self.remaining.get(k, 0) + flow_plan.table.num_microbatches
+        self.group_left = {
+            owner: sum(1 for k in keys if self.remaining.get(k, 0) > 0)
+            for owner, keys in updates.groups().items()
+        }
+
+    def on_loss(self, host_loss: Slot, event) -> None:
+        """Worker thread: queue adding a microbatch's loss sum (downloaded with ``event``)."""
+        self._hostq.submit(lambda: self._add_loss(host_loss), event)
+
+    def _add_loss(self, host_loss: Slot) -> None:
+        self.loss_sum += float(host_loss.value)
+        self._updates.store.host.pool.release(host_loss.value)  # the host thread was its last reader
+
+    def on_grads(self, layers: range, host_grads: Slot, contributions: int, event) -> None:
+        """Worker thread: queue adding a backward stage's weight gradients, summed over
+        ``contributions`` microbatches on the device, into the fp32 buffers."""
+        self._hostq.submit(lambda: self._accumulate(layers, host_grads, contributions), event)
+
+    def _accumulate(self, layers: range, host_grads: Slot, contributions: int) -> None:
+        """Host thread: add gradients into the fp32 buffers; step groups that became final.
+
+        ``host_grads.value`` is keyed by piece ``(entry key, rows)``: a gradient of rows
+        ``[start, stop)`` only (a vocabulary shard's) goes into those rows of the whole buffer.
+        """
+        updates = self._updates
+        with updates.recorder.host_span(f"acc:{updates.names[layers.start]}", "accumulate"):
+            store = updates.store
+            for (k, rows), g in (host_grads.value or {}).items():
+                grad = store.entries[k].grad
+                (grad if rows is None else grad[rows[0] : rows[1]]).add_(g)
+                store.host.pool.release(g)  # added: the download buffer is free again
+            for k in store.trainable_keys(layers):
+                self.remaining[k] -= contributions
+                if self.remaining[k] == 0:
+                    owner = store.entries[k].owner
+                    self.group_left[owner] -= 1
+                    if self.group_left[owner] == 0 and self.eager:
+                        updates.step_group(owner)
