@@ -10,6 +10,7 @@ from roundpipe.errors import ConfigError
 DTYPES = ("fp32", "bf16", "fp16")
 ORDERS = ("strict", "ready")
 OPTIMIZER_MODES = ("sync", "async")
+HOST_MEMORY_MODES = ("arena", "pinned", "pageable")  # = roundpipe.backend.host_memory.HOST_MEMORY_MODES
 
 
 # Policies whose tables the runtime cannot execute yet (zb splits backward into I and W tasks).
@@ -52,7 +53,12 @@ class RunConfig:
         weight_cache_bytes: for weight-bound policies (all but ``roundpipe``), how many bytes of
             weights a device may keep resident across its tasks of one step (default: half the
             device capacity; unlimited on cpu devices without a capacity).
-        watchdog_s: a step with no progress for this long fails with ``WatchdogTimeout``.
+        watchdog_s: a step with no progress for this long fails with ``WatchdogTimeout``. Progress
+            is what the devices have finished (events), not what the workers have issued.
+        sanitize: on the cpu backend, check every closure against CUDA's stream rules (a tensor
+            used on a stream it was not handed over to, an access not ordered by an event; see
+            docs/design.md §5). None: the ``ROUNDPIPE_SANITIZE`` environment variable decides (the
+            test suite sets it). On CUDA use PyTorch's ``TORCH_CUDA_SANITIZER=1`` instead.
         seed: base seed of the dropout masks, so recomputation replays them exactly.
         policy_options: extra arguments of the policy (e.g. ``{"virtual_stages": 2}``).
         partition: layers per forward stage, e.g. ``(3, 4, 4, 3)`` (default: one layer per stage
@@ -64,6 +70,11 @@ class RunConfig:
         schedule: a hand-written ``ScheduleTable`` to run instead of a policy's; its partitions and
             microbatch count are used. Checked before it runs: strict order rejects a table that
             would deadlock, naming the waiting cycle.
+        host_memory: where the host copies that uploads read live. ``"arena"``: carved from a few
+            exactly-sized page-locked allocations (``cudaHostRegister``), so host memory is what the
+            tensors need plus alignment; ``"pinned"``: one ``pin_memory()`` per tensor (PyTorch's
+            caching host allocator rounds each up to a power of two: up to ~2x the bytes);
+            ``"pageable"``: nothing pinned (asynchronous copies are staged and block the host).
     """
 
     devices: str = "auto"
@@ -79,11 +90,13 @@ class RunConfig:
     copy_chunk_bytes: int = 64 << 20
     weight_cache_bytes: int | None = None
     watchdog_s: float = 300.0
+    sanitize: bool | None = None
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)
     partition: tuple[int, ...] | str | None = None
     backward_partition: tuple[int, ...] | None = None
     schedule: Any = None  # a roundpipe.schedule.ScheduleTable written by hand
+    host_memory: str = "arena"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -131,6 +144,10 @@ class RunConfig:
             raise ConfigError(
                 f"the schedule is written for {self.schedule.num_microbatches} microbatches but "
                 f"num_microbatches={self.num_microbatches}; make them equal"
+            )
+        if self.host_memory not in HOST_MEMORY_MODES:
+            raise ConfigError(
+                f"unknown host_memory {self.host_memory!r}; choose one of {', '.join(HOST_MEMORY_MODES)}"
             )
         if self.watchdog_s <= 0:
             raise ConfigError(f"watchdog_s must be positive, got {self.watchdog_s!r}")

@@ -2,10 +2,17 @@
 
 For each distinct parameter (tied weights are one entry used by two layers):
 - trainable: an fp32 *master* (the optimizer's), an fp32 gradient accumulator, and a *compute
-  copy* in the run dtype that uploads read (the master itself when the run is fp32; pinned on CUDA);
-- frozen: no master, no gradient; the compute copy is the model's own tensor when its dtype is the
-  run dtype (stored once), else one converted copy.
+  copy* in the run dtype that uploads read (the master itself when the run is fp32 and sync);
+- frozen: no master, no gradient; one compute copy in the run dtype (a float tensor in another
+  dtype is converted); a tensor already in the run dtype is stored once: the model's own tensor is
+  re-pointed at its compute copy.
 Buffers (e.g. Gemma's embedding scale) are frozen entries too.
+
+Host memory (``host_memory``, see ``roundpipe.backend.host_memory``): every compute copy -- and
+so the fp32 master when it is one -- is planned first, then allocated at once (``"arena"``: carved
+from a few exactly-sized page-locked blocks; ``"pinned"``: one pinned tensor each; ``"pageable"``:
+plain tensors, and a frozen tensor already in the run dtype is used as is), then filled. Masters
+that uploads never read (bf16/fp16 runs, async mode) and gradient accumulators stay pageable.
 
 A layer may use only some rows of a tensor (a vocabulary shard of the LM head: ``row_slices()``);
 its binding then carries those rows, and what a device holds of it -- a *piece*, ``(entry key, rows
@@ -23,6 +30,7 @@ import torch
 from torch import nn
 
 from roundpipe.backend import Backend, tensor_bytes
+from roundpipe.backend.host_memory import HostMemory
 from roundpipe.models.base import ModelAdapter
 
 
@@ -80,14 +88,22 @@ class ParameterStore:
     publishes the next weights into the other (see ``Pipeline`` for the staleness contract)."""
 
     def __init__(
-        self, adapter: ModelAdapter, dtype: torch.dtype, backend: Backend, double_buffer: bool = False
+        self,
+        adapter: ModelAdapter,
+        dtype: torch.dtype,
+        backend: Backend,
+        double_buffer: bool = False,
+        *,
+        host_memory: str = "arena",
     ):
         self.dtype = dtype
         self.double_buffer = double_buffer
+        self.host = HostMemory(backend, host_memory)
         self.entries: list[Entry] = []
         self.bindings: list[list[Binding]] = []  # per layer
         by_id: dict[int, Entry] = {}
         names = _qualified_names(adapter.model)
+        plans: list[list[str]] = []  # per entry: the role of each compute copy (see _plan_entry)
         for layer in adapter.layers:
             binds = []
             # {parameter path in the layer's module: rows}, for layers that use only rows of some
@@ -100,43 +116,87 @@ class ParameterStore:
                             continue
                         e = by_id.get(id(t))
                         if e is None:
-                            e = self._make_entry(
+                            e, plan = self._plan_entry(
                                 len(self.entries),
                                 names.get(id(t), f"{layer.name}.{mpath}.{attr}"),
                                 t,
                                 is_buffer,
-                                backend,
                             )
                             by_id[id(t)] = e
                             self.entries.append(e)
+                            plans.append(plan)
                         if layer.index not in e.users:
                             e.users.append(layer.index)
                         rows = None if is_buffer else row_slices.get(f"{mpath}.{attr}" if mpath else attr)
                         binds.append(Binding(mpath, attr, is_buffer, e.key, rows))
             self.bindings.append(binds)
+        self._allocate_and_fill(plans)
         self.layer_bytes = [
             sum(self.piece_bytes(p) for p in self.layer_pieces(i)) for i in range(len(self.bindings))
         ]
 
-    def _make_entry(self, key: int, name: str, t: torch.Tensor, is_buffer: bool, backend: Backend) -> Entry:
+    # What each entry's compute copies are, decided before any host memory is allocated:
+    # "master" (fp32 sync: the fp32 master is the compute copy), "from_master" (a run-dtype copy of
+    # the master), "convert" (a frozen tensor in another dtype), "own" (a frozen tensor already in the
+    # run dtype: stored once, the model's tensor re-pointed at the copy).
+    def _plan_entry(self, key: int, name: str, t: torch.Tensor, is_buffer: bool) -> tuple[Entry, list[str]]:
         trainable = (not is_buffer) and t.requires_grad
-        floating = t.is_floating_point()
-        if trainable:
-            master = nn.Parameter(t.detach().to(torch.float32, copy=True))
-            if self.double_buffer:
-                buffers = [backend.pin(master.detach().to(self.dtype, copy=True)) for _ in range(2)]
-            elif self.dtype == torch.float32:
-                buffers = [master.data]  # fp32 sync: the master itself is what uploads read
-            else:
-                buffers = [backend.pin(master.detach().to(self.dtype))]
-            return Entry(key, name, t, True, is_buffer, buffers, master, torch.zeros_like(master.data))
         data = t.detach()
-        if floating and data.dtype != self.dtype:
-            return Entry(key, name, t, False, is_buffer, [backend.pin(data.to(self.dtype))])
-        pinned = backend.pin(data)
-        if pinned.data_ptr() != data.data_ptr():
-            t.data = pinned  # stored once: the model's own tensor now lives in pinned memory
-        return Entry(key, name, t, False, is_buffer, [pinned])
+        if trainable:
+            if self.dtype == torch.float32 and not self.double_buffer:
+                plan = ["master"]
+                master = None  # lives in host memory: made by _allocate_and_fill
+            else:
+                plan = ["from_master"] * (2 if self.double_buffer else 1)
+                master = nn.Parameter(data.to(torch.float32, copy=True))  # pageable: never uploaded
+            e = Entry(key, name, t, True, is_buffer, [], master)
+        elif data.is_floating_point() and data.dtype != self.dtype:
+            plan = ["convert"]
+            e = Entry(key, name, t, False, is_buffer, [])
+        elif self.host.keeps_model_tensors:
+            plan = []
+            e = Entry(key, name, t, False, is_buffer, [data])  # the model's own tensor, as is
+        else:
+            plan = ["own"]
+            e = Entry(key, name, t, False, is_buffer, [])
+        return e, plan
+
+    def _allocate_and_fill(self, plans: list[list[str]]) -> None:
+        """One allocation of every planned compute copy, then the copies filled in."""
+        role_dtype = {"master": torch.float32, "from_master": self.dtype, "convert": self.dtype}
+        specs = [
+            (tuple(e.tensor.shape), role_dtype.get(role, e.tensor.dtype))
+            for e, plan in zip(self.entries, plans)
+            for role in plan
+        ]
+        tensors = iter(self.host.allocate(specs))
+        with torch.no_grad():
+            for e, plan in zip(self.entries, plans):
+                data = e.tensor.detach()
+                for role in plan:
+                    buf = next(tensors)
+                    if role == "master":
+                        buf.copy_(data)
+                        e.master = nn.Parameter(buf)
+                    elif role == "from_master":
+                        buf.copy_(e.master.data)
+                    else:
+                        buf.copy_(data)
+                        if role == "own":
+                            e.tensor.data = buf  # stored once: the model's tensor now lives here
+                    e.buffers.append(buf)
+                if e.trainable:
+                    e.grad = torch.zeros_like(e.master.data)  # pageable
+
+    def host_memory_stats(self) -> dict:
+        """Host bytes requested and reserved by the compute copies (``static_*``) and the hand-off
+        pool (``pool_*``); see ``HostMemory.stats``."""
+        return self.host.stats()
+
+    def close(self) -> None:
+        """Release the host memory's page-locking (after every copy from it has finished). The
+        tensors stay usable as pageable memory, so ``export_to`` and checkpoints still work."""
+        self.host.close()
 
     def layer_keys(self, layer: int) -> list[int]:
         """Distinct entry keys used by a layer (in first-use order)."""
