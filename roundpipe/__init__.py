@@ -18,6 +18,7 @@ from roundpipe.errors import (
     RoundpipeError,
     ScheduleError,
     StageError,
+    StreamProtocolError,
     UnsupportedModel,
     WatchdogTimeout,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "ScheduleError",
     "StageError",
     "StepOutput",
+    "StreamProtocolError",
     "UnsupportedModel",
     "WatchdogTimeout",
     "wrap",

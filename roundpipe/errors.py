@@ -102,3 +102,14 @@ class OptimizerError(StageError):
 
 class WatchdogTimeout(RoundpipeError, TimeoutError):
     """No worker made progress for the configured time; the message shows what each one waits for."""
+
+
+class StreamProtocolError(RoundpipeError, RuntimeError):
+    """The runtime broke a rule of CUDA's execution or memory model (docs/design.md §5).
+
+    Raised by the cpu backend's checks: a device tensor used on a stream it was not handed over to
+    (``record_stream``), a cross-stream access not ordered by an event, a device tensor alive that
+    the memory ledger does not account for or has already released, or a device that still holds
+    tensors after a step. The message names the tensor (tag and shape), the streams and the task.
+    These are bugs in roundpipe (or in code that extends it), never in the user's input.
+    """

@@ -190,9 +190,9 @@ def test_each_shard_holds_about_a_quarter_of_the_head():
 def _traced_forward_backward(pipe, batch: dict) -> list[list[tuple]]:
     """One forward + backward with every device's memory ledger recording; the traces per device."""
     for dev in pipe.backend.devices:
-        dev.memory.trace = []
+        dev.ledger.trace = []
     _forward_backward(pipe, batch)
-    return [dev.memory.trace for dev in pipe.backend.devices]
+    return [dev.ledger.trace for dev in pipe.backend.devices]
 
 
 def _events(trace, op: str, what: str) -> list[int]:

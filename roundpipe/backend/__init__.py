@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from roundpipe.backend.base import Backend, Device, Event, MemoryLedger, Stream, tensor_bytes
+from roundpipe.backend.base import Backend, Device, DeviceMemory, Event, MemoryLedger, Stream, tensor_bytes
 from roundpipe.errors import DeviceSpecError
 
 _SPEC_HELP = "use 'auto', 'cpu:N', 'cuda', 'cuda:0,1' or 'cuda:0x2' (two workers on GPU 0)"
@@ -63,13 +63,19 @@ def parse_device_spec(spec: str) -> DeviceSpec:
     return DeviceSpec("cuda", len(gpus) * workers, gpus, workers)
 
 
-def make_backend(spec: str | DeviceSpec, capacity: int | None = None) -> Backend:
-    """Create the backend for ``spec``. Starts the cpu backend's stream threads."""
+def make_backend(
+    spec: str | DeviceSpec, capacity: int | None = None, sanitize: bool | None = None
+) -> Backend:
+    """Create the backend for ``spec``. Starts the cpu backend's stream threads.
+
+    ``sanitize`` turns on the cpu backend's stream checks (None: the ``ROUNDPIPE_SANITIZE``
+    environment variable decides); on CUDA use PyTorch's own ``TORCH_CUDA_SANITIZER=1``.
+    """
     ds = spec if isinstance(spec, DeviceSpec) else parse_device_spec(spec)
     if ds.kind == "cpu":
         from roundpipe.backend.cpu import CpuBackend
 
-        return CpuBackend(ds.count, capacity)
+        return CpuBackend(ds.count, capacity, sanitize)
     from roundpipe.backend.cuda import CudaBackend
 
     return CudaBackend(list(ds.gpus), ds.workers_per_gpu, capacity)
@@ -78,6 +84,7 @@ def make_backend(spec: str | DeviceSpec, capacity: int | None = None) -> Backend
 __all__ = [
     "Backend",
     "Device",
+    "DeviceMemory",
     "DeviceSpec",
     "Event",
     "MemoryLedger",

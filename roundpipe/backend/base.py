@@ -1,4 +1,4 @@
-"""The device protocol the runtime is written against (DESIGN.md §4).
+"""The device protocol the runtime is written against (docs/design.md §4).
 
 A backend owns devices; a device owns three named streams (``compute``, ``h2d``, ``d2h``) and a
 memory ledger. Work is *submitted* to a stream as a Python callable and runs in stream order:
@@ -23,8 +23,6 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from roundpipe.errors import DeviceOutOfMemory
-
 # Copies go on separate streams by urgency, so an urgent copy never queues behind a bulk one:
 # activations the next compute needs (h2d) > the next stage's weights (h2d_weights, cut into
 # chunks) on the way up; activations and losses (d2h) > weight gradients (d2h_grads) on the way down.
@@ -37,39 +35,68 @@ def tensor_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-class MemoryLedger:
-    """Bytes a device holds, by tag, against a capacity. Thread-safe.
+def _as_list(tensors) -> list[torch.Tensor]:
+    if isinstance(tensors, int):  # a byte count (the host's hand-off ledger books no tensors)
+        return []
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    return [t for t in tensors if t is not None]
 
-    The runtime reserves before it places a tensor on a device and releases (in stream order)
-    after the last use. ``peak`` is the high-water mark; ``trace`` (when enabled) records
-    ``(event, tag, nbytes, in_use)`` for tests that check what was resident when.
+
+def _nbytes(tensors, as_list: list[torch.Tensor]) -> int:
+    return tensors if isinstance(tensors, int) else sum(tensor_bytes(t) for t in as_list)
+
+
+class MemoryLedger:
+    """The runtime's plan of what a device holds: bytes by tag, reserved and released per tensor.
+
+    The runtime reserves what it leaves on a device (weights, hand-offs, gradient accumulators,
+    a microbatch's context) inside the closure that makes it, and releases it in stream order after
+    its last use. The ledger is *not* the truth about memory: ``Device.memory`` measures what is
+    alive. On the cpu backend a *watcher* (the stream sanitizer) checks the two against each other
+    at the end of every closure (docs/design.md §5). ``peak`` is the plan's high-water mark;
+    ``trace`` (when enabled) records ``(event, what, nbytes, in_use)`` for tests that check what was
+    resident when. Thread-safe.
     """
 
-    def __init__(self, device: str, capacity: int | None):
+    def __init__(self, device: str, watcher=None):
         self.device = device
-        self.capacity = capacity
+        self.watcher = watcher
         self.in_use = 0
         self.peak = 0
         self.by_tag: dict[str, int] = {}
         self.trace: list[tuple[str, str, int, int]] | None = None
         self._lock = threading.Lock()
 
-    def reserve(self, nbytes: int, what: str, tag: str) -> None:
+    def reserve(self, tensors, what: str, tag: str) -> None:
+        """Account ``tensors`` (a tensor or several, booked as one entry; or a byte count) as held
+        for ``what``."""
+        nbytes = _nbytes(tensors, tensors := _as_list(tensors))
+        if self.watcher is not None:
+            self.watcher.reserved(tensors, True, what)
         with self._lock:
-            if self.capacity is not None and self.in_use + nbytes > self.capacity:
-                raise DeviceOutOfMemory(self.device, what, nbytes, self.in_use, self.capacity)
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
             self.by_tag[tag] = self.by_tag.get(tag, 0) + nbytes
             if self.trace is not None:
                 self.trace.append(("reserve", what, nbytes, self.in_use))
 
-    def release(self, nbytes: int, what: str, tag: str) -> None:
+    def release(self, tensors, what: str, tag: str) -> None:
+        """Give back what ``reserve`` booked; the tensors must die before the closure ends."""
+        nbytes = _nbytes(tensors, tensors := _as_list(tensors))
+        if self.watcher is not None:
+            self.watcher.reserved(tensors, False, what)
         with self._lock:
             self.in_use -= nbytes
             self.by_tag[tag] = self.by_tag.get(tag, 0) - nbytes
             if self.trace is not None:
                 self.trace.append(("release", what, nbytes, self.in_use))
+
+    def clear(self) -> None:
+        """Forget every reservation (after a failed step whose tensors are gone)."""
+        with self._lock:
+            self.in_use = 0
+            self.by_tag.clear()
 
     def mark(self, what: str) -> None:
         """Record a point of interest (e.g. "compute F3.0 starts") in the trace."""
@@ -97,11 +124,14 @@ class Stream(ABC):
         self.device, self.name, self.priority = device, name, priority
 
     @abstractmethod
-    def submit(self, fn: Callable[[], None], label: tuple[str, str] | None = None) -> None:
+    def submit(
+        self, fn: Callable[[], None], label: tuple[str, str] | None = None, name: str | None = None
+    ) -> None:
         """Run ``fn`` after everything submitted to this stream before it.
 
         ``label`` = ``(name, kind)`` (e.g. ``("F3.1", "F")``) records the work's start and end on
-        this stream's lane of the device timeline while the backend is recording.
+        this stream's lane of the device timeline while the backend is recording. ``name`` (default:
+        the label's) names the work in the cpu backend's protocol errors and the tensors it makes.
         """
 
     @abstractmethod
@@ -118,17 +148,40 @@ class Stream(ABC):
         return f"{self.name} (state not tracked)"
 
 
+class DeviceMemory(ABC):
+    """What a device really holds: bytes of live device tensors (measured, never kept by hand)."""
+
+    capacity: int | None
+
+    @property
+    @abstractmethod
+    def in_use(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def peak(self) -> int: ...
+
+    @abstractmethod
+    def reset_peak(self) -> None: ...
+
+
 class Device(ABC):
-    """One worker device. ``torch_device`` is where its tensors live (``cpu`` for virtual devices)."""
+    """One worker device. ``torch_device`` is where its tensors live (``cpu`` for virtual devices).
+
+    ``memory`` measures what is alive on it (``DeviceMemory``); ``ledger`` is the runtime's plan of
+    what it holds, by tag (``MemoryLedger``).
+    """
+
+    memory: DeviceMemory
 
     def __init__(
-        self, backend: Backend, index: int, name: str, torch_device: torch.device, capacity: int | None
+        self, backend: Backend, index: int, name: str, torch_device: torch.device, ledger_watcher=None
     ):
         self.backend = backend
         self.index = index
         self.name = name
         self.torch_device = torch_device
-        self.memory = MemoryLedger(name, capacity)
+        self.ledger = MemoryLedger(name, ledger_watcher)
         self.streams: dict[str, Stream] = {}
         self.bytes_in = 0  # host -> device bytes copied (counted by to_device)
         self.bytes_out = 0  # device -> host bytes copied (counted by to_host)
@@ -150,8 +203,14 @@ class Device(ABC):
         self.bytes_in += src.numel() * src.element_size()
         dst.copy_(src, non_blocking=True)
 
-    def hand_over(self, t: torch.Tensor, stream: Stream) -> None:  # noqa: B027 (optional hook)
-        """Tell the allocator ``t`` (made on another stream) is used on ``stream``. No-op on cpu."""
+    @abstractmethod
+    def hand_over(self, t: torch.Tensor, stream: Stream) -> None:
+        """Declare that ``t``, made on another stream of this device, is used on ``stream`` too.
+
+        CUDA: ``record_stream``, so the caching allocator does not reuse its block before
+        ``stream`` is done with it. cpu: the stream sanitizer records it and rejects a use on a
+        stream ``t`` was not handed to. Call it once ``t`` exists (inside the closure that makes it).
+        """
 
     @abstractmethod
     def seeded(self, seed: int) -> AbstractContextManager:
@@ -187,6 +246,33 @@ class Backend(ABC):
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor ready for asynchronous copies (pinned on CUDA; the tensor itself on cpu)."""
 
+    # Where downloads land: a ``HostBufferPool`` of (pinned) host buffers, set by the pipeline;
+    # None: a fresh host tensor per download.
+    host_buffers = None
+
+    def host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer for a download (from ``host_buffers`` when set). Its owner gives it back
+        with ``host_buffers.release(t, event)`` once nothing reads it any more."""
+        if self.host_buffers is not None:
+            return self.host_buffers.acquire(tuple(shape), dtype)
+        return torch.empty(shape, dtype=dtype)
+
+    def host_release(self, t: torch.Tensor, event=None) -> None:
+        """Give a ``host_empty`` buffer back once ``event`` (None: now) says no copy reads it."""
+        if self.host_buffers is not None:
+            self.host_buffers.release(t, event)
+
+    def register_host(self, t: torch.Tensor) -> None:  # noqa: B027 (optional hook)
+        """Page-lock an existing host allocation in place (``cudaHostRegister`` on CUDA), so that
+        asynchronous copies from and to it are truly asynchronous. A no-op on the cpu backend."""
+
+    def unregister_host(self, t: torch.Tensor) -> None:  # noqa: B027 (optional hook)
+        """Undo ``register_host`` before the allocation is freed. A no-op on the cpu backend."""
+
+    def check_empty(self) -> None:  # noqa: B027 (optional hook)
+        """After a step: raise ``StreamProtocolError`` if a device still holds a tensor (the
+        workers are stateless). The cpu backend can tell; on CUDA this is a no-op."""
+
     def abort(self) -> None:
         """Make every pending and future wait fail fast (used when a worker has failed)."""
         self.aborted = True
@@ -195,10 +281,6 @@ class Backend(ABC):
         """Called by a stream whose work raised: remember the error and abort everything."""
         self.errors.append(error)
         self.abort()
-
-    def progress(self) -> int:
-        """A counter that grows while streams do work (for the watchdog); 0 where not tracked."""
-        return 0
 
     def reset(self) -> None:
         """Clear an abort and poisoned streams so the backend can run again."""

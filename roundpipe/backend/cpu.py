@@ -1,14 +1,18 @@
-"""Virtual devices on the CPU: the backend every test runs on.
+"""Virtual devices on the CPU: the backend every test runs on, faithful to CUDA's rules.
 
 Each stream is a thread draining a FIFO of closures, so work on different streams and devices
-really runs concurrently and really waits on events; copies are real copies, and every device
-counts the bytes placed on it against a capacity (``DeviceOutOfMemory`` past it). An error raised
-by a closure poisons its stream: later events recorded on it, and streams that wait on those events,
-fail with the same error, as a sticky CUDA error would.
+really runs concurrently and really waits on events; copies are real copies. Every closure runs
+under the stream sanitizer (``sanitizer.py``), which measures the device memory that is alive
+(``DeviceOutOfMemory`` past the capacity) and, with checking on (``sanitize=True`` or
+``ROUNDPIPE_SANITIZE=1``, as in every test), rejects what CUDA's caching allocator and stream
+semantics would break: a tensor used on a stream it was not handed over to, an access not ordered
+by an event. An error raised by a closure poisons its stream: later events recorded on it, and
+streams that wait on those events, fail with the same error, as a sticky CUDA error would.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -18,6 +22,8 @@ from contextlib import contextmanager
 import torch
 
 from roundpipe.backend.base import STREAM_NAMES, STREAM_PRIORITIES, Backend, Device, Event, Stream
+from roundpipe.backend.sanitizer import LiveMemory, Sanitizer, StreamMode, host_allocation
+from roundpipe.errors import StreamProtocolError
 
 
 class Aborted(RuntimeError):
@@ -29,6 +35,7 @@ class CpuEvent(Event):
         self._backend = backend
         self._done = threading.Event()
         self.error: BaseException | None = None
+        self.clock: dict = {}  # the recording stream's vector clock when it fired (sanitizer)
 
     def fire(self, error: BaseException | None) -> None:
         self.error = error
@@ -56,15 +63,18 @@ class CpuStream(Stream):
         super().__init__(device, name, priority)
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self.ops = 0
         self.current: tuple[str, float] | None = None  # what the thread is doing now, since when
+        self.clock: dict[CpuStream, int] = {}  # vector clock: closures of each stream ordered before now
+        self._mode = StreamMode(self, device.backend.sanitizer)
         self._thread = threading.Thread(
             target=self._loop, name=f"roundpipe-{device.name}-{name}", daemon=True
         )
         self._thread.start()
 
-    def submit(self, fn: Callable[[], None], label: tuple[str, str] | None = None) -> None:
-        self._queue.put(("run", (fn, label)))
+    def submit(
+        self, fn: Callable[[], None], label: tuple[str, str] | None = None, name: str | None = None
+    ) -> None:
+        self._queue.put(("run", (fn, label, name or (label[0] if label else "unnamed work"))))
 
     def record_event(self) -> CpuEvent:
         ev = CpuEvent(self.device.backend)
@@ -85,14 +95,14 @@ class CpuStream(Stream):
         self._thread.join()
 
     def _loop(self) -> None:
-        torch.set_num_threads(1)  # one intra-op thread per worker stream (DESIGN.md §4)
+        torch.set_num_threads(1)  # one intra-op thread per worker stream (docs/design.md §4)
         while True:
             op, arg = self._queue.get()
             if op is _STOP:
                 return
-            self.ops += 1
             self.current = None
             if op == "record":
+                arg.clock = dict(self.clock)
                 arg.fire(self._error)
             elif self._error is not None:
                 continue  # a poisoned stream skips work until it is reset
@@ -102,19 +112,24 @@ class CpuStream(Stream):
                     arg.wait()
                     if arg.error is not None:
                         self._error = arg.error
+                    for stream, t in arg.clock.items():
+                        if t > self.clock.get(stream, 0):
+                            self.clock[stream] = t
                 except Aborted as e:
                     self._error = e
             else:
-                fn, label = arg
+                fn, label, name = arg
+                del arg
                 backend = self.device.backend
                 start = time.perf_counter()
-                self.current = (f"running {label[0]}" if label else "running unlabelled work", start)
+                self.current = (f"running {name}", start)
                 try:
-                    fn()
+                    self._mode.run(fn, name)
                 except BaseException as e:  # carried to whoever synchronizes, never swallowed
                     self._error = e
                     if not isinstance(e, Aborted):
                         backend.report(e)
+                del fn  # what the closure captured must not outlive it (live memory counts it)
                 if label is not None and backend.recording:
                     t0 = backend.recording_origin
                     backend.record_span(
@@ -139,26 +154,32 @@ class CpuStream(Stream):
 
 class CpuDevice(Device):
     def __init__(self, backend: CpuBackend, index: int, capacity: int | None):
-        super().__init__(backend, index, f"cpu:{index}", torch.device("cpu"), capacity)
+        name = f"cpu:{index}"
+        super().__init__(backend, index, name, torch.device("cpu"), backend.sanitizer)
+        self.memory = LiveMemory(name, capacity)
         self.streams = {n: CpuStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         self.bytes_in += host.numel() * host.element_size()
-        out = torch.empty(host.shape, dtype=dtype or host.dtype)
+        out = torch.empty(host.shape, dtype=dtype or host.dtype)  # device memory: the sanitizer sees it
         out.copy_(host)
         return out
 
     def to_host(self, dev: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         self.bytes_out += dev.numel() * dev.element_size()
-        out = torch.empty(dev.shape, dtype=dtype or dev.dtype)
+        with host_allocation():
+            out = self.backend.host_empty(dev.shape, dtype or dev.dtype)
         out.copy_(dev)
         return out
+
+    def hand_over(self, t: torch.Tensor, stream: Stream) -> None:
+        self.backend.sanitizer.hand_over(t, stream)
 
     @contextmanager
     def seeded(self, seed: int):
         # The CPU generator is process-wide, so virtual devices take turns while seeded.
         with self.backend.rng_lock, torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the CPU's only, not a GPU's if there is one
             yield
 
 
@@ -167,11 +188,26 @@ class CpuBackend(Backend):
 
     name = "cpu"
 
-    def __init__(self, num_devices: int, capacity: int | None = None):
+    def __init__(self, num_devices: int, capacity: int | None = None, sanitize: bool | None = None):
         self.aborted = False
         self.errors: list[BaseException] = []
         self.rng_lock = threading.RLock()
+        if sanitize is None:
+            sanitize = os.environ.get("ROUNDPIPE_SANITIZE", "") not in ("", "0")
+        self.sanitizer = Sanitizer(checking=sanitize)
         self.devices = [CpuDevice(self, i, capacity) for i in range(num_devices)]
+
+    def check_empty(self) -> None:
+        for dev in self.devices:
+            held = self.sanitizer.held(dev)
+            if held:
+                listed = "; ".join(r.describe() for r in held[:5])
+                more = f" and {len(held) - 5} more" if len(held) > 5 else ""
+                raise StreamProtocolError(
+                    f"{dev.name} still holds {len(held)} tensors ({sum(r.nbytes for r in held):,} bytes) "
+                    f"after the step: {listed}{more}. Workers are stateless: release everything a "
+                    "step put on a device before it ends"
+                )
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -195,9 +231,6 @@ class CpuBackend(Backend):
                 s.reset()
         self.aborted = False
         self.errors = []
-
-    def progress(self) -> int:
-        return sum(s.ops for d in self.devices for s in d.streams.values())
 
     def close(self) -> None:
         self.aborted = True

@@ -14,7 +14,16 @@ from contextlib import contextmanager
 
 import torch
 
-from roundpipe.backend.base import STREAM_NAMES, STREAM_PRIORITIES, Backend, Device, Event, Stream
+from roundpipe.backend.base import (
+    STREAM_NAMES,
+    STREAM_PRIORITIES,
+    Backend,
+    Device,
+    DeviceMemory,
+    Event,
+    Stream,
+)
+from roundpipe.errors import DeviceOutOfMemory
 
 
 class CudaEvent(Event):
@@ -38,7 +47,9 @@ class CudaStream(Stream):
             self.stream = torch.cuda.Stream(device=device.torch_device, priority=priority)
         self._error: BaseException | None = None
 
-    def submit(self, fn: Callable[[], None], label: tuple[str, str] | None = None) -> None:
+    def submit(
+        self, fn: Callable[[], None], label: tuple[str, str] | None = None, name: str | None = None
+    ) -> None:
         if self._error is not None:
             return
         backend = self.device.backend
@@ -54,6 +65,10 @@ class CudaStream(Stream):
                     end.record(self.stream)
                     backend._pending_spans.append((self.device, self.name, label, start, end))
         except BaseException as e:  # same semantics as the cpu backend: poison, carry to the waiter
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                dev = self.device
+                what = name or (label[0] if label else "work on " + self.name)
+                e = DeviceOutOfMemory(dev.name, what, 0, dev.memory.in_use, dev.memory.capacity or 0)
             self._error = e
             self.device.backend.report(e)
 
@@ -69,12 +84,39 @@ class CudaStream(Stream):
         self.stream.wait_event(event.event)
 
 
+class CudaMemory(DeviceMemory):
+    """What the caching allocator has handed out on the GPU (``torch.cuda.memory_allocated``).
+
+    Workers sharing a GPU (``cuda:0x2``) share these figures: the allocator does not tell them apart.
+    A block freed while another stream still uses it (``record_stream``) stays counted until that
+    stream is done, so this is what the GPU really holds.
+    """
+
+    def __init__(self, gpu: torch.device, capacity: int):
+        self.gpu = gpu
+        self.capacity = capacity
+
+    @property
+    def in_use(self) -> int:
+        return torch.cuda.memory_allocated(self.gpu)
+
+    @property
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.gpu)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.gpu)
+
+
 class CudaDevice(Device):
     def __init__(self, backend: CudaBackend, index: int, gpu: int, capacity: int | None):
         name = f"cuda:{gpu}" if backend.workers_per_gpu == 1 else f"cuda:{gpu}#{index}"
-        if capacity is None:
-            capacity = torch.cuda.get_device_properties(gpu).total_memory // backend.workers_per_gpu
-        super().__init__(backend, index, name, torch.device("cuda", gpu), capacity)
+        torch_device = torch.device("cuda", gpu)
+        if capacity is None:  # what is free now, not the card's total: other processes hold some
+            free, _total = torch.cuda.mem_get_info(torch_device)
+            capacity = (free + torch.cuda.memory_reserved(torch_device)) // backend.workers_per_gpu
+        super().__init__(backend, index, name, torch_device)
+        self.memory = CudaMemory(torch_device, capacity)
         self.streams = {n: CudaStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -85,7 +127,7 @@ class CudaDevice(Device):
     def to_host(self, dev: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         self.bytes_out += dev.numel() * dev.element_size()
         src = dev if dtype is None or dtype == dev.dtype else dev.to(dtype)
-        out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        out = self.backend.host_empty(src.shape, src.dtype)
         out.copy_(src, non_blocking=True)
         return out
 
@@ -95,8 +137,14 @@ class CudaDevice(Device):
 
     @contextmanager
     def seeded(self, seed: int):
-        with self.backend.rng_lock, torch.random.fork_rng(devices=[self.torch_device.index]):
-            torch.manual_seed(seed)
+        # Seed and restore this GPU's generator only: torch.manual_seed would reseed every GPU
+        # (and the CPU), while fork_rng restores just the devices it is given.
+        with (
+            self.backend.rng_lock,
+            torch.random.fork_rng(devices=[self.torch_device.index]),
+            torch.cuda.device(self.torch_device),
+        ):
+            torch.cuda.manual_seed(seed)
             yield
 
 
@@ -115,8 +163,46 @@ class CudaBackend(Backend):
             for i, gpu in enumerate(g for g in gpus for _ in range(workers_per_gpu))
         ]
 
+    def host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        if self.host_buffers is not None:
+            return self.host_buffers.acquire(tuple(shape), dtype)
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.is_pinned() else t.pin_memory()
+
+    def register_host(self, t: torch.Tensor) -> None:
+        """Page-lock ``t``'s bytes in place with ``cudaHostRegister`` (exact size, no rounding).
+
+        ``cudaHostRegisterPortable`` (1): pinned for every device's context, as workers on several
+        GPUs copy from the same host block. Untested on a GPU as written.
+        """
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("register_host needs a contiguous CPU tensor (a whole host allocation)")
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            return
+        cudart = torch.cuda.cudart()
+        err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 1))
+        if err != 0:
+            raise RuntimeError(
+                f"cudaHostRegister of {nbytes} bytes at {t.data_ptr():#x} failed with cudaError {err} "
+                "(2: out of memory -- the host cannot lock that much, check free RAM and `ulimit -l`; "
+                "712: already registered; 801: not supported on this platform); "
+                "RunConfig(host_memory='pinned' or 'pageable') does without cudaHostRegister"
+            )
+
+    def unregister_host(self, t: torch.Tensor) -> None:
+        """Undo ``register_host`` (before the memory is freed, after every copy from it has finished)."""
+        if t.numel() * t.element_size() == 0:
+            return
+        cudart = torch.cuda.cudart()
+        err = int(cudart.cudaHostUnregister(t.data_ptr()))
+        if err != 0:
+            raise RuntimeError(
+                f"cudaHostUnregister of host memory at {t.data_ptr():#x} failed with cudaError {err} "
+                "(713: it was not registered with register_host)"
+            )
 
     def start_recording(self) -> None:
         """Timing events mark each labelled work; an origin event per device anchors them."""

@@ -2,7 +2,7 @@
 
 A producer *puts* ``(slot, event)`` when it has **issued** the copy that fills ``slot`` (not when the
 copy is done); a consumer *gets* it, makes its stream wait on ``event``, and reads ``slot.value`` in
-a closure that runs after that wait. The host blocks only for this handshake (DESIGN.md §3.6).
+a closure that runs after that wait. The host blocks only for this handshake (docs/design.md §3.4).
 Entries are dropped after their last consumer, so the CPU holds only what is still needed.
 """
 
@@ -28,27 +28,46 @@ class HandOff(Slot):
     """A host tensor handed from one task to its consumers (an activation or a gradient).
 
     The producer's download fills it and books its bytes on the host ledger; each consumer calls
-    ``take()`` once it has copied the tensor to its device; after the last one the host memory is
-    released, so the CPU holds a hand-off only while someone still needs it.
+    ``take(after)`` once it has queued the copy to its device, with an event that fires when that
+    copy is done. After the last one the host memory is released: the buffer goes back to the host
+    pool (``free``) once every consumer's copy is done, so a later download never overwrites it
+    while an asynchronous copy still reads it.
     """
 
-    __slots__ = ("uses", "ledger", "what", "_lock")
+    __slots__ = ("uses", "ledger", "what", "free", "_after", "_lock")
 
-    def __init__(self, uses: int, ledger, what: str):
+    def __init__(self, uses: int, ledger, what: str, free=None):
         super().__init__()
-        self.uses, self.ledger, self.what = uses, ledger, what
+        self.uses, self.ledger, self.what, self.free = uses, ledger, what, free
+        self._after: list = []
         self._lock = threading.Lock()
 
     def fill(self, tensor) -> None:
         self.ledger.reserve(tensor.numel() * tensor.element_size(), self.what, "handoffs")
         self.value = tensor
 
-    def take(self) -> None:
+    def take(self, after=None) -> None:
         with self._lock:
             self.uses -= 1
+            if after is not None:
+                self._after.append(after)
             if self.uses == 0 and self.value is not None:
-                self.ledger.release(self.value.numel() * self.value.element_size(), self.what, "handoffs")
-                self.value = None
+                value, self.value = self.value, None
+                self.ledger.release(value.numel() * value.element_size(), self.what, "handoffs")
+                if self.free is not None:
+                    self.free(value, AllDone(self._after) if self._after else None)
+
+
+class AllDone:
+    """An event-like ``query()`` that is True once every one of ``events`` has happened."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def query(self) -> bool:
+        return all(e.query() for e in self.events)
 
 
 class AbortedWait(RuntimeError):

@@ -1,11 +1,16 @@
 """One worker per device: walks its task list and issues uploads, compute and downloads.
 
-The worker thread only *issues* work: closures on the device's ``h2d``, ``compute`` and ``d2h``
-streams, ordered by events (DESIGN.md §4). Weights are uploaded per layer into a small resident
-set: the layers of the current task plus, with prefetch, those of the next task; everything else is
-released (in compute-stream order) before a new upload may start, so a device never holds more than
-two tasks' weights. Forward runs without autograd and leaves stage inputs on the CPU; backward
-recomputes from the saved input; the head's forward and backward run back to back.
+The worker thread only *issues* work: closures on the device's streams, ordered by events
+(docs/design.md §4). Weights come and go through the device's ``WeightResidency`` (current stage
+plus, with prefetch, the next one). Forward runs without autograd and leaves stage inputs on the
+CPU; backward recomputes from the saved input; the head's forward and backward run back to back.
+
+CUDA's rules (docs/design.md §5) shape every closure here: a tensor made on one stream and used on
+another is handed over to it (``Device.hand_over``); whatever a closure leaves on the device is
+reserved in the device's ledger and released, in stream order, after its last use; module shells
+are unbound after each compute so they keep no weights alive; and the worker waits on the host for
+the compute two tasks back before it issues another task, so that on CUDA, where a closure runs at
+issue time, the memory allocated ahead of the GPU stays bounded.
 """
 
 from __future__ import annotations
@@ -13,27 +18,24 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from roundpipe.backend import Device, tensor_bytes
-from roundpipe.errors import StageError
+from roundpipe.backend import Device
+from roundpipe.errors import RoundpipeError, StageError
 from roundpipe.models.base import MicrobatchInputs
 from roundpipe.runtime.exchange import HandOff, Slot
 from roundpipe.runtime.plan import TaskFlow
+from roundpipe.runtime.residency import Resident, WeightResidency
 
 if TYPE_CHECKING:
-    from roundpipe.runtime.engine import Pipeline, StepRun
+    from roundpipe.runtime.pipeline import Pipeline
+    from roundpipe.runtime.step import StepRun
 
-
-@dataclass
-class Resident:
-    slot: Slot  # .value: {piece (entry key, rows): device Parameter}; see store.Binding.piece
-    event: object
-    nbytes: int
+# Tasks a worker may have issued beyond the last one whose compute the host has seen finish.
+ISSUE_AHEAD = 2
 
 
 def make_shell(module: nn.Module) -> nn.Module:
@@ -46,122 +48,79 @@ def make_shell(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
+def device_tensors(value, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """The distinct-storage tensors inside ``value`` (dataclasses, dicts, lists, tuples, modules'
+    parameters and buffers), skipping storages in ``seen`` (which it extends)."""
+    out: list[torch.Tensor] = []
+    _collect(value, set() if seen is None else seen, out)
+    return out
+
+
+def _collect(v, seen: set[int], out: list[torch.Tensor]) -> None:
+    # A plain recursive function: a nested closure that calls itself is a reference cycle, which
+    # would keep the tensors it collected alive until the cycle collector runs.
+    if isinstance(v, torch.Tensor):
+        ptr = v.untyped_storage().data_ptr()
+        if v.device.type != "meta" and v.numel() and ptr not in seen:
+            seen.add(ptr)
+            out.append(v)
+    elif isinstance(v, nn.Module):
+        for t in (*v.parameters(), *v.buffers()):
+            _collect(t, seen, out)
+    elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+        for f in dataclasses.fields(v):
+            _collect(getattr(v, f.name), seen, out)
+    elif isinstance(v, dict):
+        for x in v.values():
+            _collect(x, seen, out)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _collect(x, seen, out)
+
+
 class Worker:
     def __init__(self, pipe: Pipeline, device: Device):
         self.pipe = pipe
         self.device = device
         self.streams = device.streams
-        self.resident: dict[int, Resident] = {}
+        self.weights = WeightResidency(pipe, device)
         self._shells: dict[int, list[tuple[nn.Module, nn.Module, str, bool, int]]] = {}
         self._context_module: Slot | None = None
-        self._ctx: tuple[int, Slot, Slot] | None = None  # (microbatch, inputs slot, context slot)
+        self._ctx: tuple | None = None  # (microbatch, inputs slot, context slot, ledger-held slot)
         self.status = "idle"
         self.tasks_done = 0
+        self._computed: list = []  # compute-done event of each issued task, in issue order
 
-    # ----------------------------------------------------------------- weights
-    def _upload(self, layer: int) -> None:
-        """Queue a layer's weights on the weights stream, cut into chunks of ``copy_chunk_bytes``
-        (large tensors by rows) so that a more urgent copy is never stuck behind a whole layer."""
-        store, dev = self.pipe.store, self.device
-        pieces = store.layer_pieces(layer)  # whole entries, or only the rows the layer uses
-        nbytes = store.layer_bytes[layer]
-        name = self.pipe.adapter.layers[layer].name
-        slot = Slot()
-        stream, compute = self.streams["h2d_weights"], self.streams["compute"]
+    def progress(self) -> int:
+        """Tasks whose compute the device has finished (the watchdog's measure of GPU progress)."""
+        return sum(1 for ev in self._computed if ev.query())
 
-        def allocate():
-            dev.memory.reserve(nbytes, f"weights:{name}", "weights")
-            tensors = {}
-            for piece in pieces:
-                src = store.piece_source(piece)
-                trainable = store.entries[piece[0]].trainable
-                t = nn.Parameter(dev.empty(src.shape, src.dtype), requires_grad=trainable)
-                dev.hand_over(t, compute)
-                tensors[piece] = t
-            slot.value = tensors
-
-        stream.submit(allocate)
-        chunk = self.pipe.config.copy_chunk_bytes
-        for piece in pieces:
-            src = store.piece_source(piece)  # for its shape; each copy reads the source when it runs
-            rows = src.shape[0] if src.dim() else 1
-            row_bytes = max(1, tensor_bytes(src) // max(rows, 1))
-            step = max(1, chunk // row_bytes)
-            for a in range(0, rows, step):
-                b = min(rows, a + step)
-
-                def copy(piece=piece, a=a, b=b):
-                    data = slot.value[piece].data
-                    src = store.piece_source(piece)
-                    if data.dim() == 0:
-                        dev.copy_in(data, src)
-                    else:
-                        dev.copy_in(data[a:b], src[a:b])
-
-                stream.submit(copy, (f"W:{name}", "upload"))
-        self.resident[layer] = Resident(slot, stream.record_event(), nbytes)
-
-    def _evict(self, layer: int) -> None:
-        r = self.resident.pop(layer)
-        dev, name = self.device, self.pipe.adapter.layers[layer].name
-
-        def free():
-            r.slot.value = None
-            dev.memory.release(r.nbytes, f"weights:{name}", "weights")
-
-        # A prefetched layer can be released before any task used it (under ``order="ready"`` the
-        # task that runs next need not be the one prefetched for): its upload may still be queued
-        # on the weights stream, so the release waits for it. A no-op when compute used the layer.
-        self.streams["compute"].wait_event(r.event)
-        self.streams["compute"].submit(free)
-
-    def _ensure(self, need: range, upcoming: range | None, remaining: list[TaskFlow]) -> list[Resident]:
-        """Make ``need`` resident, deciding first which resident layers to release.
-
-        Always kept: ``need`` and, with prefetch, ``upcoming`` (the next task's layers). Streaming
-        tables (roundpipe) release everything else. Weight-bound tables also keep layers this device
-        will run again later in the step, as long as the weight cache budget allows, releasing the
-        ones needed furthest in the future first (Belady). Residency thus follows from the table
-        and a budget, with no per-policy rule.
-        """
-        keep = set(need) | (set(upcoming) if upcoming is not None else set())
-        evict = [i for i in self.resident if i not in keep]
-        if self.pipe.weight_bound and evict:
-            next_use: dict[int, int] = {}
-            for pos, f in enumerate(remaining):
-                for i in f.layers:
-                    next_use.setdefault(i, pos)
-            layer_bytes = self.pipe.store.layer_bytes
-            held = [i for i in evict if i in next_use]
-            total = sum(layer_bytes[i] for i in keep) + sum(layer_bytes[i] for i in held)
-            budget = self.pipe.weight_cache_bytes
-            held.sort(key=lambda i: next_use[i], reverse=True)
-            while held and budget is not None and total > budget:
-                total -= layer_bytes[held.pop(0)]
-            evict = [i for i in evict if i not in held]
-        for i in evict:
-            self._evict(i)
-        missing = [i for i in need if i not in self.resident]
-        if evict:
-            # Every later upload (needed now or prefetched) may only take memory the released layers
-            # gave back, i.e. it waits until the compute that last used them is done.
-            self.streams["h2d_weights"].wait_event(self.streams["compute"].record_event())
-        for i in missing:
-            self._upload(i)
-        return [self.resident[i] for i in need]
-
-    def _prefetch(self, layers: range) -> None:
-        for i in layers:
-            if i not in self.resident:
-                self._upload(i)
+    def reset(self) -> None:
+        """Forget all device state after a failed step (the backend has been drained and reset)."""
+        self.weights.reset()
+        self._ctx = None
+        self._context_module = None
+        self.status = "idle"
 
     def release_all(self) -> None:
-        for i in list(self.resident):
-            self._evict(i)
+        """End of a step: release every weight, the microbatch context and the context module, so
+        the device holds nothing until the next step (stateless workers)."""
+        self.weights.release_all()
         self._drop_context()
+        if self._context_module is not None:
+            slot, dev = self._context_module, self.device
+
+            def free():
+                tensors = device_tensors(slot.value)
+                slot.value = None
+                dev.ledger.release(tensors, "context module", "context")
+
+            self.streams["compute"].submit(free, name="release context module")
+            self._context_module = None
 
     def _bound_modules(self, layer: int, weights: dict[int, torch.Tensor]) -> nn.Module:
-        """This device's shell of ``layer`` with ``weights`` bound in. Runs on the compute stream."""
+        """This device's shell of ``layer`` with ``weights`` bound in. Runs on the compute stream;
+        ``_unbind`` must follow once the layer's work (and its autograd graph) is done."""
         if layer not in self._shells:
             shell = make_shell(self.pipe.adapter.layers[layer].module)
             self._shells[layer] = [
@@ -173,11 +132,20 @@ class Worker:
             (mod._buffers if is_buffer else mod._parameters)[attr] = weights[piece]
         return bound[0][0] if bound else self.pipe.adapter.layers[layer].module
 
+    def _unbind(self, layers: range) -> None:
+        """Take the device tensors out of the cached shells: a shell that kept them would keep every
+        layer the device has ever run alive on it."""
+        for layer in layers:
+            for _, mod, attr, is_buffer, _piece in self._shells.get(layer, ()):
+                (mod._buffers if is_buffer else mod._parameters)[attr] = None
+
     # ----------------------------------------------------------------- context
     def _ensure_context_module(self) -> Slot:
+        """The rotary tables' module on this device (buffers only), uploaded once per step."""
         if self._context_module is None:
             slot = Slot()
             dev, module = self.device, self.pipe.adapter.context_module
+            compute = self.streams["compute"]
 
             def upload():
                 m = make_shell(module)
@@ -191,50 +159,73 @@ class Worker:
                             target._parameters[n] = nn.Parameter(
                                 dev.to_device(p.detach()), requires_grad=False
                             )
+                tensors = device_tensors(m)
+                for t in tensors:
+                    dev.hand_over(t, compute)
+                dev.ledger.reserve(tensors, "context module", "context")
                 slot.value = m
 
-            self.streams["h2d"].submit(upload)
-            self.streams["compute"].wait_event(self.streams["h2d"].record_event())
+            self.streams["h2d"].submit(upload, name="context module")
+            compute.wait_event(self.streams["h2d"].record_event())
             self._context_module = slot
         return self._context_module
 
     def _context(self, step: StepRun, mb: int) -> tuple[Slot, Slot]:
+        """Upload microbatch ``mb``'s inputs and build its layer context (masks, rotary tables) on
+        this device, unless the previous task left them for the same microbatch."""
         if self._ctx is not None and self._ctx[0] == mb:
             return self._ctx[1], self._ctx[2]
         self._drop_context()
         module = self._ensure_context_module()
         dev, adapter, dtype = self.device, self.pipe.adapter, self.pipe.store.dtype
-        host_inputs = step.microbatches[mb]
-        inputs, ctx = Slot(), Slot()
+        backend = self.pipe.backend
+        # Staged into (pinned) host buffers first, so that their copies are asynchronous on CUDA.
+        staged = [
+            None if t is None else backend.host_empty(t.shape, t.dtype).copy_(t)
+            for t in (getattr(step.microbatches[mb], f.name) for f in dataclasses.fields(MicrobatchInputs))
+        ]
+        inputs, ctx, held = Slot(), Slot(), Slot([])  # held: what the ledger books for them
+        compute, h2d = self.streams["compute"], self.streams["h2d"]
 
         def upload():
-            inputs.value = MicrobatchInputs(
-                *(
-                    None if t is None else dev.to_device(t)
-                    for t in (getattr(host_inputs, f.name) for f in dataclasses.fields(host_inputs))
-                )
-            )
+            inputs.value = MicrobatchInputs(*(None if t is None else dev.to_device(t) for t in staged))
+            copied = h2d.record_event()
+            for t in staged:
+                if t is not None:
+                    backend.host_release(t, copied)
+            tensors = device_tensors(inputs.value)
+            for t in tensors:
+                dev.hand_over(t, compute)
+            dev.ledger.reserve(tensors, f"inputs.{mb}", "context")
+            held.value.append(tensors)
 
         def build():
             c = adapter.build_context(module.value, inputs.value, dtype)
             c.head_chunk_tokens = self.pipe.config.head_chunk_tokens
+            seen = {t.untyped_storage().data_ptr() for t in (*held.value[0], *device_tensors(module.value))}
+            tensors = device_tensors(c, seen)  # only what the build made: not the inputs or tables
+            dev.ledger.reserve(tensors, f"ctx.{mb}", "context")
+            held.value.append(tensors)
             ctx.value = c
 
-        self.streams["h2d"].submit(upload)
-        self.streams["compute"].wait_event(self.streams["h2d"].record_event())
-        self.streams["compute"].submit(build, (f"ctx.{mb}", "context"))
-        self._ctx = (mb, inputs, ctx)
+        h2d.submit(upload, name=f"inputs.{mb}")
+        compute.wait_event(h2d.record_event())
+        compute.submit(build, (f"ctx.{mb}", "context"))
+        self._ctx = (mb, inputs, ctx, held)
         return inputs, ctx
 
     def _drop_context(self) -> None:
         if self._ctx is not None:
-            _, inputs, ctx = self._ctx
+            mb, inputs, ctx, held = self._ctx
+            dev = self.device
 
             def free():
-                inputs.value = None
-                ctx.value = None
+                inputs.value = ctx.value = None
+                for what, tensors in zip((f"inputs.{mb}", f"ctx.{mb}"), held.value):
+                    dev.ledger.release(tensors, what, "context")
+                held.value = None
 
-            self.streams["compute"].submit(free)
+            self.streams["compute"].submit(free, name=f"release ctx.{mb}")
             self._ctx = None
 
     # ----------------------------------------------------------------- tasks
@@ -246,7 +237,7 @@ class Worker:
         a hint, readiness decides), so an order that would deadlock strictly still completes.
         """
         remaining = list(flows)
-        self._computed: list = []  # compute-done event of each issued task, in issue order
+        self._computed = []
         self._downloaded: list = []  # downloads-done event of each issued task
         self._acc: Slot | None = None  # open weight-gradient accumulator (see _accumulator)
         self._acc_range, self._acc_count = range(0), 0
@@ -272,10 +263,20 @@ class Worker:
             )
             step.exchange.wait_for_change()
 
+    def _wait_for_the_device(self, label: str) -> None:
+        """Block the host until the compute ``ISSUE_AHEAD`` tasks back has finished.
+
+        On CUDA a closure runs when it is issued, so what it allocates is allocated then: without
+        this wait a worker could issue, and allocate for, any number of tasks ahead of the GPU.
+        """
+        if len(self._computed) >= ISSUE_AHEAD:
+            self.status = f"{label}: waiting for the device to finish task -{ISSUE_AHEAD}"
+            self._computed[-ISSUE_AHEAD].synchronize()
+
     def _issue(
         self, step: StepRun, flow: TaskFlow, upcoming: range | None, remaining: list[TaskFlow]
     ) -> None:
-        dev, streams = self.device, self.streams
+        streams = self.streams
         t, mb = flow.task, flow.task.microbatch
         label = f"{t}" + (f"+{flow.fused_with}" if flow.fused_with else "")
         self.status = f"{label}: preparing"
@@ -284,40 +285,25 @@ class Worker:
         if len(layers_all) == 0 or (flow.task.kind == "B" and not needs_grad):
             self._issue_empty(step, flow)
             return
-        residents = self._ensure(layers_all, upcoming, remaining)
+        self._wait_for_the_device(label)
+        residents = self.weights.ensure(layers_all, upcoming, remaining)
         inputs, ctx = self._context(step, mb)
 
-        # At most two tasks in flight per device: the inputs of this task may only arrive once the
-        # compute two tasks back is done, and this compute may only start once the downloads two
-        # tasks back are done; otherwise the copy streams run ahead and device memory grows with the
-        # number of microbatches.
+        # At most two tasks in flight per device on the streams too: the inputs of this task may
+        # only arrive once the compute two tasks back is done, and this compute may only start once
+        # the downloads two tasks back are done; otherwise the copy streams run ahead and device
+        # memory grows with the number of microbatches.
         if len(self._computed) >= 2:
             streams["h2d"].wait_event(self._computed[-2])
         if len(self._downloaded) >= 2:
             streams["compute"].wait_event(self._downloaded[-2])
 
-        # Incoming hand-offs (activation and/or gradient), uploaded on h2d in that order.
-        incoming: dict[tuple, Slot] = {}
-        for key in flow.consumes:
-            self.status = f"{label}: waiting for {key[0]}[{key[1]}] of microbatch {key[2]}"
-            host_slot, event = step.exchange.get(key)
-            dev_slot = Slot()
-            if event is not None:
-                streams["h2d"].wait_event(event)
-
-            def up(host_slot=host_slot, dev_slot=dev_slot, key=key):
-                t_host = host_slot.value
-                dev.memory.reserve(tensor_bytes(t_host), f"{key[0]}[{key[1]}].{key[2]}", "activations")
-                dev_slot.value = dev.to_device(t_host)
-                host_slot.take()
-
-            streams["h2d"].submit(up, (f"{key[0]}[{key[1]}].{key[2]}", "upload"))
-            incoming[key] = dev_slot
+        incoming = self._issue_incoming(step, flow, label)
         streams["compute"].wait_event(streams["h2d"].record_event())
         for r in residents:
             streams["compute"].wait_event(r.event)
         if upcoming is not None:
-            self._prefetch(upcoming)
+            self.weights.prefetch(upcoming)
 
         produced = {key: Slot() for key in flow.produces}
         param_grads = self._accumulator(step, flow) if flow.layers_bwd else Slot()
@@ -334,31 +320,8 @@ class Worker:
         computed = streams["compute"].record_event()
         self._computed.append(computed)
         streams["d2h"].wait_event(computed)
-        host_out = {
-            key: HandOff(step.flow_plan.consumers[key], self.pipe.host_memory, f"{key[0]}[{key[1]}].{key[2]}")
-            for key in produced
-        }
-        host_loss = Slot()
-
-        def download():
-            try:
-                for key, s in produced.items():
-                    v = s.value
-                    host_out[key].fill(dev.to_host(v))
-                    s.value = None
-                    dev.memory.release(tensor_bytes(v), f"{key[0]}[{key[1]}].{key[2]}", "activations")
-                if loss_slot.value is not None:
-                    host_loss.value = dev.to_host(loss_slot.value)
-            except BaseException as e:
-                raise StageError(f"download after {label} failed: {e}", task=label, device=dev.name) from e
-
-        streams["d2h"].submit(download, (f"out:{label}", "download"))
-        done = streams["d2h"].record_event()
+        done = self._issue_downloads(step, flow, label, produced, loss_slot)
         self._downloaded.append(done)
-        for key, s in host_out.items():
-            step.exchange.put(key, s, done, step.flow_plan.consumers[key])
-        if flow.layers_bwd and flow.layers_bwd.stop == self.pipe.store_num_layers:
-            step.on_loss(host_loss, done)
         if flow.layers_bwd:
             self._acc_count += 1
             # Keep summing while this device's next backward is over the same layers (forwards in
@@ -366,6 +329,71 @@ class Worker:
             nxt = next((f for f in remaining if f.layers_bwd), None)
             if nxt is None or nxt.layers_bwd != flow.layers_bwd:
                 self.flush_grads(step)
+
+    def _issue_incoming(self, step: StepRun, flow: TaskFlow, label: str) -> dict[tuple, Slot]:
+        """Upload the task's incoming hand-offs (activation and/or gradient) on ``h2d``, in that
+        order, each handed over to ``compute`` and reserved until the compute releases it."""
+        dev, streams = self.device, self.streams
+        incoming: dict[tuple, Slot] = {}
+        for key in flow.consumes:
+            self.status = f"{label}: waiting for {key[0]}[{key[1]}] of microbatch {key[2]}"
+            host_slot, event = step.exchange.get(key)
+            dev_slot = Slot()
+            if event is not None:
+                streams["h2d"].wait_event(event)
+            what = f"{key[0]}[{key[1]}].{key[2]}"
+
+            def up(host_slot=host_slot, dev_slot=dev_slot, what=what):
+                t = dev.to_device(host_slot.value)
+                dev.hand_over(t, streams["compute"])
+                dev.ledger.reserve(t, what, "activations")
+                dev_slot.value = t
+                host_slot.take(after=streams["h2d"].record_event())  # the copy's end frees the host buffer
+
+            streams["h2d"].submit(up, (what, "upload"))
+            incoming[key] = dev_slot
+        return incoming
+
+    def _issue_downloads(self, step: StepRun, flow: TaskFlow, label: str, produced, loss_slot):
+        """Download what the compute produced (on ``d2h``, after it) into host hand-offs and put
+        them in the exchange; returns the event that fires when the downloads are done."""
+        dev, streams = self.device, self.streams
+        backend = self.pipe.backend
+        host_out = {
+            key: HandOff(
+                step.flow_plan.consumers[key],
+                self.pipe.host_memory,
+                f"{key[0]}[{key[1]}].{key[2]}",
+                backend.host_release,
+            )
+            for key in produced
+        }
+        host_loss = Slot()
+
+        def download():
+            try:
+                for key, s in produced.items():
+                    v, s.value = s.value, None
+                    host_out[key].fill(dev.to_host(v))
+                    dev.ledger.release(v, f"{key[0]}[{key[1]}].{key[2]}", "activations")
+                    del v
+                if loss_slot.value is not None:
+                    loss, loss_slot.value = loss_slot.value, None
+                    host_loss.value = dev.to_host(loss)
+                    dev.ledger.release(loss, f"loss.{flow.task.microbatch}", "activations")
+                    del loss
+            except RoundpipeError:
+                raise
+            except BaseException as e:
+                raise StageError(f"download after {label} failed: {e}", task=label, device=dev.name) from e
+
+        streams["d2h"].submit(download, (f"out:{label}", "download"))
+        done = streams["d2h"].record_event()
+        for key, s in host_out.items():
+            step.exchange.put(key, s, done, step.flow_plan.consumers[key])
+        if flow.layers_bwd and flow.layers_bwd.stop == self.pipe.store_num_layers:
+            step.on_loss(host_loss, done)
+        return done
 
     def _accumulator(self, step: StepRun, flow: TaskFlow) -> Slot:
         """The device-side fp32 sum of this backward stage's weight gradients.
@@ -391,10 +419,10 @@ class Worker:
         host_grads = Slot()
 
         def download():
-            grads = acc.value
+            grads, acc.value = acc.value, None
             host_grads.value = {k: dev.to_host(g) for k, g in grads.items()}
-            dev.memory.release(sum(tensor_bytes(g) for g in grads.values()), f"grads:{layers}", "grads")
-            acc.value = None
+            dev.ledger.release(list(grads.values()), f"grads:{layers}", "grads")
+            del grads
 
         grads_stream = streams["d2h_grads"]
         grads_stream.wait_event(streams["compute"].record_event())
@@ -408,7 +436,7 @@ class Worker:
             host_slot, event = step.exchange.get(key)
             if event is not None:
                 self.streams["h2d"].wait_event(event)
-            self.streams["h2d"].submit(host_slot.take)
+            self.streams["h2d"].submit(host_slot.take, name=f"drop {key[0]}[{key[1]}].{key[2]}")
         if flow.task.kind == "B":
             step.on_grads(flow.layers_bwd, Slot(), 1, None)
 
@@ -418,40 +446,34 @@ class Worker:
 
     # ----------------------------------------------------------------- compute (compute stream)
     def _compute(
-        self, step, flow, residents, inputs, ctx, incoming, produced, param_grads, loss_slot
+        self, step, flow, residents: list[Resident], inputs, ctx, incoming, produced, param_grads, loss_slot
     ) -> None:
-        pipe, dev = self.pipe, self.device
+        dev = self.device
         t = flow.task
         layer_name = None
         weights: dict[int, torch.Tensor] = {}
         for r in residents:
             weights.update(r.slot.value)
-        dev.memory.mark(f"compute {t}")
+        dev.ledger.mark(f"compute {t}")
         try:
             start = flow.layers.start
-            if start == 0:
-                x = inputs.input_ids
-            else:
-                x = incoming[("act", start, t.microbatch)].value
-            in_bytes = 0 if start == 0 else tensor_bytes(x)
+            x = inputs.input_ids if start == 0 else incoming[("act", start, t.microbatch)].value
             with torch.no_grad():
                 for i in flow.layers_fwd:
-                    layer_name = pipe.adapter.layers[i].name
+                    layer_name = self.pipe.adapter.layers[i].name
                     x = self._run_layer(step, i, weights, x, ctx, t.microbatch)
                     key = ("act", i + 1, t.microbatch)
                     if key in produced:
-                        dev.memory.reserve(tensor_bytes(x), f"act[{i + 1}].{t.microbatch}", "activations")
-                        produced[key].value = x
+                        self._produce(produced[key], x, f"act[{i + 1}].{t.microbatch}", "d2h")
             if flow.layers_bwd:
                 layer_name = None
                 self._backward(step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot)
-            if in_bytes:
-                dev.memory.release(in_bytes, f"act[{start}].{t.microbatch}", "activations")
+            del x
             for key, s in incoming.items():
-                if key[0] == "grad":
-                    dev.memory.release(tensor_bytes(s.value), f"grad[{key[1]}].{key[2]}", "activations")
-                s.value = None
-        except StageError:
+                v, s.value = s.value, None
+                dev.ledger.release(v, f"{key[0]}[{key[1]}].{key[2]}", "activations")
+                del v
+        except RoundpipeError:
             raise
         except BaseException as e:
             stage = t.stage
@@ -463,6 +485,14 @@ class Worker:
                 microbatch=t.microbatch,
                 device=dev.name,
             ) from e
+        finally:
+            self._unbind(flow.layers)
+
+    def _produce(self, slot: Slot, t: torch.Tensor, what: str, stream: str) -> None:
+        """Leave ``t`` for a download on ``stream``: hand it over and reserve it (compute stream)."""
+        self.device.hand_over(t, self.streams[stream])
+        self.device.ledger.reserve(t, what, "activations")
+        slot.value = t
 
     def _run_layer(self, step, i: int, weights, x, ctx, mb: int):
         layer = self.pipe.adapter.layers[i]
@@ -483,39 +513,58 @@ class Worker:
         x0 = x
         pieces = pipe.store.trainable_pieces(r)
         params = [weights[p] for p in pieces]
-        with torch.enable_grad():
-            y = x
-            for i in r:
-                y = self._run_layer_named(step, i, weights, y, ctx, mb, t)
-            if r.stop == pipe.store_num_layers:
-                loss_slot.value = y.detach()
-                seed = torch.tensor(step.grad_seed, dtype=y.dtype, device=y.device)
-            else:
-                seed = incoming[("grad", r.stop, mb)].value
-            inputs = ([x0] if grad_in else []) + params
-            grads = torch.autograd.grad([y], inputs, grad_outputs=[seed], allow_unused=True) if inputs else []
+        acc = param_grads.value  # this stage's open fp32 accumulator, keyed by piece
+        made: list = []
+        # Each parameter's gradient goes into the accumulator as soon as autograd has it (and is then
+        # dropped), instead of all of a stage's fresh gradients living at once beside the accumulator.
+        hooks = [
+            param.register_post_accumulate_grad_hook(self._into(acc, p, made))
+            for p, param in zip(pieces, params)
+        ]
+        try:
+            with torch.enable_grad():
+                y = x
+                for i in r:
+                    y = self._run_layer_named(step, i, weights, y, ctx, mb, t)
+                if r.stop == pipe.store_num_layers:
+                    self._produce(loss_slot, y.detach(), f"loss.{mb}", "d2h")
+                    seed = y.new_full(y.shape, step.grad_seed)  # a fill kernel: no host-to-device copy
+                else:
+                    seed = incoming[("grad", r.stop, mb)].value
+                wrt = ([x0] if grad_in else []) + params
+                if wrt:
+                    torch.autograd.backward([y], grad_tensors=[seed], inputs=wrt)
+        finally:
+            for h in hooks:
+                h.remove()
+        del y, seed, x
         if grad_in:
-            gx = grads[0]
-            dev.memory.reserve(tensor_bytes(gx), f"grad[{r.start}].{mb}", "activations")
-            produced[("grad", r.start, mb)].value = gx
-            grads = grads[1:]
-        # The open accumulator of this stage's weight gradients (fp32), keyed by piece: a shard's
-        # gradient covers only its rows.
-        acc = param_grads.value
-        for p, g in zip(pieces, grads):
-            if g is None:
-                continue
-            if p in acc:
-                acc[p].add_(g)
+            gx, x0.grad = x0.grad, None
+            self._produce(produced[("grad", r.start, mb)], gx, f"grad[{r.start}].{mb}", "d2h")
+        for p in made:
+            dev.hand_over(acc[p], self.streams["d2h_grads"])
+            dev.ledger.reserve(acc[p], f"grads:{t.stage}", "grads")
+
+    @staticmethod
+    def _into(acc: dict, piece, made: list):
+        """A post-accumulate hook that moves ``param.grad`` into ``acc[piece]`` (fp32, summed over the
+        stage's microbatches; a shard's gradient covers only its rows)."""
+
+        def hook(param: torch.Tensor) -> None:
+            g, param.grad = param.grad, None
+            if piece in acc:
+                acc[piece].add_(g)
             else:
-                acc[p] = g if g.dtype == torch.float32 else g.to(torch.float32)
-                dev.memory.reserve(tensor_bytes(acc[p]), f"grads:{t.stage}", "grads")
+                acc[piece] = g if g.dtype == torch.float32 else g.to(torch.float32)
+                made.append(piece)
+
+        return hook
 
     def _run_layer_named(self, step, i, weights, x, ctx, mb, t):
         try:
             return self._run_layer(step, i, weights, x, ctx, mb)
         except BaseException as e:
-            if isinstance(e, StageError):
+            if isinstance(e, RoundpipeError):
                 raise
             raise StageError(
                 f"{type(e).__name__} in {t.kind} of stage {t.stage}: {e}",

@@ -1,0 +1,148 @@
+"""Which layers' weights a device holds, and the uploads and releases that keep it so.
+
+A layer's weights are uploaded on the device's ``h2d_weights`` stream, cut into chunks of
+``copy_chunk_bytes`` so that an urgent activation copy (on its own stream) is never stuck behind a
+whole layer, and released in ``compute``-stream order after the last task that used them. The
+resident set is the current task's layers plus, with prefetch, the next task's; weight-bound
+tables also keep layers the device runs again within the weight cache budget (Belady: the one
+needed furthest ahead goes first). Residency thus follows from the table and a budget, with no
+per-policy rule. Runs on the worker thread; the closures run on the streams (docs/design.md §4-5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from roundpipe.backend import Device, tensor_bytes
+from roundpipe.runtime.exchange import Slot
+from roundpipe.runtime.plan import TaskFlow
+
+if TYPE_CHECKING:
+    from roundpipe.runtime.pipeline import Pipeline
+
+
+@dataclass
+class Resident:
+    """One layer on the device: ``slot.value`` maps piece (entry key, rows) -> device Parameter
+    once the allocation closure has run; ``event`` fires when every chunk has been copied."""
+
+    slot: Slot
+    event: object
+
+
+class WeightResidency:
+    """The weights one device holds. Not thread-safe: only its worker thread calls it."""
+
+    def __init__(self, pipe: Pipeline, device: Device):
+        self.pipe = pipe
+        self.device = device
+        self.layers: dict[int, Resident] = {}
+
+    def ensure(self, need: range, upcoming: range | None, remaining: list[TaskFlow]) -> list[Resident]:
+        """Make ``need`` resident, deciding first which resident layers to release.
+
+        Always kept: ``need`` and, with prefetch, ``upcoming`` (the next task's layers). Streaming
+        tables (roundpipe) release everything else; weight-bound tables keep layers this device runs
+        again later in the step as long as ``weight_cache_bytes`` allows.
+        """
+        keep = set(need) | (set(upcoming) if upcoming is not None else set())
+        evict = [i for i in self.layers if i not in keep]
+        if self.pipe.weight_bound and evict:
+            evict = self._beyond_budget(keep, evict, remaining)
+        for i in evict:
+            self._release(i)
+        if evict:
+            # Every later upload (needed now or prefetched) may only take memory the released layers
+            # gave back, i.e. it waits until the compute that last used them is done.
+            streams = self.device.streams
+            streams["h2d_weights"].wait_event(streams["compute"].record_event())
+        for i in need:
+            if i not in self.layers:
+                self._upload(i)
+        return [self.layers[i] for i in need]
+
+    def prefetch(self, layers: range) -> None:
+        for i in layers:
+            if i not in self.layers:
+                self._upload(i)
+
+    def release_all(self) -> None:
+        for i in list(self.layers):
+            self._release(i)
+
+    def reset(self) -> None:
+        """Forget every layer after a failed step (the backend has been drained and reset)."""
+        self.layers.clear()
+
+    def _beyond_budget(self, keep: set[int], evict: list[int], remaining: list[TaskFlow]) -> list[int]:
+        """Of the release candidates, those the weight cache cannot keep for a later task."""
+        next_use: dict[int, int] = {}
+        for pos, f in enumerate(remaining):
+            for i in f.layers:
+                next_use.setdefault(i, pos)
+        layer_bytes = self.pipe.store.layer_bytes
+        held = [i for i in evict if i in next_use]
+        total = sum(layer_bytes[i] for i in keep) + sum(layer_bytes[i] for i in held)
+        budget = self.pipe.weight_cache_bytes
+        held.sort(key=lambda i: next_use[i], reverse=True)
+        while held and budget is not None and total > budget:
+            total -= layer_bytes[held.pop(0)]
+        return [i for i in evict if i not in held]
+
+    def _upload(self, layer: int) -> None:
+        store, dev = self.pipe.store, self.device
+        pieces = store.layer_pieces(layer)  # whole entries, or only the rows the layer uses
+        name = self.pipe.adapter.layers[layer].name
+        slot = Slot()
+        stream, compute = dev.streams["h2d_weights"], dev.streams["compute"]
+
+        def allocate():
+            tensors = {}
+            for piece in pieces:
+                src = store.piece_source(piece)
+                trainable = store.entries[piece[0]].trainable
+                t = nn.Parameter(dev.empty(src.shape, src.dtype), requires_grad=trainable)
+                dev.hand_over(t, compute)
+                tensors[piece] = t
+            dev.ledger.reserve(list(tensors.values()), f"weights:{name}", "weights")
+            slot.value = tensors
+
+        stream.submit(allocate, name=f"weights:{name}")
+        chunk = self.pipe.config.copy_chunk_bytes
+        for piece in pieces:
+            src = store.piece_source(piece)  # for its shape; each copy reads the source when it runs
+            rows = src.shape[0] if src.dim() else 1
+            row_bytes = max(1, tensor_bytes(src) // max(rows, 1))
+            step = max(1, chunk // row_bytes)
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
+
+                def copy(piece=piece, a=a, b=b):
+                    data = slot.value[piece].data
+                    src = store.piece_source(piece)
+                    if data.dim() == 0:
+                        dev.copy_in(data, src)
+                    else:
+                        dev.copy_in(data[a:b], src[a:b])
+
+                stream.submit(copy, (f"W:{name}", "upload"))
+        self.layers[layer] = Resident(slot, stream.record_event())
+
+    def _release(self, layer: int) -> None:
+        r = self.layers.pop(layer)
+        dev, name = self.device, self.pipe.adapter.layers[layer].name
+
+        def free():
+            tensors = list(r.slot.value.values())
+            r.slot.value = None
+            dev.ledger.release(tensors, f"weights:{name}", "weights")
+
+        # A prefetched layer can be released before any task used it (under ``order="ready"`` the
+        # task that runs next need not be the one prefetched for): its upload may still be queued
+        # on the weights stream, so the release waits for it. A no-op when compute used the layer.
+        compute = dev.streams["compute"]
+        compute.wait_event(r.event)
+        compute.submit(free, name=f"release weights:{name}")
