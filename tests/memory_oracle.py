@@ -13,8 +13,8 @@ from roundpipe.models import adapt_model
 from roundpipe.runtime.inputs import split_batch
 
 
-def first_microbatch(batch: dict, microbatches: int, vocab_size: int = 256):
-    """Microbatch 0 of ``batch`` cut into ``microbatches``, as the pipeline cuts it."""
+def microbatches_of(batch: dict, microbatches: int, vocab_size: int = 256) -> list:
+    """``batch`` cut into ``microbatches``, as the pipeline cuts it."""
     return split_batch(
         batch["input_ids"],
         batch["labels"],
@@ -22,7 +22,7 @@ def first_microbatch(batch: dict, microbatches: int, vocab_size: int = 256):
         None,
         vocab_size=vocab_size,
         microbatch_count=lambda _: microbatches,
-    )[0][0]
+    )[0]
 
 
 class PeakMemory(TorchDispatchMode):
@@ -54,14 +54,16 @@ class PeakMemory(TorchDispatchMode):
         self.live -= nbytes
 
 
-def working_set(model, microbatch) -> int:
+def working_set(model, microbatches: list) -> int:
     """The most memory one microbatch needs in any one stage (one layer each here), measured in
     plain PyTorch: its inputs and context, the recomputed forward with grad, the backward with an
     output gradient, and the stage's fp32 gradient accumulator that each parameter's gradient is
-    added into as soon as it exists."""
+    added into as soon as it exists; and the device's copy of the context module. The most over
+    every microbatch (padding changes the attention path) and every stage."""
     adapter = adapt_model(model)
     worst = 0
-    for i, layer in enumerate(adapter.layers):
+    cases = [(microbatch, i, layer) for microbatch in microbatches for i, layer in enumerate(adapter.layers)]
+    for microbatch, i, layer in cases:
         peak = PeakMemory()
         with peak:
             inputs = microbatch.to("cpu")
@@ -92,4 +94,17 @@ def working_set(model, microbatch) -> int:
                 h.remove()
             del y, seed, x, ctx, inputs, acc
         worst = max(worst, peak.peak)
-    return worst
+    # The device also holds its copy of the context module (the rotary tables' buffers).
+    context = sum(t.numel() * t.element_size() for t in adapter.context_module.buffers())
+    return worst + context
+
+
+def next_task_inputs(model, microbatches: list) -> int:
+    """Bytes of what the next task brings onto a device while the current one computes (the runtime
+    keeps two tasks in flight): a hidden-state activation and its gradient, and the raw inputs
+    of its microbatch."""
+    return max(
+        2 * m.input_ids.numel() * model.config.hidden_size * 4  # fp32 [b, T, H], twice
+        + sum(t.numel() * t.element_size() for t in vars(m).values() if t is not None)
+        for m in microbatches
+    )

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from memory_oracle import first_microbatch, working_set
+from memory_oracle import microbatches_of, next_task_inputs, working_set
 from tiny_models import make_batch, make_model
 
 import roundpipe
@@ -65,12 +65,15 @@ def test_a_worker_holds_only_the_running_layer_and_the_prefetched_one(microbatch
 
 
 def test_a_device_as_small_as_two_layers_plus_one_working_set_still_trains():
-    """Capacity counts what is really alive (temporaries included): two layers' weights and what one
-    microbatch needs in plain PyTorch are enough."""
+    """Capacity counts what is really alive (temporaries included): two layers' weights, what one
+    microbatch needs in plain PyTorch and the next task's incoming hand-offs are enough."""
     model = make_model("qwen3", num_layers=3)
     batch = make_batch(batch=4)
     probe = roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1"))
-    need = sum(sorted(probe.store.layer_bytes)[-2:]) + working_set(model, first_microbatch(batch, 2))
+    split = microbatches_of(batch, 2)
+    need = (
+        sum(sorted(probe.store.layer_bytes)[-2:]) + working_set(model, split) + next_task_inputs(model, split)
+    )
     probe.close()
     with roundpipe.wrap(
         model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, device_capacity=need)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from memory_oracle import first_microbatch, working_set
+from memory_oracle import microbatches_of, next_task_inputs, working_set
 from tiny_models import make_batch, make_model
 
 import roundpipe
@@ -175,10 +175,12 @@ def test_a_device_runs_out_of_what_is_alive_not_of_what_the_ledger_says():
 @pytest.mark.parametrize("microbatches", [2, 8, 32])
 def test_what_is_alive_on_a_device_stays_within_two_stages_and_one_working_set(microbatches):
     """roundpipe on 4 virtual devices, 10 steps: the bytes really alive on any device never exceed
-    two stages' weights (current + prefetched) plus one microbatch's working set, at every step."""
+    two stages' weights (current + prefetched) plus one microbatch's working set (and the next
+    task's incoming hand-offs, uploaded while the current task computes), at every step."""
     model = make_model("llama", num_layers=4)
     batch = make_batch(batch=32)
-    need = working_set(model, first_microbatch(batch, microbatches))
+    split = microbatches_of(batch, microbatches)
+    need = working_set(model, split) + next_task_inputs(model, split)
     config = roundpipe.RunConfig(devices="cpu:4", num_microbatches=microbatches, policy="roundpipe")
     with roundpipe.wrap(model, config) as pipe:
         pipe.configure_optimizer(lr=1e-3)

@@ -59,7 +59,7 @@ class StorageRecord:
     """One device storage: where it came from, who may use it, and its last accesses."""
 
     __slots__ = ("ptr", "nbytes", "device", "stream", "what", "tag", "shape", "dtype", "handed")
-    __slots__ += ("write", "reads", "alive", "reserved")
+    __slots__ += ("write", "reads", "alive", "reserved", "ref")
 
     def __init__(self, ptr: int, nbytes: int, stream, what: str, t: torch.Tensor, clock: int):
         self.ptr, self.nbytes, self.stream, self.what = ptr, nbytes, stream, what
@@ -123,19 +123,20 @@ class Sanitizer:
         r = self.records.get(t.untyped_storage().data_ptr())
         return r if r is not None and r.alive else None
 
-    def register(self, t: torch.Tensor, stream, what: str) -> StorageRecord | None:
-        storage = t.untyped_storage()
+    def register(self, storage, t: torch.Tensor, stream, what: str) -> StorageRecord | None:
+        """Record ``storage`` (of ``t``, just made by ``what`` on ``stream``) as device memory."""
         nbytes = storage.nbytes()
-        if nbytes == 0:
-            return None
         ptr = storage.data_ptr()
+        if nbytes == 0 or ptr == 0:
+            return None
         with self.lock:
             old = self.records.get(ptr)
             if old is not None and old.alive:
                 return None  # a view of a storage it already knows
             r = StorageRecord(ptr, nbytes, stream, what, t, stream.clock.get(stream, 0))
             self.records[ptr] = r
-            weakref.finalize(storage, self._freed, r).atexit = False
+            # A weak reference whose callback runs when the storage dies (cheaper than finalize).
+            r.ref = weakref.ref(storage, lambda _, r=r: self._freed(r))
             stream.device.memory.add(r)
         return r
 
@@ -173,10 +174,8 @@ class Sanitizer:
             return sorted(device.memory.records, key=lambda r: -r.nbytes)
 
     # -------------------------------------------------------------- accesses
-    def access(self, t: torch.Tensor, is_write: bool, stream, task: str) -> None:
-        r = self.lookup(t)
-        if r is None:
-            return
+    def check(self, r: StorageRecord, is_write: bool, stream, task: str) -> None:
+        """Check (and record) an access to ``r``'s storage by ``task`` on ``stream`` (lock held)."""
         where = f"by {task!r} on {stream_name(stream)}"
         if r.device is not stream.device:
             raise StreamProtocolError(
@@ -212,33 +211,25 @@ class Sanitizer:
 
 
 class _OpInfo:
-    __slots__ = ("args", "view")
+    __slots__ = ("args", "view", "fresh")
 
-    def __init__(self, args, view):
-        self.args, self.view = args, view
+    def __init__(self, args, view, fresh):
+        self.args, self.view, self.fresh = args, view, fresh
 
 
 @cache
 def _op_info(func) -> _OpInfo:
-    """Per aten overload: its tensor arguments as ``(position, name, is_write)`` and whether it is a
-    pure view (no data is touched: nothing to check)."""
+    """Per aten overload: its tensor arguments as ``(position, name, is_write)``; whether it is a
+    pure view (no data is touched: nothing to check); whether it may return new storage (a return
+    without alias information: in-place ops and views return what they were given)."""
     schema = func._schema
     args = tuple(
         (i, a.name, a.alias_info is not None and a.alias_info.is_write)
         for i, a in enumerate(schema.arguments)
     )
     writes = any(w for _, _, w in args)
-    view = bool(schema.returns) and all(r.alias_info is not None for r in schema.returns) and not writes
-    return _OpInfo(args, view)
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            if isinstance(v, torch.Tensor):
-                yield v
+    aliased = all(r.alias_info is not None for r in schema.returns)
+    return _OpInfo(args, bool(schema.returns) and aliased and not writes, not aliased)
 
 
 class StreamMode(TorchDispatchMode):
@@ -282,30 +273,40 @@ class StreamMode(TorchDispatchMode):
                 )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # Hot path: every aten op of every closure comes through here, so it avoids generators and
+        # asks each tensor argument for its storage once.
+        if kwargs is None:
+            kwargs = {}
         info = _op_info(func)
-        san, stream = self.san, self.stream
-        if san.checking and not info.view:
-            with san.lock:
-                for i, name, is_write in info.args:
-                    for t in _tensors(args[i] if i < len(args) else kwargs.get(name)):
-                        san.access(t, is_write, stream, self.task)
+        if info.view:
+            return func(*args, **kwargs)
+        san = self.san
+        ptrs: list[tuple[int, bool]] = []  # (storage pointer, written) of every tensor argument
+        nargs = len(args)
+        for i, name, is_write in info.args:
+            v = args[i] if i < nargs else kwargs.get(name)
+            if isinstance(v, torch.Tensor):
+                ptrs.append((v.untyped_storage().data_ptr(), is_write))
+            elif isinstance(v, (list, tuple)):
+                for x in v:
+                    if isinstance(x, torch.Tensor):
+                        ptrs.append((x.untyped_storage().data_ptr(), is_write))
+        if san.checking:
+            records = san.records
+            hits = [(records[p], w) for p, w in ptrs if p in records]
+            if hits:
+                with san.lock:
+                    for r, is_write in hits:
+                        if r.alive:
+                            san.check(r, is_write, self.stream, self.task)
         out = func(*args, **kwargs)
-        if not _in_host_allocation():
-            inputs = None
-            for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
-                if t.device.type != "cpu":
-                    continue
-                if inputs is None:
-                    inputs = {
-                        x.untyped_storage().data_ptr()
-                        for v in (*args, *kwargs.values())
-                        for x in _tensors(v)
-                        if x.device.type == "cpu"
-                    }
-                if t.untyped_storage().data_ptr() in inputs:
-                    continue
-                r = san.register(t, stream, self.task)
-                if r is not None:
-                    self._made.append(r)
+        if info.fresh and not _in_host_allocation():
+            inputs = {p for p, _ in ptrs}
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in inputs and storage.device.type == "cpu":
+                        r = san.register(storage, t, self.stream, self.task)
+                        if r is not None:
+                            self._made.append(r)
         return out

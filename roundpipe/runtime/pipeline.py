@@ -68,7 +68,7 @@ class Pipeline:
             self.backend.close()
             raise
         self.host_memory = MemoryLedger("host", None)  # hand-offs (activations, gradients) held on the CPU
-        self._recorder = Recorder(self.backend, self.host_memory)
+        self._recorder = Recorder(self.backend, self.host_memory, self.store.host_memory_stats)
         self._updates = OptimizerSteps(
             self.store, names, self._recorder, loss_scaling=self.config.dtype == "fp16"
         )

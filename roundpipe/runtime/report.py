@@ -21,9 +21,10 @@ class Recorder:
     recording origin; the host lane is device -1.
     """
 
-    def __init__(self, backend: Backend, host_memory: MemoryLedger):
+    def __init__(self, backend: Backend, host_memory: MemoryLedger, host_stats=None):
         self.backend = backend
         self.host_memory = host_memory
+        self.host_stats = host_stats  # () -> dict: host bytes requested and reserved (the store's)
         self.last_spans: list = []
         self.last_wall = 0.0
         self._origin: float | None = None  # set while recording
@@ -37,6 +38,7 @@ class Recorder:
         self.host_memory.reset_peak()
         for d in self.backend.devices:
             d.memory.reset_peak()
+            d.ledger.reset_peak()
         self._bytes_at_start = {d.index: (d.bytes_in, d.bytes_out) for d in self.backend.devices}
         self._host_spans = []
         self.backend.start_recording()
@@ -76,7 +78,8 @@ class Recorder:
                     "bubble_fraction": (max(0.0, wall - busy) / wall) if wall else 0.0,
                     "bytes_to_device": d.bytes_in - start_in,
                     "bytes_to_host": d.bytes_out - start_out,
-                    "peak_bytes": d.memory.peak,
+                    "peak_bytes": d.memory.peak,  # measured: live tensors (cpu), the allocator (CUDA)
+                    "planned_peak_bytes": d.ledger.peak,  # what the runtime booked in its ledger
                 }
             )
         host = sum(e - s for dev, lane, _, _, s, e in spans if lane == "host")
@@ -85,6 +88,7 @@ class Recorder:
             "devices": devices,
             "host_busy_s": host,
             "host_handoff_peak_bytes": self.host_memory.peak,
+            "host_memory": self.host_stats() if self.host_stats is not None else {},
         }
 
     def timeline(self, policy: str):

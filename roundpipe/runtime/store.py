@@ -253,14 +253,6 @@ class ParameterStore:
             if e.grad is not None:
                 e.grad.zero_()
 
-    @torch.no_grad()
-    def export_to(self, model: nn.Module) -> None:
-        """Write the master weights into the model's own parameters (in their own dtype)."""
-        del model  # entries hold the model's own tensors; the argument documents intent
-        for e in self.entries:
-            if e.trainable:
-                e.tensor.data.copy_(e.master.data)
-
 
 def _qualified_names(model: nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}

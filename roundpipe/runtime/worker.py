@@ -239,6 +239,7 @@ class Worker:
         remaining = list(flows)
         self._computed = []
         self._downloaded: list = []  # downloads-done event of each issued task
+        self._grads_downloaded: list = []  # downloads-done event of each flushed accumulator
         self._acc: Slot | None = None  # open weight-gradient accumulator (see _accumulator)
         self._acc_range, self._acc_count = range(0), 0
         ready = self.pipe.config.order == "ready"
@@ -405,6 +406,11 @@ class Worker:
         if self._acc is not None and self._acc_range != flow.layers_bwd:
             self.flush_grads(step)
         if self._acc is None:
+            # At most one earlier accumulator may still be on its way down while this one fills:
+            # the host waits for the one before it (on CUDA the new one is allocated at issue time).
+            if len(self._grads_downloaded) >= 2:
+                self.status = f"{flow.task}: waiting for the gradients of two stages back to download"
+                self._grads_downloaded[-2].synchronize()
             self._acc, self._acc_range, self._acc_count = Slot({}), flow.layers_bwd, 0
         return self._acc
 
@@ -427,7 +433,9 @@ class Worker:
         grads_stream = streams["d2h_grads"]
         grads_stream.wait_event(streams["compute"].record_event())
         grads_stream.submit(download, (f"grads:{self.pipe.adapter.layers[layers.start].name}", "download"))
-        step.on_grads(layers, host_grads, count, grads_stream.record_event())
+        downloaded = grads_stream.record_event()
+        self._grads_downloaded.append(downloaded)
+        step.on_grads(layers, host_grads, count, downloaded)
 
     def _issue_empty(self, step: StepRun, flow: TaskFlow) -> None:
         """A task with nothing to compute (the backward of a frozen embedding, a forward whose
