@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(PY) -m roundpipe.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2  # two processes: one per core
 
 LINT_PATHS := $(wildcard roundpipe tests benchmarks scripts)
 

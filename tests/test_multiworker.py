@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from gpu_check_support import policy_accepts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memory_oracle import microbatches_of, next_task_inputs, working_set
@@ -63,19 +64,9 @@ def _matrix():
     return cases
 
 
-def _policy_accepts(policy, devices, microbatches) -> bool:
-    stages = {"interleaved": 2 * devices, "hanayo": 2 * devices}.get(policy, devices)
-    part = Partition.from_sizes([1] * stages)
-    try:
-        build_table(policy, part, part, devices, microbatches)
-    except ScheduleError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize(("policy", "devices", "microbatches", "lora", "order"), _matrix())
 def test_every_policy_trains_like_plain_pytorch(policy, devices, microbatches, lora, order):
-    if not _policy_accepts(policy, devices, microbatches):
+    if not policy_accepts(policy, devices, microbatches):
         with pytest.raises((ScheduleError, ConfigError)):
             model, batch, _ = _reference(lora)
             pipeline_train(

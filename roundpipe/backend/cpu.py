@@ -229,6 +229,7 @@ class CpuBackend(Backend):
         for dev in self.devices:
             for s in dev.streams.values():
                 s.reset()
+        self.sanitizer.abandon()
         self.aborted = False
         self.errors = []
 

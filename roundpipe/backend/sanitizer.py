@@ -59,7 +59,7 @@ class StorageRecord:
     """One device storage: where it came from, who may use it, and its last accesses."""
 
     __slots__ = ("ptr", "nbytes", "device", "stream", "what", "tag", "shape", "dtype", "handed")
-    __slots__ += ("write", "reads", "alive", "reserved", "ref")
+    __slots__ += ("write", "reads", "alive", "reserved", "ref", "generation")
 
     def __init__(self, ptr: int, nbytes: int, stream, what: str, t: torch.Tensor, clock: int):
         self.ptr, self.nbytes, self.stream, self.what = ptr, nbytes, stream, what
@@ -71,6 +71,7 @@ class StorageRecord:
         self.reads: dict = {}
         self.alive = True
         self.reserved = False
+        self.generation = 0
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -115,6 +116,7 @@ class Sanitizer:
         self.checking = checking
         self.records: dict[int, StorageRecord] = {}
         self.lock = threading.RLock()
+        self.generation = 0  # bumped when a failed step is abandoned
 
     # -------------------------------------------------------------- storages
     def lookup(self, t: torch.Tensor) -> StorageRecord | None:
@@ -134,6 +136,7 @@ class Sanitizer:
             if old is not None and old.alive:
                 return None  # a view of a storage it already knows
             r = StorageRecord(ptr, nbytes, stream, what, t, stream.clock.get(stream, 0))
+            r.generation = self.generation
             self.records[ptr] = r
             # A weak reference whose callback runs when the storage dies (cheaper than finalize).
             r.ref = weakref.ref(storage, lambda _, r=r: self._freed(r))
@@ -170,8 +173,16 @@ class Sanitizer:
         return out
 
     def held(self, device) -> list[StorageRecord]:
+        """What ``device`` still holds of the steps since the last abandoned one, largest first."""
         with self.lock:
-            return sorted(device.memory.records, key=lambda r: -r.nbytes)
+            mine = [r for r in device.memory.records if r.generation == self.generation]
+            return sorted(mine, key=lambda r: -r.nbytes)
+
+    def abandon(self) -> None:
+        """After a failed step: what it left alive (held by the caller's exception, say) still
+        counts as live memory but no longer as a leak of the steps that follow."""
+        with self.lock:
+            self.generation += 1
 
     # -------------------------------------------------------------- accesses
     def check(self, r: StorageRecord, is_write: bool, stream, task: str) -> None:

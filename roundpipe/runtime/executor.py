@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 
 from roundpipe.backend import Backend, MemoryLedger
 from roundpipe.backend.cpu import Aborted
@@ -76,6 +77,8 @@ class Executor:
             except BaseException as e:
                 errors.append(e)
         late = self._recover(threads)
+        for e in late + errors:
+            _drop_frames(e)
         raise _root_error(timed_out, late + errors)
 
     def _watch(self, threads, errors) -> tuple[list | None, WatchdogTimeout | None]:
@@ -130,6 +133,17 @@ class Executor:
             w.device.ledger.clear()
         self.host_memory.clear()
         return late
+
+
+def _drop_frames(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``error``'s tracebacks (its causes'
+    too): they hold the failed step's device tensors, which would stay allocated on the GPU for as
+    long as the caller keeps the exception. The tracebacks keep every line."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def _root_error(timed_out: WatchdogTimeout | None, candidates: list[BaseException]) -> BaseException:
