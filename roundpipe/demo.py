@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
                 rate = step * out.num_tokens / (time.perf_counter() - t0)
                 print(f"step {step:3d}  loss {out.loss:7.4f}  ({rate:,.0f} tokens/s)")
         pipe.export_to(model)
-        peak = max(d.memory.peak for d in pipe.backend.devices)
+        # Measured where the backend watches memory (CUDA, or cpu with the sanitizer), else the plan.
+        peak = max(d["peak_bytes"] or d["planned_peak_bytes"] for d in pipe.stats()["devices"])
     print(
         f"loss {first:.3f} -> {out.loss:.3f}; peak bytes on a worker: {peak / 2**20:.1f} MiB "
         f"(the model's weights alone: {sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20:.1f} MiB)"

@@ -152,6 +152,7 @@ class DeviceMemory(ABC):
     """What a device really holds: bytes of live device tensors (measured, never kept by hand)."""
 
     capacity: int | None
+    measured: bool = True  # False where nothing watches the tensors (the cpu backend unsanitized)
 
     @property
     @abstractmethod

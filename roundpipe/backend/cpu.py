@@ -65,7 +65,7 @@ class CpuStream(Stream):
         self._error: BaseException | None = None
         self.current: tuple[str, float] | None = None  # what the thread is doing now, since when
         self.clock: dict[CpuStream, int] = {}  # vector clock: closures of each stream ordered before now
-        self._mode = StreamMode(self, device.backend.sanitizer)
+        self._mode = StreamMode(self, device.backend.sanitizer) if device.backend.watching else None
         self._thread = threading.Thread(
             target=self._loop, name=f"roundpipe-{device.name}-{name}", daemon=True
         )
@@ -124,7 +124,10 @@ class CpuStream(Stream):
                 start = time.perf_counter()
                 self.current = (f"running {name}", start)
                 try:
-                    self._mode.run(fn, name)
+                    if self._mode is None:
+                        fn()
+                    else:
+                        self._mode.run(fn, name)
                 except BaseException as e:  # carried to whoever synchronizes, never swallowed
                     self._error = e
                     if not isinstance(e, Aborted):
@@ -156,7 +159,7 @@ class CpuDevice(Device):
     def __init__(self, backend: CpuBackend, index: int, capacity: int | None):
         name = f"cpu:{index}"
         super().__init__(backend, index, name, torch.device("cpu"), backend.sanitizer)
-        self.memory = LiveMemory(name, capacity)
+        self.memory = LiveMemory(name, capacity, measured=backend.watching)
         self.streams = {n: CpuStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -195,6 +198,10 @@ class CpuBackend(Backend):
         if sanitize is None:
             sanitize = os.environ.get("ROUNDPIPE_SANITIZE", "") not in ("", "0")
         self.sanitizer = Sanitizer(checking=sanitize)
+        # Watching every operation costs (Python sees each op: up to 2x on tiny layers, and the
+        # workers then contend for the GIL), so it is on only when something depends on it: the
+        # checks, or a capacity to enforce. Otherwise device memory is not measured (peak: None).
+        self.watching = bool(sanitize) or capacity is not None
         self.devices = [CpuDevice(self, i, capacity) for i in range(num_devices)]
 
     def check_empty(self) -> None:

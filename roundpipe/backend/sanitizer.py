@@ -86,9 +86,10 @@ def stream_name(stream) -> str:
 class LiveMemory:
     """Bytes of the device storages alive on one virtual device, against a capacity."""
 
-    def __init__(self, device: str, capacity: int | None):
+    def __init__(self, device: str, capacity: int | None, measured: bool = True):
         self.device = device
         self.capacity = capacity
+        self.measured = measured  # False: nothing watches the storages (no sanitizer, no capacity)
         self.in_use = 0
         self.peak = 0
         self.records: set[StorageRecord] = set()

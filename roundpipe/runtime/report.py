@@ -78,7 +78,8 @@ class Recorder:
                     "bubble_fraction": (max(0.0, wall - busy) / wall) if wall else 0.0,
                     "bytes_to_device": d.bytes_in - start_in,
                     "bytes_to_host": d.bytes_out - start_out,
-                    "peak_bytes": d.memory.peak,  # measured: live tensors (cpu), the allocator (CUDA)
+                    # measured: live tensors (cpu, when watched), the allocator (CUDA); else None
+                    "peak_bytes": d.memory.peak if d.memory.measured else None,
                     "planned_peak_bytes": d.ledger.peak,  # what the runtime booked in its ledger
                 }
             )
