@@ -290,16 +290,16 @@ class Worker:
             return
         self._wait_for_the_device(label)
         residents = self.weights.ensure(layers_all, upcoming, remaining)
-        inputs, ctx = self._context(step, mb)
 
-        # At most two tasks in flight per device on the streams too: the inputs of this task may
-        # only arrive once the compute two tasks back is done, and this compute may only start once
-        # the downloads two tasks back are done; otherwise the copy streams run ahead and device
-        # memory grows with the number of microbatches.
+        # At most two tasks in flight per device on the streams too: the inputs of this task (its
+        # hand-offs and its microbatch's inputs) may only arrive once the compute two tasks back is
+        # done, and this compute may only start once the downloads two tasks back are done;
+        # otherwise the copy streams run ahead and device memory grows with the microbatch count.
         if len(self._computed) >= 2:
             streams["h2d"].wait_event(self._computed[-2])
         if len(self._downloaded) >= 2:
             streams["compute"].wait_event(self._downloaded[-2])
+        inputs, ctx = self._context(step, mb)  # its microbatch inputs upload after those waits too
 
         incoming = self._issue_incoming(step, flow, label)
         streams["compute"].wait_event(streams["h2d"].record_event())
