@@ -235,15 +235,18 @@ def _peaks(policy, microbatches, devices="cpu:2"):
 
 def test_roundpipe_device_memory_does_not_grow_with_microbatches():
     """What is alive on a worker: two stages' weights (current + prefetched), one microbatch's
-    working set (measured in plain PyTorch, its stage's fp32 gradient accumulator included) and the
-    next task's incoming hand-offs. None of it depends on the number of microbatches."""
+    working set (measured in plain PyTorch, its stage's fp32 gradient accumulator included), the
+    next task's incoming hand-offs and at most one earlier stage's fp32 gradients still on their
+    way down (the runtime allows one: docs/design.md §5). None of it depends on the number of
+    microbatches."""
     model, _, _ = _reference(None)
     batch = make_batch(batch=8)
     for microbatches in (2, 4, 8):
         peak, _, layer_bytes = _peaks("roundpipe", microbatches)
         split = microbatches_of(batch, microbatches)
         need = working_set(model, split) + next_task_inputs(model, split)
-        assert peak <= 2 * layer_bytes[-1] + need, microbatches
+        downloading = layer_bytes[-1]  # fp32 full fine-tuning: a stage's gradients = its weights
+        assert peak <= 2 * layer_bytes[-1] + need + downloading, microbatches
 
 
 def test_gpipe_keeps_every_microbatch_while_1f1b_keeps_only_the_pipeline_depth():
