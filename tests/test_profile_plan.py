@@ -74,6 +74,7 @@ def _profile_vs_direct(pipe, batch, blocks) -> list[tuple[str, str, float, float
     ]
 
 
+@pytest.mark.timing
 def test_profiled_layer_times_match_wall_clock_of_the_same_layers():
     """Within 25%, for both decoder blocks (the layers that carry the time). A load burst from
     another process can still skew one attempt on a shared machine: up to two attempts."""

@@ -64,6 +64,7 @@ def _measure_and_predict(model, policy: str, devices: int) -> tuple[float, float
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.parametrize("policy", ["roundpipe", "1f1b"])
 @pytest.mark.parametrize("devices", [1, 2])
 def test_simulated_iteration_time_is_within_20_percent_of_a_real_run(llama, policy, devices):
