@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from roundpipe.config import RunConfig
 from roundpipe.errors import (
+    CheckpointError,
     ConfigError,
+    DataError,
     DeviceOutOfMemory,
     DeviceSpecError,
+    HostMemoryError,
     InputError,
     OptimizerError,
     PipelineStateError,
     PlanError,
+    RecipeError,
     RoundpipeError,
     ScheduleError,
     StageError,
@@ -26,11 +30,16 @@ from roundpipe.errors import (
 __version__ = "0.1.0"
 
 
-def wrap(model, config: RunConfig | None = None):
-    """Wrap a HF causal LM (optionally peft-wrapped) for training: returns a ``Pipeline``."""
+def wrap(model, config: RunConfig | None = None, *, weights=None):
+    """Wrap a HF causal LM (optionally peft-wrapped) for training: returns a ``Pipeline``.
+
+    ``weights`` (e.g. ``roundpipe.train.loading.SafetensorsWeights(model_dir)``) fills the model's
+    parameters that are on the meta device straight into the pipeline's parameter store, so a model
+    built without weights is loaded with one copy in host RAM; see ``Pipeline``.
+    """
     from roundpipe.runtime import Pipeline
 
-    return Pipeline(model, config)
+    return Pipeline(model, config, weights=weights)
 
 
 def __getattr__(name):  # lazy: importing roundpipe must not import torch-heavy modules
@@ -42,14 +51,18 @@ def __getattr__(name):  # lazy: importing roundpipe must not import torch-heavy 
 
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
+    "DataError",
     "DeviceOutOfMemory",
     "DeviceSpecError",
+    "HostMemoryError",
     "InputError",
     "OptimizerError",
     "Pipeline",
     "PipelineStateError",
     "PlanError",
+    "RecipeError",
     "RoundpipeError",
     "RunConfig",
     "ScheduleError",

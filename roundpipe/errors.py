@@ -113,3 +113,22 @@ class StreamProtocolError(RoundpipeError, RuntimeError):
     tensors after a step. The message names the tensor (tag and shape), the streams and the task.
     These are bugs in roundpipe (or in code that extends it), never in the user's input.
     """
+
+
+class RecipeError(ConfigError):
+    """A training recipe (YAML or ``--set``) is invalid: an unknown key, a wrong type, a missing
+    required field. The message names the key, the file and the line, and the nearest valid key."""
+
+
+class DataError(InputError):
+    """Training data cannot be read or used: a missing file, an empty file, a sample without the
+    fields its format needs, undecodable bytes, or no sample left after filtering."""
+
+
+class CheckpointError(RoundpipeError, RuntimeError):
+    """A checkpoint cannot be written or loaded: a file missing, truncated or edited (its size or
+    checksum disagrees with the manifest), or state that does not belong to this run."""
+
+
+class HostMemoryError(RoundpipeError, MemoryError):
+    """The run needs more host RAM than this machine has; the message gives the figures and levers."""

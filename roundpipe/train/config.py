@@ -1,0 +1,232 @@
+"""TrainConfig: one training run, as a tree of small dataclasses that a YAML recipe maps onto.
+
+Each group is one key of the recipe (``model:``, ``lora:``, ``data:``, ...), each field one key
+under it. A field's ``help`` metadata is its documentation: ``roundpipe train --help`` and
+``docs/recipes.md`` are generated from it (``roundpipe.train.recipe``), so the two cannot drift.
+Fields whose default is ``REQUIRED`` must be given. Loading, type checks and the errors that name
+the file and line live in ``roundpipe.train.recipe``; the checks here are the ones that need more
+than one field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from roundpipe.errors import RecipeError
+
+REQUIRED: Any = "<required>"  # the default of a field a recipe must set
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = _f(
+        None,
+        "Local Hugging Face model directory (config.json + safetensors shards). The weights are "
+        "read straight into roundpipe's parameter store, without a second copy in host RAM.",
+    )
+    config: dict[str, Any] | None = _f(
+        None,
+        "Instead of `path`: build a model from config numbers with random weights (demos, tests). "
+        "`model_type` names the HF family (e.g. qwen3, llama); the other keys are that config's "
+        "fields (hidden_size, num_hidden_layers, ...).",
+    )
+    tokenizer: str | None = _f(
+        None,
+        "Tokenizer directory, or `byte` for the built-in byte-level tokenizer (259 ids: 256 bytes, "
+        "pad, bos, eos). Default: the model directory's tokenizer; `byte` for a `config:` model.",
+    )
+    trust_remote_code: bool = _f(
+        False, "Run the model directory's own Python code (off unless you trust the directory)."
+    )
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = _f(False, "Train LoRA adapters (through peft) instead of every weight.")
+    rank: int = _f(16, "LoRA rank r.")
+    alpha: float = _f(32.0, "LoRA alpha (the update is scaled by alpha / rank).")
+    dropout: float = _f(0.0, "Dropout on the LoRA input.")
+    target_modules: list[str] | str = _f(
+        "all-linear", "Module names to adapt (e.g. [q_proj, v_proj]), or `all-linear`."
+    )
+
+
+@dataclass
+class DataConfig:
+    train: str = _f(REQUIRED, "Training data file: .jsonl, .json, .csv, .parquet or .txt.")
+    eval: str | None = _f(None, "Held-out data file (same formats). Default: split off `eval_fraction`.")
+    eval_fraction: float = _f(0.0, "Share of the training file held out for evaluation when `eval` is unset.")
+    format: Literal["text", "instruction", "chat"] = _f(
+        "instruction",
+        "text: one `text` field per sample; instruction: `instruction` / `input` / `output` "
+        "(Alpaca style); chat: `messages`, a list of {role, content}, rendered with the "
+        "tokenizer's chat template.",
+    )
+    file_type: Literal["auto", "jsonl", "json", "csv", "parquet", "text"] = _f(
+        "auto", "How to read the files; `auto` goes by the extension."
+    )
+    text_field: str = _f("text", "Field holding the text (format: text).")
+    instruction_field: str = _f("instruction", "Field holding the instruction (format: instruction).")
+    input_field: str = _f("input", "Field holding the optional input (format: instruction).")
+    output_field: str = _f("output", "Field holding the response (format: instruction).")
+    messages_field: str = _f("messages", "Field holding the conversation (format: chat).")
+    prompt_template: str = _f(
+        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+        "Prompt of the instruction format; `{instruction}` and `{input}` are filled in.",
+    )
+    prompt_template_no_input: str = _f(
+        "### Instruction:\n{instruction}\n\n### Response:\n",
+        "Prompt of the instruction format for samples with an empty input.",
+    )
+    train_on_prompt: bool = _f(
+        False, "Also compute the loss on prompt tokens (default: only on the response, where the format has one)."
+    )
+    max_length: int = _f(1024, "Longest sample in tokens (after the template).")
+    too_long: Literal["skip", "truncate", "error"] = _f(
+        "skip", "What to do with a longer sample: skip it (counted and logged), cut it, or stop."
+    )
+    add_eos: bool = _f(True, "End every sample with the tokenizer's end-of-sequence token.")
+    packing: bool = _f(False, "Pack several samples into each row of `max_length` tokens (no padding).")
+    group_by_length: bool = _f(True, "Batch samples of similar length together (less padding).")
+    shuffle: bool = _f(True, "Shuffle the training samples every epoch (seeded by `run.seed`).")
+    synthetic: str | None = _f(
+        None,
+        "Generate a built-in task into the `train` and `eval` files first, if they are missing "
+        "(demos): `reverse` (reverse a string of letters, instruction format; the eval prompts "
+        "never occur in the training file).",
+    )
+    synthetic_samples: list[int] = _f([20000, 500], "Training and held-out samples the synthetic task writes.")
+
+
+@dataclass
+class RunSection:
+    name: str = _f("run", "Name of the run (the default output directory is runs/NAME).")
+    output_dir: str | None = _f(None, "Where checkpoints, metrics, plots and exports go. Default: runs/NAME.")
+    devices: str = _f("auto", "`auto` (every GPU, else cpu:2), `cpu:N`, `cuda`, `cuda:0,1`.")
+    policy: str = _f(
+        "roundpipe", "Dispatch policy (roundpipe, 1f1b, gpipe, ...), or `auto`: the tuner picks one."
+    )
+    num_microbatches: int | Literal["auto"] = _f(4, "Microbatches per forward/backward, or `auto`.")
+    dtype: Literal["fp32", "bf16", "fp16"] = _f("fp32", "Compute precision; masters and optimizer state stay fp32.")
+    optimizer_mode: Literal["sync", "async"] = _f(
+        "sync", "sync: exact; async: the update overlaps the next step (staleness 1)."
+    )
+    batch_size: int = _f(8, "Sequences per forward/backward (one micro-step).")
+    grad_accum: int = _f(1, "Micro-steps per optimizer step (effective batch = batch_size x grad_accum).")
+    max_steps: int | None = _f(None, "Optimizer steps to run. Default: `epochs` over the training data.")
+    epochs: float = _f(1.0, "Passes over the training data when `max_steps` is unset.")
+    seed: int = _f(0, "Seed of initialisation, shuffling and dropout.")
+    host_ram_check: bool = _f(True, "Refuse to start when the run needs more host RAM than is available.")
+    options: dict[str, Any] = _f(
+        {}, "Further `roundpipe.RunConfig` fields (e.g. {head_shards: 4, partition: auto})."
+    )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-4, "Peak learning rate (AdamW).")
+    weight_decay: float = _f(0.0, "Decoupled weight decay.")
+    betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float | None = _f(1.0, "Clip the global gradient norm to this (null: no clipping).")
+
+
+@dataclass
+class ScheduleConfig:
+    kind: Literal["constant", "linear", "cosine"] = _f("cosine", "Learning-rate shape after warm-up.")
+    warmup_steps: int = _f(0, "Steps of linear warm-up from 0 to `optim.lr`.")
+    min_lr_ratio: float = _f(0.0, "Final learning rate as a share of `optim.lr` (linear, cosine).")
+
+
+@dataclass
+class EvalConfig:
+    every: int | None = _f(None, "Evaluate every N optimizer steps (and at the end). null: only at the end.")
+    batch_size: int | None = _f(None, "Sequences per evaluation batch. Default: `run.batch_size`.")
+    max_samples: int | None = _f(None, "Evaluate on at most this many held-out samples.")
+    exact_match: bool = _f(
+        False,
+        "Also report exact match: the greedy answer equals the reference response (instruction and "
+        "chat formats).",
+    )
+    show_samples: int = _f(0, "At the end, print this many held-out prompts with the model's answer and the reference.")
+    max_new_tokens: int = _f(64, "Longest generated answer when showing samples.")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int | None = _f(None, "Write a checkpoint every N optimizer steps (null: only at the end and on a signal).")
+    keep_last: int = _f(2, "Keep this many newest checkpoints; older ones are deleted.")
+    on_signal: bool = _f(True, "On SIGINT / SIGTERM finish the current step, write a checkpoint and stop.")
+    at_end: bool = _f(True, "Write a checkpoint when the run completes.")
+    export: Literal["auto", "adapter", "merged", "both", "none"] = _f(
+        "auto",
+        "What to export at the end: adapter (peft format), merged (save_pretrained safetensors), "
+        "both, none; auto: the adapter for LoRA, the full model otherwise.",
+    )
+
+
+@dataclass
+class LoggingConfig:
+    every: int = _f(1, "Log metrics every N optimizer steps.")
+    progress: bool = _f(True, "Show a tqdm progress bar (loss, tokens/s, ETA, worker idle share).")
+    tensorboard: bool | Literal["auto"] = _f("auto", "Write TensorBoard events: true, false, or auto (when installed).")
+    plots: bool = _f(True, "At the end draw the loss curve and one step's timeline (PNG, Chrome trace).")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "What to train."})
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapters (peft)."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training and evaluation data."})
+    run: RunSection = field(default_factory=RunSection, metadata={"help": "How and how long to run."})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "The AdamW optimizer."})
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig, metadata={"help": "Learning-rate schedule."})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Evaluation on held-out data."})
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig, metadata={"help": "Checkpoints and exports."}
+    )
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Progress, metrics, plots."})
+
+    def check(self) -> None:
+        """Rules that span fields (types and required keys are checked by the recipe loader)."""
+        if (self.model.path is None) == (self.model.config is None):
+            raise RecipeError("set exactly one of model.path (a HF directory) and model.config (config numbers)")
+        if self.data.train == REQUIRED:  # ==, not `is`: a dumped and re-read "<required>" is another str
+            raise RecipeError("data.train is required: the path of the training data file")
+        for key, value in (
+            ("run.batch_size", self.run.batch_size),
+            ("run.grad_accum", self.run.grad_accum),
+            ("data.max_length", self.data.max_length),
+            ("checkpoint.keep_last", self.checkpoint.keep_last),
+            ("logging.every", self.logging.every),
+        ):
+            if value < 1:
+                raise RecipeError(f"{key} must be at least 1, got {value}")
+        for key, value in (
+            ("run.max_steps", self.run.max_steps),
+            ("eval.every", self.eval.every),
+            ("checkpoint.every", self.checkpoint.every),
+        ):
+            if value is not None and value < 1:
+                raise RecipeError(f"{key} must be at least 1 or null, got {value}")
+        if self.run.num_microbatches != "auto" and self.run.num_microbatches < 1:
+            raise RecipeError(f"run.num_microbatches must be at least 1 or auto, got {self.run.num_microbatches}")
+        if not 0.0 <= self.data.eval_fraction < 1.0:
+            raise RecipeError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
+        if self.run.epochs <= 0:
+            raise RecipeError(f"run.epochs must be positive, got {self.run.epochs}")
+        if len(self.optim.betas) != 2:
+            raise RecipeError(f"optim.betas must be two numbers, got {self.optim.betas}")
+        if self.lora.enabled and self.lora.rank < 1:
+            raise RecipeError(f"lora.rank must be at least 1, got {self.lora.rank}")
+
+    @property
+    def output_dir(self) -> str:
+        return self.run.output_dir or f"runs/{self.run.name}"
