@@ -1,0 +1,696 @@
+"""Checkpoints on disk: nested training state in, a verified directory out, and back.
+
+The trainer hands ``CheckpointManager.save`` one nested structure (master weights or LoRA adapters,
+optimizer, LR scheduler, loss scaler, RNG states, data position, ...). This module knows nothing
+about pipelines: it splits that structure into tensors and a JSON skeleton (``flatten_state``),
+writes them as safetensors shards plus ``state.json``, and seals the directory with a manifest of
+every file's size and sha256. A write is atomic: it happens in a ``.tmp-*`` directory that is
+renamed into place only when complete, so a crash at any instant leaves the previous checkpoints
+intact. ``load`` verifies the manifest before it trusts a byte.
+
+Layout (see docs/checkpoints.md)::
+
+    ROOT/step-00000012/
+        tensors.safetensors              # or tensors-00001-of-00003.safetensors, ... (~2 GB each)
+        state.json                       # format version, step, shard names, skeleton
+        <extra files>                    # whatever the caller passed in extra_files
+        manifest.json                    # written last: {file: {bytes, sha256}}, step, format
+
+One process writes to a root at a time: a save deletes every ``.tmp-*`` directory it finds there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from roundpipe.errors import CheckpointError, ConfigError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATE = "state.json"
+SHARD_BYTES = 2 * 1024**3
+_HASH_CHUNK = 8 * 1024**2
+_CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})$")
+_SHARD_NAME = re.compile(r"^tensors(-\d{5}-of-\d{5})?\.safetensors$")
+_TMP_PREFIX = ".tmp-"
+_REPLACED_PREFIX = ".replaced-"
+
+
+# ---------------------------------------------------------------------------------------------
+# Nested state <-> flat tensors + JSON skeleton
+# ---------------------------------------------------------------------------------------------
+
+
+def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split nested state into a flat dict of tensors and a JSON-able skeleton.
+
+    ``state`` may nest dicts (keys ``str``, ``int`` or ``bool``), lists, tuples, tensors, numpy
+    arrays and scalars, ``int``/``float``/``bool``/``str`` and ``None``. Each tensor is keyed by
+    its path, e.g. ``state["optimizer"]["state"][3]["exp_avg"]`` becomes
+    ``"optimizer/state/3/exp_avg"`` (a suffix ``~2``, ``~3``, ... keeps colliding paths apart),
+    and the skeleton holds ``{"tensor": path}`` in its place. ``unflatten_state`` inverts this
+    exactly: int keys stay int, tuples stay tuples, tensors keep dtype, shape and every bit.
+
+    Skeleton nodes: plain JSON scalars for ``None``/bool/int/str/finite floats;
+    ``{"float": "nan"|"inf"|"-inf"}``; ``{"dict": [[key, node], ...]}`` (order kept);
+    ``{"list": [...]}``; ``{"tuple": [...]}``; ``{"tensor": path}``; ``{"ndarray": path}``;
+    ``{"numpy_scalar": path}``. It dumps with ``json.dumps(..., allow_nan=False)``.
+
+    The returned tensors are detached, on the CPU, dense and contiguous, and no two share
+    storage (safetensors refuses shared storage), so aliased tensors are stored twice and come
+    back as separate tensors. A CPU tensor that is already contiguous and owns its whole storage
+    is *not* copied: the flat dict shares its memory, so do not modify the state until the save
+    returns. ``requires_grad`` and tensor subclasses (``nn.Parameter``) are not kept; dict, tuple
+    and scalar subclasses (``OrderedDict``, namedtuples, ``IntEnum``) come back as the base type.
+
+    Raises:
+        CheckpointError: a value of another type (its path is named), or a sparse, quantized or
+            meta tensor.
+    """
+    flat: dict[str, torch.Tensor] = {}
+    storages: set[tuple[str, int]] = set()
+    skeleton = _encode(state, (), flat, storages)
+    return flat, skeleton
+
+
+def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: Any) -> Any:
+    """Rebuild the nested state that ``flatten_state`` split into ``tensors`` and ``skeleton``.
+
+    The tensors are used as they are (no copy): the result holds the very objects in
+    ``tensors``. Tensors that the skeleton does not mention are ignored.
+
+    Raises:
+        CheckpointError: the skeleton is malformed or names a tensor missing from ``tensors``.
+    """
+    return _decode(skeleton, tensors, set())
+
+
+def _encode(value: Any, path: tuple[str, ...], flat: dict, storages: set) -> Any:
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
+        return value
+    if kind is float:
+        return _encode_float(value)
+    if isinstance(value, torch.Tensor):
+        return {"tensor": _add_tensor(_storable(value, path), path, flat, storages)}
+    if type(value).__module__ == "numpy":
+        return _encode_numpy(value, path, flat, storages)
+    if isinstance(value, Mapping):
+        items = []
+        for key, item in value.items():
+            if type(key) not in (str, int, bool):
+                raise CheckpointError(
+                    f"cannot store {_where(path)}: its key {key!r} is a {type(key).__qualname__}; "
+                    f"checkpoint dict keys must be str or int"
+                )
+            items.append([key, _encode(item, (*path, str(key)), flat, storages)])
+        return {"dict": items}
+    if isinstance(value, (list, tuple)):
+        nodes = [_encode(item, (*path, str(i)), flat, storages) for i, item in enumerate(value)]
+        return {"list" if isinstance(value, list) else "tuple": nodes}
+    if isinstance(value, bool):  # subclasses of the JSON scalars: keep the value, drop the class
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return _encode_float(float(value))
+    if isinstance(value, str):
+        return str(value)
+    raise CheckpointError(
+        f"cannot store {_where(path)}: it is a {type(value).__module__}.{type(value).__qualname__}; "
+        f"a checkpoint holds dicts, lists, tuples, tensors, numpy arrays, numbers, strings and None. "
+        f"Store its state_dict() or convert it to one of those"
+    )
+
+
+def _encode_float(value: float) -> Any:
+    if math.isfinite(value):
+        return value
+    return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+
+
+def _encode_numpy(value: Any, path: tuple[str, ...], flat: dict, storages: set) -> Any:
+    import numpy as np
+
+    if not isinstance(value, (np.ndarray, np.generic)):
+        raise CheckpointError(f"cannot store {_where(path)}: it is a numpy {type(value).__qualname__}")
+    array = np.ascontiguousarray(value)
+    try:
+        tensor = torch.from_numpy(array)
+    except TypeError as e:
+        raise CheckpointError(
+            f"cannot store {_where(path)}: a numpy array of dtype {array.dtype} has no torch "
+            f"equivalent ({e}); convert it to a numeric dtype"
+        ) from e
+    name = _add_tensor(_storable(tensor, path), path, flat, storages)
+    return {"ndarray" if isinstance(value, np.ndarray) else "numpy_scalar": name}
+
+
+def _storable(tensor: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor:
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
+        raise CheckpointError(
+            f"cannot store {_where(path)}: a {tensor.layout} tensor on {tensor.device}"
+            f"{' (quantized)' if tensor.is_quantized else ''}; checkpoints hold dense tensors with "
+            f"data: convert it (e.g. .to_dense() or .dequantize()) first"
+        )
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    return tensor.contiguous()
+
+
+def _add_tensor(tensor: torch.Tensor, path: tuple[str, ...], flat: dict, storages: set) -> str:
+    storage = tensor.untyped_storage()
+    owner = (str(tensor.device), storage.data_ptr())
+    whole = tensor.data_ptr() == storage.data_ptr() and tensor.nbytes == storage.nbytes()
+    if storage.nbytes() and (owner in storages or not whole):
+        tensor = tensor.clone()
+        owner = (str(tensor.device), tensor.untyped_storage().data_ptr())
+    if tensor.untyped_storage().nbytes():
+        storages.add(owner)
+    base = "/".join(path) or "tensor"
+    name, n = base, 1
+    while name in flat:
+        n += 1
+        name = f"{base}~{n}"
+    flat[name] = tensor
+    return name
+
+
+def _decode(node: Any, tensors: Mapping[str, torch.Tensor], used: set[str]) -> Any:
+    if node is None or type(node) in (bool, int, float, str):
+        return node
+    if isinstance(node, dict) and len(node) == 1:
+        ((kind, body),) = node.items()
+        if kind == "dict" and isinstance(body, list):
+            if not all(
+                isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int, bool)
+                for item in body
+            ):
+                raise CheckpointError(f"malformed dict node in the state skeleton: {str(node)[:200]}")
+            return {key: _decode(item, tensors, used) for key, item in body}
+        if kind in ("list", "tuple") and isinstance(body, list):
+            items = [_decode(item, tensors, used) for item in body]
+            return items if kind == "list" else tuple(items)
+        if kind == "float" and body in ("nan", "inf", "-inf"):
+            return float(body)
+        if kind in ("tensor", "ndarray", "numpy_scalar") and isinstance(body, str):
+            if body not in tensors:
+                raise CheckpointError(
+                    f"the state skeleton refers to tensor {body!r}, which the tensor files do not hold"
+                )
+            used.add(body)
+            tensor = tensors[body]
+            if kind == "tensor":
+                return tensor
+            return tensor.numpy() if kind == "ndarray" else tensor.numpy()[()]
+    raise CheckpointError(f"unknown node in the state skeleton: {str(node)[:200]}")
+
+
+def _where(path: tuple[str, ...]) -> str:
+    return "/".join(path) if path else "the state"
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: durable writes, streaming hashes
+# ---------------------------------------------------------------------------------------------
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write one safetensors shard and fsync it (a module function so tests can slow it down)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    _fsync_file(path)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name == "nt":  # Windows cannot open a directory to fsync it; renames are durable there
+        return
+    _fsync_file(path)
+
+
+def _sha256(path: Path) -> str:
+    """The file's sha256, read in 8 MiB chunks so a file of tens of GB never sits in memory."""
+    digest = hashlib.sha256()
+    buffer = bytearray(_HASH_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode()
+
+
+def _shard_groups(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Tensors in order, cut into groups of at most ``shard_bytes`` (a bigger tensor sits alone)."""
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        if groups[-1] and size + tensor.nbytes > shard_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += tensor.nbytes
+    return groups
+
+
+def _shard_names(count: int) -> list[str]:
+    if count == 1:
+        return ["tensors.safetensors"]
+    return [f"tensors-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    match = _CHECKPOINT_NAME.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    """``step-*`` directories of ``root`` that have a manifest, by step, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [
+        (step, entry)
+        for entry in root.iterdir()
+        if (step := _checkpoint_step(entry)) is not None and (entry / MANIFEST).is_file()
+    ]
+    return [entry for _, entry in sorted(found)]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager
+# ---------------------------------------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Writes, lists, verifies and reads the checkpoints of one run under ``root``.
+
+    Args:
+        root: the run's checkpoint directory (created on the first save). One process writes
+            to it at a time.
+        keep_last: after each save, keep this many newest checkpoints (highest steps) and delete
+            the rest. The checkpoint just written is never deleted.
+        shard_bytes: tensors go into safetensors shards of at most this many bytes (a single
+            larger tensor gets a shard of its own). Default ~2 GB.
+
+    Constructing a manager repairs the one state a crash can leave behind that hides a
+    checkpoint: if a save that replaced step N died between its two renames, the old step N is
+    renamed back from ``.replaced-step-N-*``.
+
+    Raises:
+        ConfigError: ``keep_last`` or ``shard_bytes`` below 1.
+    """
+
+    def __init__(self, root: str | Path, keep_last: int = 2, *, shard_bytes: int = SHARD_BYTES):
+        if type(keep_last) is not int or keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last must be an integer of at least 1, got {keep_last!r}")
+        if type(shard_bytes) is not int or shard_bytes < 1:
+            raise ConfigError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.shard_bytes = shard_bytes
+        self._restore_replaced()
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict, *, extra_files: dict[str, bytes] | None = None) -> Path:
+        """Write ``state`` as checkpoint ``root/step-{step:08d}`` atomically; return its path.
+
+        Every file is written into ``root/.tmp-step-…-XXXX`` and fsynced, ``manifest.json``
+        last, the directory is fsynced and renamed to its final name, then ``root`` is fsynced.
+        Until that rename the checkpoint does not exist for ``latest``/``list``/``resolve``;
+        after it, it is complete on disk. Saving a step that exists replaces it: the old one is
+        renamed aside, the new one renamed in, the old one deleted. Then older checkpoints
+        beyond ``keep_last`` and leftovers of crashed writes (``.tmp-*``, ``.replaced-*``) are
+        deleted; a failure to delete is a warning, not an error (the new checkpoint is fine).
+
+        Args:
+            step: the optimizer step the state belongs to (>= 0).
+            state: nested state, as ``flatten_state`` accepts. Do not modify its tensors until
+                this returns: contiguous CPU tensors are written from their own memory.
+            extra_files: more files to store byte for byte (e.g. the recipe), by plain file
+                name; ``load`` returns them. Names may not start with ``.``, contain a path
+                separator, or be ``manifest.json``, ``state.json`` or ``tensors*.safetensors``.
+
+        Raises:
+            CheckpointError: a bad step, extra-file name or state value, or the write failed
+                (disk full, permissions); nothing of this checkpoint is left behind then.
+        """
+        if type(step) is not int or step < 0:
+            raise CheckpointError(f"a checkpoint step must be an integer >= 0, got {step!r}")
+        extra = dict(extra_files or {})
+        for name, data in extra.items():
+            self._check_extra_name(name)
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise CheckpointError(f"extra file {name!r} must be bytes, got a {type(data).__qualname__}")
+        tensors, skeleton = flatten_state(state)
+        name = f"step-{step:08d}"
+        final = self.root / name
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = self.root / f"{_TMP_PREFIX}{name}-{secrets.token_hex(4)}"
+            tmp.mkdir()
+        except OSError as e:
+            raise CheckpointError(f"cannot create the checkpoint directory in {self.root}: {e}") from e
+        try:
+            self._write_contents(tmp, step, tensors, skeleton, extra)
+            self._move_into_place(tmp, final)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # the original error below is what matters
+            if isinstance(e, OSError):
+                raise CheckpointError(
+                    f"writing checkpoint {final} failed: {e}. Free disk space or fix the permissions "
+                    f"of {self.root}; the older checkpoints are untouched"
+                ) from e
+            raise
+        self._clean(keep=final)
+        return final
+
+    def _write_contents(
+        self, tmp: Path, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, extra: dict
+    ) -> None:
+        groups = _shard_groups(tensors, self.shard_bytes)
+        shard_names = _shard_names(len(groups))
+        for shard_name, group in zip(shard_names, groups):
+            _write_shard(tmp / shard_name, group)
+        state_doc = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "torch": torch.__version__,
+            "tensor_files": shard_names,
+            "skeleton": skeleton,
+        }
+        _write_bytes(tmp / STATE, _json_bytes(state_doc))
+        for extra_name, data in extra.items():
+            _write_bytes(tmp / extra_name, bytes(data))
+        files = {
+            file_name: {"bytes": (tmp / file_name).stat().st_size, "sha256": _sha256(tmp / file_name)}
+            for file_name in [*shard_names, STATE, *extra]
+        }
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "files": files,
+        }
+        _write_bytes(tmp / MANIFEST, _json_bytes(manifest))
+        _fsync_dir(tmp)
+
+    def _move_into_place(self, tmp: Path, final: Path) -> None:
+        if final.exists():
+            aside = self.root / f"{_REPLACED_PREFIX}{final.name}-{secrets.token_hex(4)}"
+            os.rename(final, aside)
+            os.rename(tmp, final)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.root)
+
+    def _clean(self, keep: Path) -> None:
+        doomed = [
+            entry for entry in self.root.iterdir() if entry.name.startswith((_TMP_PREFIX, _REPLACED_PREFIX))
+        ]
+        complete = self.list()
+        newest = set(complete[-self.keep_last :]) | {keep}
+        for old in complete:
+            if old not in newest:
+                # Rename first so a crash mid-delete leaves a .tmp-* leftover, never a half checkpoint.
+                dying = self.root / f"{_TMP_PREFIX}deleting-{old.name}-{secrets.token_hex(4)}"
+                try:
+                    os.rename(old, dying)
+                except OSError as e:
+                    warnings.warn(f"could not delete old checkpoint {old}: {e}", stacklevel=3)
+                    continue
+                doomed.append(dying)
+        for entry in doomed:
+            try:
+                _remove(entry)
+            except OSError as e:
+                warnings.warn(
+                    f"could not delete {entry} (left by an older or crashed save): {e}", stacklevel=3
+                )
+
+    def _restore_replaced(self) -> None:
+        if not self.root.is_dir():
+            return
+        for entry in sorted(self.root.iterdir()):
+            if not entry.name.startswith(_REPLACED_PREFIX) or not (entry / MANIFEST).is_file():
+                continue
+            original = self.root / entry.name[len(_REPLACED_PREFIX) :].rsplit("-", 1)[0]
+            if _checkpoint_step(original) is not None and not original.exists():
+                try:
+                    os.rename(entry, original)
+                    _fsync_dir(self.root)
+                except OSError as e:
+                    raise CheckpointError(
+                        f"{original} was being replaced when a save died; renaming {entry} back failed "
+                        f"({e}). Rename it to {original.name} by hand"
+                    ) from e
+
+    @staticmethod
+    def _check_extra_name(name: Any) -> None:
+        if (
+            not isinstance(name, str)
+            or not name
+            or name.startswith(".")
+            or any(sep in name for sep in ("/", "\\", "\0"))
+            or name in (MANIFEST, STATE)
+            or (name.startswith("tensors") and name.endswith(".safetensors"))
+        ):
+            raise CheckpointError(
+                f"extra file name {name!r} is not allowed: use a plain file name (no path separator, "
+                f"not starting with '.') other than {MANIFEST}, {STATE} and tensors*.safetensors"
+            )
+
+    # -- finding ------------------------------------------------------------------------------
+
+    def list(self) -> list[Path]:
+        """Complete checkpoints (``step-*`` directories with a manifest), oldest step first.
+
+        Nothing is verified beyond the manifest's presence; ``load`` verifies.
+        """
+        return _complete_checkpoints(self.root)
+
+    def latest(self) -> Path | None:
+        """The complete checkpoint with the highest step, or None if there is none.
+
+        ``.tmp-*`` directories (writes in progress or crashed) never count.
+        """
+        complete = self.list()
+        return complete[-1] if complete else None
+
+    def resolve(self, resume: str) -> Path | None:
+        """Turn a ``--resume`` argument into a checkpoint directory.
+
+        Args:
+            resume: ``"auto"`` (the latest checkpoint, or None when there is none yet: a fresh
+                start), or a path to one checkpoint directory: absolute, relative to the working
+                directory, or a name inside ``root`` such as ``step-00000012``.
+
+        Returns:
+            The checkpoint's directory (its files are verified by ``load``, not here), or None.
+
+        Raises:
+            CheckpointError: the path does not exist, or is not a complete checkpoint (no
+                manifest; a checkpoints folder rather than one checkpoint).
+        """
+        if resume == "auto":
+            return self.latest()
+        path = Path(resume).expanduser()
+        if not path.exists() and not path.is_absolute() and (self.root / path).exists():
+            path = self.root / path
+        if not path.is_dir():
+            hint = self.latest()
+            raise CheckpointError(
+                f"--resume {resume}: no such checkpoint directory. Pass `auto` or a checkpoint "
+                f"directory" + (f", e.g. --resume {hint}" if hint else f" (none exist yet in {self.root})")
+            )
+        if not (path / MANIFEST).is_file():
+            inside = _complete_checkpoints(path)
+            if inside:
+                raise CheckpointError(
+                    f"--resume {resume}: {path} holds checkpoints but is not one itself; pass one of "
+                    f"them, e.g. --resume {inside[-1]}, or `auto`"
+                )
+            raise CheckpointError(
+                f"--resume {resume}: {path} has no {MANIFEST}, so it is not a complete checkpoint "
+                f"(its write never finished, or it is another kind of directory); {self._older_hint(path)}"
+            )
+        return path
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def verify(self, path: str | Path) -> dict:
+        """Check every file of a checkpoint against its manifest; return the manifest.
+
+        Reads each listed file once, in chunks, to hash it: about as long as reading the
+        checkpoint from disk.
+
+        Raises:
+            CheckpointError: no or unreadable manifest, a newer format, a listed file missing
+                or of another size or sha256, or ``state.json`` / a tensor shard not listed.
+                The message names the file and the older checkpoint to resume from instead.
+        """
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"{path} is not a checkpoint directory (it does not exist or is a file)")
+        manifest = self._read_json(path / MANIFEST, path, what="manifest")
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if type(version) is not int or not isinstance(files, dict) or type(manifest.get("step")) is not int:
+            raise self._damaged(path / MANIFEST, "lacks its format_version, step or file list", path)
+        if version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path} was written in checkpoint format {version} by a newer roundpipe; this one "
+                f"reads format {FORMAT_VERSION}. Upgrade roundpipe to resume from it"
+            )
+        for name, entry in files.items():
+            file = path / name
+            if (
+                not isinstance(entry, dict)
+                or type(entry.get("bytes")) is not int
+                or not isinstance(entry.get("sha256"), str)
+                or Path(name).name != name
+                or name in ("", ".", "..", MANIFEST)
+            ):
+                raise self._damaged(path / MANIFEST, f"has a malformed entry for {name!r}", path)
+            if not file.is_file():
+                raise self._damaged(
+                    file, f"is missing but the manifest lists it ({entry['bytes']:,} bytes)", path
+                )
+            size = file.stat().st_size
+            if size != entry["bytes"]:
+                raise self._damaged(file, f"is {size:,} bytes but the manifest says {entry['bytes']:,}", path)
+            digest = _sha256(file)
+            if digest != entry["sha256"]:
+                raise self._damaged(
+                    file,
+                    f"has sha256 {digest[:16]}… but the manifest says {entry['sha256'][:16]}…: its bytes "
+                    f"changed after it was written (a disk error or an edit)",
+                    path,
+                )
+        if STATE not in files:
+            raise self._damaged(path / STATE, "is not in the manifest", path)
+        return manifest
+
+    def load(self, path: str | Path) -> tuple[int, dict, dict[str, bytes]]:
+        """Verify a checkpoint (see ``verify``), then read it back.
+
+        Args:
+            path: a checkpoint directory, e.g. from ``latest()`` or ``resolve()``.
+
+        Returns:
+            ``(step, state, extra_files)``: the step it was saved at, the state exactly as
+            ``save`` got it (tensors on the CPU, in memory of their own, see ``flatten_state``
+            for what is kept), and the extra files' bytes by name.
+
+        Raises:
+            CheckpointError: anything ``verify`` refuses, a ``state.json`` that disagrees with
+                the manifest (another step, a tensor file not listed) or with the tensor files.
+        """
+        path = Path(path)
+        manifest = self.verify(path)
+        files = manifest["files"]
+        doc = self._read_json(path / STATE, path, what="state file")
+        shard_names = doc.get("tensor_files") if isinstance(doc, dict) else None
+        if not isinstance(shard_names, list) or "skeleton" not in doc:
+            raise self._damaged(path / STATE, "lacks its tensor_files or skeleton", path)
+        if doc.get("step") != manifest["step"]:
+            raise self._damaged(
+                path / STATE,
+                f"is for step {doc.get('step')!r} but the manifest says {manifest['step']}",
+                path,
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        for shard_name in shard_names:
+            if (
+                not isinstance(shard_name, str)
+                or shard_name not in files
+                or not _SHARD_NAME.match(shard_name)
+            ):
+                raise self._damaged(
+                    path / str(shard_name), "is named by state.json but not in the manifest", path
+                )
+            try:
+                shard = load_file(str(path / shard_name))
+            except Exception as e:  # safetensors raises its own error type for unreadable files
+                raise self._damaged(path / shard_name, f"cannot be read as safetensors ({e})", path) from e
+            if tensors.keys() & shard.keys():
+                raise self._damaged(path / shard_name, "repeats tensors of an earlier shard", path)
+            tensors.update(shard)
+        used: set[str] = set()
+        state = _decode(doc["skeleton"], tensors, used)
+        if used != tensors.keys():
+            stray = sorted(tensors.keys() - used)[:5]
+            raise self._damaged(path / STATE, f"does not refer to tensors {stray} of the tensor files", path)
+        extra = {}
+        for name in files:
+            if name == STATE or name in shard_names:
+                continue
+            if _SHARD_NAME.match(name):
+                raise self._damaged(path / name, "is in the manifest but state.json does not use it", path)
+            extra[name] = (path / name).read_bytes()
+        return manifest["step"], state, extra
+
+    def _read_json(self, file: Path, checkpoint: Path, *, what: str) -> Any:
+        if not file.is_file():
+            raise CheckpointError(
+                f"{file} does not exist: {checkpoint} is not a complete checkpoint (its write never "
+                f"finished, or the {what} was deleted); {self._older_hint(checkpoint)}"
+            )
+        try:
+            return json.loads(file.read_bytes())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise self._damaged(file, f"is not valid JSON ({e})", checkpoint) from e
+
+    def _damaged(self, file: Path, problem: str, checkpoint: Path) -> CheckpointError:
+        return CheckpointError(f"{file} {problem}: the checkpoint is damaged; {self._older_hint(checkpoint)}")
+
+    @staticmethod
+    def _older_hint(checkpoint: Path) -> str:
+        step = _checkpoint_step(checkpoint)
+        older = [
+            other
+            for other in _complete_checkpoints(checkpoint.parent)
+            if other != checkpoint and (step is None or (_checkpoint_step(other) or 0) < step)
+        ]
+        if older:
+            return f"resume from an older one: --resume {older[-1]}"
+        return f"no older checkpoint exists in {checkpoint.parent}: start the run afresh (without --resume)"
