@@ -86,7 +86,8 @@ class DataConfig:
         "Prompt of the instruction format for samples with an empty input.",
     )
     train_on_prompt: bool = _f(
-        False, "Also compute the loss on prompt tokens (default: only on the response, where the format has one)."
+        False,
+        "Also compute the loss on prompt tokens (default: only on the response, where the format has one).",
     )
     max_length: int = _f(1024, "Longest sample in tokens (after the template).")
     too_long: Literal["skip", "truncate", "error"] = _f(
@@ -102,7 +103,9 @@ class DataConfig:
         "(demos): `reverse` (reverse a string of letters, instruction format; the eval prompts "
         "never occur in the training file).",
     )
-    synthetic_samples: list[int] = _f([20000, 500], "Training and held-out samples the synthetic task writes.")
+    synthetic_samples: list[int] = _f(
+        [20000, 500], "Training and held-out samples the synthetic task writes."
+    )
 
 
 @dataclass
@@ -114,7 +117,9 @@ class RunSection:
         "roundpipe", "Dispatch policy (roundpipe, 1f1b, gpipe, ...), or `auto`: the tuner picks one."
     )
     num_microbatches: int | Literal["auto"] = _f(4, "Microbatches per forward/backward, or `auto`.")
-    dtype: Literal["fp32", "bf16", "fp16"] = _f("fp32", "Compute precision; masters and optimizer state stay fp32.")
+    dtype: Literal["fp32", "bf16", "fp16"] = _f(
+        "fp32", "Compute precision; masters and optimizer state stay fp32."
+    )
     optimizer_mode: Literal["sync", "async"] = _f(
         "sync", "sync: exact; async: the update overlaps the next step (staleness 1)."
     )
@@ -155,13 +160,17 @@ class EvalConfig:
         "Also report exact match: the greedy answer equals the reference response (instruction and "
         "chat formats).",
     )
-    show_samples: int = _f(0, "At the end, print this many held-out prompts with the model's answer and the reference.")
+    show_samples: int = _f(
+        0, "At the end, print this many held-out prompts with the model's answer and the reference."
+    )
     max_new_tokens: int = _f(64, "Longest generated answer when showing samples.")
 
 
 @dataclass
 class CheckpointConfig:
-    every: int | None = _f(None, "Write a checkpoint every N optimizer steps (null: only at the end and on a signal).")
+    every: int | None = _f(
+        None, "Write a checkpoint every N optimizer steps (null: only at the end and on a signal)."
+    )
     keep_last: int = _f(2, "Keep this many newest checkpoints; older ones are deleted.")
     on_signal: bool = _f(True, "On SIGINT / SIGTERM finish the current step, write a checkpoint and stop.")
     at_end: bool = _f(True, "Write a checkpoint when the run completes.")
@@ -176,7 +185,9 @@ class CheckpointConfig:
 class LoggingConfig:
     every: int = _f(1, "Log metrics every N optimizer steps.")
     progress: bool = _f(True, "Show a tqdm progress bar (loss, tokens/s, ETA, worker idle share).")
-    tensorboard: bool | Literal["auto"] = _f("auto", "Write TensorBoard events: true, false, or auto (when installed).")
+    tensorboard: bool | Literal["auto"] = _f(
+        "auto", "Write TensorBoard events: true, false, or auto (when installed)."
+    )
     plots: bool = _f(True, "At the end draw the loss curve and one step's timeline (PNG, Chrome trace).")
 
 
@@ -187,17 +198,23 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training and evaluation data."})
     run: RunSection = field(default_factory=RunSection, metadata={"help": "How and how long to run."})
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "The AdamW optimizer."})
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig, metadata={"help": "Learning-rate schedule."})
+    schedule: ScheduleConfig = field(
+        default_factory=ScheduleConfig, metadata={"help": "Learning-rate schedule."}
+    )
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Evaluation on held-out data."})
     checkpoint: CheckpointConfig = field(
         default_factory=CheckpointConfig, metadata={"help": "Checkpoints and exports."}
     )
-    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Progress, metrics, plots."})
+    logging: LoggingConfig = field(
+        default_factory=LoggingConfig, metadata={"help": "Progress, metrics, plots."}
+    )
 
     def check(self) -> None:
         """Rules that span fields (types and required keys are checked by the recipe loader)."""
         if (self.model.path is None) == (self.model.config is None):
-            raise RecipeError("set exactly one of model.path (a HF directory) and model.config (config numbers)")
+            raise RecipeError(
+                "set exactly one of model.path (a HF directory) and model.config (config numbers)"
+            )
         if self.data.train == REQUIRED:  # ==, not `is`: a dumped and re-read "<required>" is another str
             raise RecipeError("data.train is required: the path of the training data file")
         for key, value in (
@@ -217,7 +234,9 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise RecipeError(f"{key} must be at least 1 or null, got {value}")
         if self.run.num_microbatches != "auto" and self.run.num_microbatches < 1:
-            raise RecipeError(f"run.num_microbatches must be at least 1 or auto, got {self.run.num_microbatches}")
+            raise RecipeError(
+                f"run.num_microbatches must be at least 1 or auto, got {self.run.num_microbatches}"
+            )
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise RecipeError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         if self.run.epochs <= 0:
