@@ -21,20 +21,20 @@ from torch import nn
 
 from roundpipe.backend import MemoryLedger, make_backend
 from roundpipe.config import RunConfig
-from roundpipe.errors import PipelineStateError
+from roundpipe.errors import InputError, PipelineStateError
 from roundpipe.models import adapt_model
 from roundpipe.optim import LayerwiseAdamW, OptimizerConfig
-from roundpipe.runtime.checkpoint import export_masters, load_masters, masters_state
 from roundpipe.runtime.exchange import Exchange
 from roundpipe.runtime.executor import Executor
 from roundpipe.runtime.hostqueue import HostQueue
 from roundpipe.runtime.inputs import split_batch
+from roundpipe.runtime.masters import export_masters, load_masters, load_stale, masters_state, stale_state
 from roundpipe.runtime.optimizer_steps import OptimizerSteps
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
 from roundpipe.runtime.planning import Planner, RuntimePlan
 from roundpipe.runtime.report import Recorder
 from roundpipe.runtime.step import StepOutput, StepRun
-from roundpipe.runtime.store import ParameterStore
+from roundpipe.runtime.store import ParameterStore, Weights
 from roundpipe.runtime.worker import Worker
 
 
@@ -42,9 +42,18 @@ class Pipeline:
     """A HF causal LM (optionally peft-wrapped) trained with all state on the CPU.
 
     Use as a context manager, or call ``close()``. Thread-safety: one caller thread at a time.
+
+    Args:
+        model: the model to train. Its parameters on the meta device (a model built without
+            weights) are read from ``weights`` straight into the parameter store, and the model's
+            tensors are re-pointed at the store's copies (see ``runtime/store.py``).
+        config: how to run (default ``RunConfig()``).
+        weights: ``name in weights`` and ``weights.fill(name, out)`` for the model's meta
+            parameters, e.g. ``roundpipe.train.loading.SafetensorsWeights(model_dir)``; None when
+            the model holds its weights.
     """
 
-    def __init__(self, model: nn.Module, config: RunConfig | None = None):
+    def __init__(self, model: nn.Module, config: RunConfig | None = None, weights: Weights | None = None):
         self.config = config or RunConfig()
         self.adapter = adapt_model(model, head_shards=self.config.head_shards)
         self.backend = make_backend(self.config.devices, self.config.device_capacity, self.config.sanitize)
@@ -56,6 +65,7 @@ class Pipeline:
                 self.backend,
                 double_buffer=self.config.optimizer_mode == "async",
                 host_memory=self.config.host_memory,
+                weights=weights,
             )
             self.backend.host_buffers = self.store.host.pool  # where downloads land
             self.store_num_layers = len(self.adapter.layers)
@@ -79,7 +89,10 @@ class Pipeline:
         self.weight_bound = False  # the running table keeps weights resident (every policy but roundpipe)
         capacity = self.backend.devices[0].memory.capacity
         self.weight_cache_bytes = self.config.weight_cache_bytes or (capacity // 2 if capacity else None)
-        self._steps_run = 0
+        self._steps_run = 0  # forward_backward calls: with the layer and microbatch, the dropout seeds
+        # Optimizer steps taken: every forward_backward of optimizer step k reads compute copy k % 2
+        # (async mode), also when several calls accumulate into one step.
+        self._updates_run = 0
         self._grads_pending = False  # forward_backward ran since the last step
         self._stepped_eagerly = False
         self._closed = False
@@ -107,6 +120,7 @@ class Pipeline:
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         accumulate: bool = False,
+        loss_tokens: int | None = None,
     ) -> StepOutput:
         """Run forward and backward over the whole batch; gradients accumulate on the CPU.
 
@@ -115,6 +129,11 @@ class Pipeline:
         layer's update starts as soon as its gradient is final (overlapping the backward of lower
         layers) unless ``accumulate=True`` (keep the gradients for a later call) or the update
         needs every gradient first (``max_grad_norm``, fp16 loss scaling); ``step()`` completes it.
+
+        ``loss_tokens``: the gradient is that of the loss summed over tokens and divided by this
+        count instead of this batch's own label count. Gradient accumulation passes the label
+        tokens of every batch of the optimizer step, so that the accumulated gradient is exactly
+        that of the token-mean loss of the whole step. The returned loss stays this batch's mean.
         """
         self._check_open()
         if self._stepped_eagerly:
@@ -122,12 +141,17 @@ class Pipeline:
                 "call step() after each forward_backward (or pass accumulate=True to the earlier call)"
             )
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
+        if loss_tokens is not None and (not isinstance(loss_tokens, int) or loss_tokens < total):
+            raise InputError(
+                f"loss_tokens must be an int of at least this batch's {total} label tokens "
+                f"(the label tokens of every batch of the optimizer step), got {loss_tokens!r}"
+            )
         if self.config.partition == "auto" and self.layer_times is None:
             self.profile(input_ids, labels, attention_mask, position_ids, steps=1)
         plan = self._planner.flow_plan(len(microbatches))
         eager = self._updates.eager(accumulate, self.config.optimizer_mode)
-        self.store.set_read_buffer(self._steps_run)
-        step = self._new_step(microbatches, total, plan, eager)
+        self.store.set_read_buffer(self._updates_run)
+        step = self._new_step(microbatches, loss_tokens or total, plan, eager)
         self.weight_bound = plan.table.weight_bound
         self.last_plan = plan
         with self._recorder.recording():
@@ -139,6 +163,39 @@ class Pipeline:
         self._stepped_eagerly = eager
         return StepOutput(step.loss_sum / total, total)
 
+    def evaluate(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> StepOutput:
+        """The loss of a batch on the weights the next training step would read, without
+        training: held-out evaluation through the same workers.
+
+        Runs the batch's forward and backward like ``forward_backward`` (the runtime has no
+        forward-only tables yet, so an evaluation costs a training step's compute) and discards
+        the gradients. It does not count as a step: the step counter, the async double buffer,
+        the dropout seeds of later steps and the measured layer times are left as they were, so a
+        run with evaluations trains exactly as one without. Call it between steps, not between an
+        ``accumulate=True`` call and its ``step()``.
+        """
+        self._check_open()
+        if self._grads_pending:
+            raise PipelineStateError(
+                "evaluate() would mix its gradients with pending ones: call step() first"
+            )
+        self._hostq.drain()  # an async update still reading the gradient buffers must finish
+        microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
+        plan = self._planner.flow_plan(len(microbatches))
+        self.store.set_read_buffer(self._updates_run)
+        step = self._new_step(microbatches, total, plan, eager=False)
+        self.weight_bound = plan.table.weight_bound
+        with self._recorder.recording():
+            self._executor.run(step)
+        self.store.zero_grads()
+        return StepOutput(step.loss_sum / total, total)
+
     def step(self) -> None:
         """Complete the optimizer update for the gradients accumulated so far, then zero them."""
         self._check_open()
@@ -147,12 +204,13 @@ class Pipeline:
             raise PipelineStateError("step() needs gradients: call forward_backward first")
         self._updates.last_step_skipped = False
         if self.config.optimizer_mode == "async":
-            # Publish into the copy this iteration read: the iteration after next reads it, while
-            # the next one computes on the other copy (staleness exactly 1).
-            publish_to = self._steps_run - 1
+            # Publish into the copy this step read: the step after next reads it, while the next
+            # one computes on the other copy (staleness exactly 1).
+            publish_to = self._updates_run
             self._hostq.submit(lambda: self._updates.deferred_step(publish_to))
         elif not self._stepped_eagerly:
             self._updates.deferred_step()
+        self._updates_run += 1
         self._grads_pending = False
         self._stepped_eagerly = False
 
@@ -181,19 +239,30 @@ class Pipeline:
         export_masters(self.store, model)
 
     def state_dict(self) -> dict:
-        """fp32 masters and optimizer state keyed by parameter name (a checkpoint)."""
+        """fp32 masters and optimizer state keyed by parameter name (a checkpoint).
+
+        In async mode also the compute copy the next step reads (``stale``): the weights from one
+        update before the masters, which the staleness-1 contract has that step compute on.
+        """
         self._hostq.drain()
-        return {
+        sd = {
             "masters": masters_state(self.store),
             "steps_run": self._steps_run,
+            "updates_run": self._updates_run,
             **self._updates.state_dict(),
         }
+        if self.store.double_buffer:
+            sd["stale"] = stale_state(self.store, self._updates_run)
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         masters = sd["masters"]
         self._hostq.drain()
         load_masters(self.store, masters)
         self._steps_run = sd.get("steps_run", 0)
+        self._updates_run = sd.get("updates_run", self._steps_run)
+        if self.store.double_buffer and "stale" in sd:
+            load_stale(self.store, sd["stale"], self._updates_run)
         self._updates.load_state_dict(sd)
 
     # ----------------------------------------------------------------- planning and measuring

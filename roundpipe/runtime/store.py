@@ -19,19 +19,41 @@ its binding then carries those rows, and what a device holds of it -- a *piece*,
 or None for the whole tensor)`` -- is only those rows, uploaded from the compute copy and returning a
 gradient of those rows. Masters and gradients stay whole on the CPU.
 
+Loading (``weights``): a tensor of the model on the meta device (built without weights, e.g. under
+``accelerate.init_empty_weights()``) is filled from ``weights`` straight into its store copy -- the
+fp32 master of a trainable entry, the compute copy of a frozen one -- so host RAM never holds a
+second copy of it; the model's own tensor is then re-pointed at that copy (the master, else the
+compute copy; ``torch.utils.swap_tensors``, so the object, its ties and peft's references stay)
+and the model stays usable on the CPU. ``weights`` is any object with ``name in weights`` and
+``weights.fill(name, out)`` (write the named tensor into ``out``, converting its dtype);
+``roundpipe.train.loading.SafetensorsWeights`` reads a HF model directory. The names asked for are
+the model's parameter names (every name of a tied tensor, first found wins); mapping them to the
+file's names is the weights object's business. Tensors not on the meta device are copied as above.
+
 The model's own parameters are not touched during training; ``export_to`` writes masters back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from roundpipe.backend import Backend, tensor_bytes
 from roundpipe.backend.host_memory import HostMemory
+from roundpipe.errors import CheckpointError, ConfigError
 from roundpipe.models.base import ModelAdapter
+
+
+class Weights(Protocol):
+    """Where the tensors of a model built on the meta device come from (see the module docstring)."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def fill(self, name: str, out: torch.Tensor) -> None:
+        """Write the tensor ``name`` into ``out`` (same shape), converting to ``out.dtype``."""
 
 
 @dataclass
@@ -46,6 +68,7 @@ class Entry:
     grad: torch.Tensor | None = None
     users: list[int] = field(default_factory=list)  # layer indices that use it
     read: int = 0
+    source: str | None = None  # the name it was loaded by from ``weights`` (None: copied from the model)
 
     @property
     def compute(self) -> torch.Tensor:
@@ -85,7 +108,14 @@ class Binding:
 class ParameterStore:
     """All tensors of the model, once each. ``double_buffer`` (async optimizer) gives every
     trainable entry two compute copies: iteration ``t`` reads copy ``t % 2`` while the optimizer
-    publishes the next weights into the other (see ``Pipeline`` for the staleness contract)."""
+    publishes the next weights into the other (see ``Pipeline`` for the staleness contract).
+
+    Raises:
+        ConfigError: a tensor of the model is on the meta device and no ``weights`` were given, or
+            a buffer of ``adapter.context_module`` (rotary tables, never stored) is on meta.
+        CheckpointError: ``weights`` holds no tensor under any name of a meta tensor (or the
+            weights object's own checks fail: a shape that disagrees, a truncated file).
+    """
 
     def __init__(
         self,
@@ -95,9 +125,17 @@ class ParameterStore:
         double_buffer: bool = False,
         *,
         host_memory: str = "arena",
+        weights: Weights | None = None,
     ):
         self.dtype = dtype
         self.double_buffer = double_buffer
+        self.weights = weights
+        for name, b in adapter.context_module.named_buffers():
+            if b.is_meta:  # not stored (every worker builds its own copy), so it cannot be filled
+                raise ConfigError(
+                    f"buffer {name} of the model is on the meta device: build the model under "
+                    f"accelerate.init_empty_weights(), which leaves buffers real, not torch.device('meta')"
+                )
         self.host = HostMemory(backend, host_memory)
         self.entries: list[Entry] = []
         self.bindings: list[list[Binding]] = []  # per layer
@@ -118,7 +156,7 @@ class ParameterStore:
                         if e is None:
                             e, plan = self._plan_entry(
                                 len(self.entries),
-                                names.get(id(t), f"{layer.name}.{mpath}.{attr}"),
+                                names.get(id(t)) or [f"{layer.name}.{mpath}.{attr}"],
                                 t,
                                 is_buffer,
                             )
@@ -138,8 +176,14 @@ class ParameterStore:
     # What each entry's compute copies are, decided before any host memory is allocated:
     # "master" (fp32 sync: the fp32 master is the compute copy), "from_master" (a run-dtype copy of
     # the master), "convert" (a frozen tensor in another dtype), "own" (a frozen tensor already in the
-    # run dtype: stored once, the model's tensor re-pointed at the copy).
-    def _plan_entry(self, key: int, name: str, t: torch.Tensor, is_buffer: bool) -> tuple[Entry, list[str]]:
+    # run dtype: stored once, the model's tensor re-pointed at the copy); for meta tensors see
+    # _plan_loaded_entry. ``names``: every name of the tensor in the model, the first is the entry's.
+    def _plan_entry(
+        self, key: int, names: list[str], t: torch.Tensor, is_buffer: bool
+    ) -> tuple[Entry, list[str]]:
+        if t.is_meta:
+            return self._plan_loaded_entry(key, names, t, is_buffer)
+        name = names[0]
         trainable = (not is_buffer) and t.requires_grad
         data = t.detach()
         if trainable:
@@ -161,11 +205,52 @@ class ParameterStore:
             e = Entry(key, name, t, False, is_buffer, [])
         return e, plan
 
+    # A meta tensor has no data to copy: "load_master" (fp32 sync: the weights are read into the
+    # fp32 master, which is the compute copy), "from_master" after a pageable fp32 master read here,
+    # or "load" (frozen: read into the compute copy, in the run dtype when floating).
+    def _plan_loaded_entry(
+        self, key: int, names: list[str], t: torch.Tensor, is_buffer: bool
+    ) -> tuple[Entry, list[str]]:
+        source = self._source_name(names)
+        trainable = (not is_buffer) and t.requires_grad
+        e = Entry(key, names[0], t, trainable, is_buffer, [], source=source)
+        if not trainable:
+            return e, ["load"]
+        if self.dtype == torch.float32 and not self.double_buffer:
+            return e, ["load_master"]
+        master = torch.empty(t.shape, dtype=torch.float32)  # pageable: never uploaded
+        with torch.no_grad():
+            self.weights.fill(source, master)
+        e.master = nn.Parameter(master)
+        _repoint(t, master)
+        return e, ["from_master"] * (2 if self.double_buffer else 1)
+
+    def _source_name(self, names: list[str]) -> str:
+        if self.weights is None:
+            raise ConfigError(
+                f"{names[0]} is on the meta device (the model was built without weights) and no weights "
+                f"were given: pass weights=roundpipe.train.loading.SafetensorsWeights(model_dir) to "
+                f"roundpipe.wrap, or load the model with its weights (from_pretrained)"
+            )
+        for name in names:
+            if name in self.weights:
+                return name
+        raise CheckpointError(
+            f"the weights hold no tensor for {names[0]} (asked for {', '.join(names)}): they do not "
+            f"belong to this model; load the directory the model's config came from"
+        )
+
+    def _copy_dtype(self, e: Entry, role: str) -> torch.dtype:
+        if role in ("master", "load_master"):
+            return torch.float32
+        if role in ("from_master", "convert") or (role == "load" and e.tensor.is_floating_point()):
+            return self.dtype
+        return e.tensor.dtype
+
     def _allocate_and_fill(self, plans: list[list[str]]) -> None:
         """One allocation of every planned compute copy, then the copies filled in."""
-        role_dtype = {"master": torch.float32, "from_master": self.dtype, "convert": self.dtype}
         specs = [
-            (tuple(e.tensor.shape), role_dtype.get(role, e.tensor.dtype))
+            (tuple(e.tensor.shape), self._copy_dtype(e, role))
             for e, plan in zip(self.entries, plans)
             for role in plan
         ]
@@ -180,6 +265,13 @@ class ParameterStore:
                         e.master = nn.Parameter(buf)
                     elif role == "from_master":
                         buf.copy_(e.master.data)
+                    elif role == "load_master":
+                        self.weights.fill(e.source, buf)
+                        e.master = nn.Parameter(buf)
+                        _repoint(e.tensor, buf)
+                    elif role == "load":
+                        self.weights.fill(e.source, buf)
+                        _repoint(e.tensor, buf)
                     else:
                         buf.copy_(data)
                         if role == "own":
@@ -254,10 +346,19 @@ class ParameterStore:
                 e.grad.zero_()
 
 
-def _qualified_names(model: nn.Module) -> dict[int, str]:
-    names: dict[int, str] = {}
+def _qualified_names(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each tensor of ``model`` (tied tensors have several), parameters first."""
+    names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), n)
+        names.setdefault(id(p), []).append(n)
     for n, b in model.named_buffers(remove_duplicate=False):
-        names.setdefault(id(b), n)
+        names.setdefault(id(b), []).append(n)
     return names
+
+
+def _repoint(t: torch.Tensor, data: torch.Tensor) -> None:
+    """Make the model's meta tensor ``t`` hold ``data`` (shared, not copied), keeping the Python
+    object: ``.data =`` cannot turn a meta tensor into a CPU one; ``swap_tensors`` can, and every
+    module that holds ``t`` (a tied weight) sees the new data."""
+    new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data.detach()
+    torch.utils.swap_tensors(t, new)

@@ -58,6 +58,21 @@ def load_masters(store: ParameterStore, masters: dict[str, torch.Tensor]) -> Non
         store.refresh_compute([e.key for e in store.entries if e.trainable])
 
 
+def stale_state(store: ParameterStore, steps_run: int) -> dict[str, torch.Tensor]:
+    """Async mode: copies of the compute copy step ``steps_run`` will read, keyed by name."""
+    return {
+        e.name: e.buffers[steps_run % len(e.buffers)].detach().clone() for e in store.entries if e.trainable
+    }
+
+
+def load_stale(store: ParameterStore, stale: dict[str, torch.Tensor], steps_run: int) -> None:
+    """Async mode, after ``load_masters``: put back the weights step ``steps_run`` reads."""
+    with torch.no_grad():
+        for e in store.entries:
+            if e.trainable and e.name in stale:
+                e.buffers[steps_run % len(e.buffers)].copy_(stale[e.name])
+
+
 def _match_name(name: str, by_name: dict) -> object:
     if name in by_name:
         return by_name[name]
