@@ -1,7 +1,4 @@
-"""The ``roundpipe`` command: ``demo``, ``partition``, ``simulate`` and ``plan``.
-
-``roundpipe train`` arrives with the trainer; until then the command offers what exists.
-"""
+"""The ``roundpipe`` command: ``train``, ``demo``, ``partition``, ``simulate`` and ``plan``."""
 
 from __future__ import annotations
 
@@ -9,7 +6,14 @@ import argparse
 import sys
 
 COMMANDS = {
-    "demo": ("roundpipe.demo", "LoRA-fine-tune a small model built from a config (what `make demo` runs)"),
+    "train": (
+        "roundpipe.train.command",
+        "fine-tune a model as a YAML recipe says (roundpipe train RECIPE.yaml)",
+    ),
+    "demo": (
+        "roundpipe.demo",
+        "train recipes/demo.yaml: a small model learns to reverse strings (what `make demo` runs)",
+    ),
     "partition": ("roundpipe.partition.__main__", "print balanced partition plans for preset models"),
     "simulate": (
         "roundpipe.sim.simulate_command",
@@ -24,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="roundpipe",
         description="Fine-tune Hugging Face LLMs on GPUs far smaller than the model.",
-        epilog="Run `roundpipe COMMAND --help` for a command's options. train is not available yet.",
+        epilog="Run `roundpipe COMMAND --help` for a command's options.",
     )
     parser.add_argument(
         "command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items())

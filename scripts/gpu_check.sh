@@ -8,7 +8,7 @@
 #   equivalence  every executable policy x {cuda:0x2, cuda:0} vs plain PyTorch (tests/test_cuda.py)
 #   memory       roundpipe policy, 386 MiB bf16 layers: measured peak vs the plan, every figure printed
 #   smoke        bf16 LoRA training and the ledger-vs-torch.cuda test
-#   demo         a short throughput run of roundpipe.demo on cuda:0x2
+#   demo         a short throughput run of scripts/gpu_throughput.py on cuda:0x2
 #   sanitizer    the equivalence tests under TORCH_CUDA_SANITIZER=1, plus a control that the
 #                sanitizer sees roundpipe's worker threads (last: it takes what the budget has left)
 # Ends with one PASS / SKIP / FAIL line per step; exits non-zero if any step failed. The whole run
@@ -148,9 +148,9 @@ run_step memory 120 "${PYTEST[@]}" -s -k "peak_memory"
 run_step smoke 45 "${PYTEST[@]}" -s -k "bf16 or ledger"
 
 if ((DRY)); then
-    run_step demo 55 "$PY" -m roundpipe.demo --devices "$D2" --steps 3 --batch 8 --seq 32 --dtype bf16
+    run_step demo 55 "$PY" scripts/gpu_throughput.py --devices "$D2" --steps 3 --batch 8 --seq 32 --dtype bf16
 else
-    run_step demo 60 "$PY" -m roundpipe.demo --devices "$D2" --steps 20 --batch 32 --seq 256 --dtype bf16
+    run_step demo 60 "$PY" scripts/gpu_throughput.py --devices "$D2" --steps 20 --batch 32 --seq 256 --dtype bf16
 fi
 
 # Last, as the slowest and least predictable step: it gets what is left of the budget (up to 240 s).

@@ -1,0 +1,163 @@
+"""Before the first step: what the run will need and do.
+
+``host_ram_needed`` counts the host bytes of the parameter store from the model's own tensors (on
+the meta device or real): fp32 masters, gradients and AdamW moments of the trainable ones, the
+compute copies the uploads read, and a margin for the activations and gradients handed back to
+the host. ``check_host_ram`` compares it with what ``psutil`` says is available and refuses, with
+the figures and the levers, when it will not fit. ``predict`` asks the simulator for tokens/s and
+memory, and runs the tuner when the recipe says ``policy: auto``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from roundpipe.errors import HostMemoryError
+
+GIB = 1 << 30
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    store_bytes: int  # masters, gradients, optimizer moments, compute copies
+    handoff_bytes: int  # activations and gradients held on the host during a step (estimate)
+
+    @property
+    def total(self) -> int:
+        return self.store_bytes + self.handoff_bytes
+
+
+def host_ram_needed(model: nn.Module, dtype: str, optimizer_mode: str, batch_tokens: int) -> HostNeed:
+    """Host bytes the run's state takes (see the module docstring). ``batch_tokens``: tokens of one
+    forward/backward (batch x sequence length)."""
+    run_bytes = _DTYPE_BYTES[dtype]
+    copies = 2 if optimizer_mode == "async" else 1
+    seen: set[int] = set()
+    store = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel()
+        if p.requires_grad:
+            store += n * 16  # fp32 master, fp32 gradient, two fp32 AdamW moments
+            if dtype != "fp32" or copies == 2:
+                store += n * run_bytes * copies
+        else:
+            store += n * (run_bytes if p.is_floating_point() else p.element_size())
+    hidden = int(getattr(_base_config(model), "hidden_size", 0) or 0)
+    layers = int(getattr(_base_config(model), "num_hidden_layers", 0) or 0)
+    # Each layer boundary's activation (forward) and its gradient (backward), in the run dtype.
+    handoff = 2 * batch_tokens * hidden * (layers + 2) * run_bytes
+    return HostNeed(store, handoff)
+
+
+def check_host_ram(need: HostNeed, *, lora: bool, dtype: str) -> str:
+    """Raise ``HostMemoryError`` when ``need`` exceeds the available host RAM; else a one-line summary."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    line = (
+        f"host RAM: the run needs ~{need.total / GIB:.2f} GiB (state {need.store_bytes / GIB:.2f} GiB, "
+        f"activations on the host ~{need.handoff_bytes / GIB:.2f} GiB); {available / GIB:.1f} GiB available"
+    )
+    if need.total <= available:
+        return line
+    levers = []
+    if not lora:
+        levers.append(
+            "train LoRA adapters (lora.enabled: true): the frozen weights then need no master, gradient or moments"
+        )
+    if dtype == "fp32":
+        levers.append("run.dtype: bf16 (frozen weights and compute copies in 2 bytes)")
+    levers.append("a smaller run.batch_size or data.max_length (less activation memory on the host)")
+    levers.append("a machine with more RAM, or fewer other processes")
+    raise HostMemoryError(
+        f"{line}: it does not fit. Levers: " + "; ".join(levers) + ". "
+        "Set run.host_ram_check: false to start anyway."
+    )
+
+
+def _base_config(model: nn.Module):
+    return getattr(model, "config", None) or getattr(getattr(model, "base_model", None), "config", None)
+
+
+def simulator_hardware(devices) -> tuple[str, str]:
+    """The simulator's preset for the pipeline's devices, and a note on how it was chosen."""
+    names = [d.name for d in devices]
+    n = len(names)
+    if names[0].startswith("cpu"):
+        return f"{n}xcpu", "virtual cpu devices"
+    gpu = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
+    for key, preset in (
+        ("4090", "rtx4090"),
+        ("3090", "rtx3090"),
+        ("h200", "h200"),
+        ("h100", "h100-sxm"),
+        ("a800", "a800-pcie"),
+    ):
+        if key in gpu:
+            return f"{n}x{preset}", gpu
+    return f"{n}xrtx4090", f"{gpu or 'unknown GPU'}: no preset, modelled as an RTX 4090"
+
+
+@dataclass(frozen=True)
+class Forecast:
+    text: str
+    policy: str | None = None  # the tuner's choice, when asked
+    num_microbatches: int | None = None
+
+
+def predict(model: nn.Module, devices, *, policy: str, seq_len: int, batch: int, microbatches, lora_rank, dtype: str,
+            optimizer_mode: str, tune_policy: bool) -> Forecast:  # fmt: skip
+    """The simulator's prediction for this run (and the tuner's policy when ``tune_policy``).
+
+    Never raises for a model the simulator cannot describe: the text then says why."""
+    from roundpipe.config import known_policies
+    from roundpipe.errors import RoundpipeError
+    from roundpipe.sim.scenario import Scenario, safe_run
+
+    hardware, how = simulator_hardware(devices)
+    config = _base_config(model).to_dict()
+    try:
+        if tune_policy:
+            from roundpipe.sim.tune import tune
+
+            result = tune(
+                config, hardware, seq_len=seq_len, global_batch=batch, lora_rank=lora_rank, dtype=dtype,
+                optimizer=optimizer_mode, policies=known_policies(), time_budget_s=20.0,
+            )  # fmt: skip
+            best = result.best
+            r = best.result
+            head = f"tuner ({hardware}, {how}): policy {best.policy}, {best.microbatches} microbatches"
+            chosen = (best.policy, best.microbatches)
+        else:
+            mb = microbatches if isinstance(microbatches, int) else None
+            r = safe_run(
+                Scenario(
+                    config,
+                    hardware,
+                    policy,
+                    seq_len=seq_len,
+                    global_batch=batch,
+                    microbatches=mb,
+                    lora_rank=lora_rank,
+                    dtype=dtype,
+                    optimizer=optimizer_mode,
+                )  # fmt: skip
+            )
+            head = f"simulator ({hardware}, {how}): policy {policy}"
+            chosen = (None, None)
+    except (RoundpipeError, KeyError, ValueError) as e:
+        return Forecast(f"simulator: cannot model this run ({e})")
+    gpu = max(r.peak_gpu_bytes) if r.peak_gpu_bytes else 0
+    text = (
+        f"{head}: predicts {r.tokens_per_s:,.0f} tokens/s, {r.iteration_s:.3f} s per forward/backward, "
+        f"peak device memory {gpu / GIB:.2f} GiB, host {r.peak_host_bytes / GIB:.2f} GiB"
+        + ("" if r.fits else f"; does not fit: {r.reason}")
+    )
+    return Forecast(text, *chosen)

@@ -1,0 +1,446 @@
+"""The training loop: ``Trainer(TrainConfig(...)).fit()``, which ``roundpipe train`` runs.
+
+One ``fit``: read the data and the tokenizer, build or load the model (a HF directory is read
+straight into the parameter store), check the host RAM and print the simulator's forecast, wrap
+the model in a ``Pipeline``, then for every optimizer step: the learning rate of the schedule,
+``grad_accum`` forward/backward calls whose gradients add up to that of the token-mean loss of the
+whole step, ``step()``; metrics, evaluation and checkpoints at their intervals. SIGINT / SIGTERM
+finish the step under way, write a checkpoint and stop; ``resume`` continues from one exactly.
+
+What makes a resumed run equal to an uninterrupted one, bit for bit on the cpu backend: the
+checkpoint holds the fp32 masters (all of them, or the adapters), the optimizer moments and step
+counts, the loss scaler, the pipeline's step counter (dropout seeds, async buffer parity), the data
+position and the host RNG states; the learning rate is a pure function of the step. None of them
+depends on the device count, so a run may resume on another one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import signal
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from roundpipe.errors import CheckpointError, DataError
+from roundpipe.train.config import TrainConfig
+from roundpipe.train.lr_schedule import lr_at
+
+
+@dataclass
+class TrainResult:
+    """What ``fit`` did. ``interrupted``: stopped by a signal (a checkpoint was written)."""
+
+    run_dir: Path
+    steps: int
+    train_losses: list[float] = field(default_factory=list)  # of the steps this call ran
+    eval: dict[str, float] = field(default_factory=dict)  # the last evaluation
+    checkpoint: Path | None = None
+    exports: dict[str, Path] = field(default_factory=dict)
+    interrupted: bool = False
+    elapsed_s: float = 0.0
+
+
+class _StopFlag:
+    """SIGINT / SIGTERM set the flag (the step under way finishes); a second signal interrupts."""
+
+    def __init__(self, enabled: bool):
+        self.signal: int | None = None
+        self._previous = {}
+        if enabled:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(ValueError):  # not the main thread: signals stay as they are
+                    self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        print(
+            f"\nroundpipe: {signal.Signals(signum).name}: finishing this step, then checkpoint and stop",
+            flush=True,
+        )
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    """Runs one ``TrainConfig``. ``resume``: ``"auto"`` (the newest checkpoint of the run, if any)
+    or a checkpoint directory. ``log``: where lines of text go (default ``print``)."""
+
+    def __init__(self, config: TrainConfig, *, resume: str | None = None, log=print):
+        config.check()
+        self.config = config
+        self.resume = resume
+        self.log = log
+        self.run_dir = Path(config.output_dir)
+
+    # ------------------------------------------------------------------ the run
+    def fit(self) -> TrainResult:
+        import roundpipe
+        from roundpipe.train.checkpoint import CheckpointManager
+        from roundpipe.train.data import Batches, load_data
+        from roundpipe.train.recipe import dump_recipe
+        from roundpipe.train.tokenizer import load_tokenizer
+        from roundpipe.train.watch import MetricsLog, Progress
+
+        cfg = self.config
+        t_start = time.perf_counter()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_recipe(cfg), encoding="utf-8")
+        manager = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+        resume_from = manager.resolve(self.resume) if self.resume else None
+
+        random.seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)
+        self._write_synthetic()
+        tokenizer = load_tokenizer(cfg.model)
+        splits = load_data(cfg.data, tokenizer, cfg.run.seed)
+        self.log(f"data: {len(splits.train)} training and {len(splits.eval)} held-out samples")
+        self.log(splits.report.summary())
+        pad_id = tokenizer.pad_token_id
+        batches = Batches(
+            splits.train,
+            cfg.run.batch_size,
+            seed=cfg.run.seed,
+            shuffle=cfg.data.shuffle,
+            group_by_length=cfg.data.group_by_length,
+            packing=cfg.data.packing,
+            max_length=cfg.data.max_length,
+            pad_id=pad_id,
+        )
+        if batches.steps_per_epoch < 1:
+            raise DataError(
+                f"{len(splits.train)} training samples make no batch of run.batch_size={cfg.run.batch_size}; "
+                "lower run.batch_size or add data"
+            )
+        total_steps = cfg.run.max_steps or max(
+            1, math.floor(cfg.run.epochs * batches.steps_per_epoch / cfg.run.grad_accum)
+        )
+
+        model, weights = self._model(tokenizer)
+        pipe_config = self._run_config(model, tokenizer)
+        with roundpipe.wrap(model, pipe_config, weights=weights) as pipe:
+            self.log(
+                f"plan: {len(pipe.adapter.layers)} layers over [{', '.join(d.name for d in pipe.backend.devices)}]"
+            )
+            pipe.configure_optimizer(
+                lr=cfg.optim.lr,
+                weight_decay=cfg.optim.weight_decay,
+                betas=tuple(cfg.optim.betas),
+                eps=cfg.optim.eps,
+                max_grad_norm=cfg.optim.max_grad_norm,
+            )
+            start = 0
+            if resume_from is not None:
+                start = self._restore(manager, resume_from, pipe, batches)
+                self.log(f"resumed from {resume_from} at step {start}")
+            metrics = MetricsLog(self.run_dir, cfg.logging, resume_step=start if resume_from else None)
+            result = TrainResult(self.run_dir, start)
+            stop = _StopFlag(cfg.checkpoint.on_signal)
+            progress = Progress(total_steps, start, cfg.logging.progress, cfg.logging.every)
+            try:
+                if start == 0 and cfg.eval.every is not None and splits.eval:
+                    result.eval = self._evaluate(pipe, model, splits.eval, tokenizer, 0, metrics)
+                    progress.write(_eval_line(0, result.eval))
+                for step in range(start, total_steps):
+                    row = self._train_step(pipe, batches, step, total_steps)
+                    metrics.log(row)
+                    result.train_losses.append(row["loss"])
+                    result.steps = step + 1
+                    progress.update(step + 1, row["loss"], row["tokens_per_s"], row["idle"], row["lr"])
+                    last = step + 1 == total_steps
+                    stopping = stop.signal is not None
+                    if cfg.logging.plots and (last or stopping):
+                        self._save_timeline(pipe)
+                    if splits.eval and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
+                        result.eval = self._evaluate(pipe, model, splits.eval, tokenizer, step + 1, metrics)
+                        progress.write(_eval_line(step + 1, result.eval))
+                    due = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
+                    if due or stopping or (last and cfg.checkpoint.at_end):
+                        result.checkpoint = self._save(manager, step + 1, pipe, batches)
+                    if stopping:
+                        result.interrupted = True
+                        self.log(f"stopped at step {step + 1} of {total_steps}; resume with --resume auto")
+                        break
+            finally:
+                progress.close()
+                stop.restore()
+                metrics.close()
+            if cfg.logging.plots:
+                from roundpipe.train.watch import save_loss_curve
+
+                save_loss_curve(metrics, self.run_dir / "loss.png", f"{cfg.run.name}: loss")
+            if not result.interrupted:
+                result.exports = self._export(pipe, model, tokenizer)
+                if cfg.eval.show_samples and splits.eval:
+                    self._show_samples(model, splits.eval[: cfg.eval.show_samples], tokenizer)
+        result.elapsed_s = time.perf_counter() - t_start
+        return result
+
+    # ------------------------------------------------------------------ pieces
+    def _write_synthetic(self) -> None:
+        d = self.config.data
+        if d.synthetic is None:
+            return
+        from roundpipe.train.synthetic import write_task
+
+        if d.eval is None:
+            raise DataError("data.synthetic writes a held-out file too: set data.eval to its path")
+        if write_task(d.synthetic, d.train, d.eval, d.synthetic_samples, self.config.run.seed):
+            self.log(f"data: wrote the synthetic task {d.synthetic!r} to {d.train} and {d.eval}")
+
+    def _model(self, tokenizer):
+        from roundpipe.train.loading import build_model
+
+        cfg = self.config
+        model_cfg = cfg.model
+        if model_cfg.config is not None:
+            numbers = dict(model_cfg.config)
+            numbers.setdefault("vocab_size", len(tokenizer))
+            for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+                if getattr(tokenizer, key, None) is not None:
+                    numbers.setdefault(key, getattr(tokenizer, key))
+            model_cfg = replace(model_cfg, config=numbers)
+        loaded = build_model(model_cfg, cfg.lora, cfg.run.seed)
+        model = loaded.model
+        model.train()
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        what = "LoRA" if cfg.lora.enabled else "full fine-tuning"
+        source = model_cfg.path or "a config (random init)"
+        self.log(
+            f"model: {total / 1e6:,.1f}M parameters from {source}; {what}, {trainable / 1e6:,.2f}M trainable"
+        )
+        return model, loaded.weights
+
+    def _run_config(self, model, tokenizer):
+        import roundpipe
+        from roundpipe.backend import make_backend
+        from roundpipe.train.forecast import check_host_ram, host_ram_needed, predict
+
+        cfg = self.config
+        run = cfg.run
+        need = host_ram_needed(model, run.dtype, run.optimizer_mode, run.batch_size * cfg.data.max_length)
+        if run.host_ram_check:
+            self.log(check_host_ram(need, lora=cfg.lora.enabled, dtype=run.dtype))
+        devices = "cpu:2" if run.devices == "auto" and not torch.cuda.is_available() else run.devices
+        probe = make_backend(devices, None, False)  # the device list, for the simulator's preset
+        try:
+            forecast = predict(
+                model,
+                probe.devices,
+                policy=run.policy,
+                seq_len=cfg.data.max_length,
+                batch=run.batch_size,
+                microbatches=run.num_microbatches,
+                lora_rank=cfg.lora.rank if cfg.lora.enabled else None,
+                dtype=run.dtype,
+                optimizer_mode=run.optimizer_mode,
+                tune_policy=run.policy == "auto",
+            )
+        finally:
+            probe.close()
+        self.log(forecast.text)
+        policy, microbatches = run.policy, run.num_microbatches
+        if run.policy == "auto":
+            policy = forecast.policy or "roundpipe"
+            microbatches = forecast.num_microbatches or microbatches
+        return roundpipe.RunConfig(
+            devices=devices,
+            policy=policy,
+            num_microbatches=microbatches,
+            dtype=run.dtype,
+            optimizer_mode=run.optimizer_mode,
+            seed=run.seed,
+            **run.options,
+        )
+
+    def _train_step(self, pipe, batches, step: int, total_steps: int) -> dict:
+        cfg = self.config
+        lr = lr_at(step, total_steps, cfg.optim.lr, cfg.schedule)
+        pipe.set_lr(lr)
+        micro = [batches.next() for _ in range(cfg.run.grad_accum)]
+        label_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+        t0 = time.perf_counter()
+        loss_sum, tokens, idle = 0.0, 0, []
+        for i, b in enumerate(micro):
+            out = pipe.forward_backward(
+                b["input_ids"],
+                labels=b["labels"],
+                attention_mask=b["attention_mask"],
+                accumulate=i < len(micro) - 1,
+                loss_tokens=label_tokens,
+            )
+            loss_sum += out.loss * out.num_tokens
+            tokens += int(b["attention_mask"].sum())
+            idle += [d["bubble_fraction"] for d in pipe.stats()["devices"]]
+        pipe.step()
+        seconds = time.perf_counter() - t0
+        row = {
+            "kind": "train",
+            "step": step + 1,
+            "loss": loss_sum / label_tokens,
+            "lr": lr,
+            "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "idle": sum(idle) / len(idle),
+            "epoch": batches.epoch,
+            "time_s": seconds,
+        }
+        if pipe.last_grad_norm is not None:
+            row["grad_norm"] = pipe.last_grad_norm
+        if pipe.last_step_skipped:
+            row["skipped"] = True  # fp16: non-finite gradients, the update was skipped
+        return row
+
+    def _eval_chunks(self, samples):
+        """Held-out samples in order, as batches no smaller than the microbatch count."""
+        from roundpipe.train.data import eval_batches
+
+        cfg = self.config
+        samples = samples[: cfg.eval.max_samples] if cfg.eval.max_samples else samples
+        size = cfg.eval.batch_size or cfg.run.batch_size
+        count = max(1, math.ceil(len(samples) / size))
+        bounds = [round(i * len(samples) / count) for i in range(count + 1)]
+        for a, b in zip(bounds, bounds[1:]):
+            yield from eval_batches(samples[a:b], b - a, self._pad_id)
+
+    def _evaluate(self, pipe, model, samples, tokenizer, step: int, metrics) -> dict:
+        self._pad_id = tokenizer.pad_token_id
+        loss_sum, tokens = 0.0, 0
+        for b in self._eval_chunks(samples):
+            out = pipe.evaluate(b["input_ids"], labels=b["labels"], attention_mask=b["attention_mask"])
+            loss_sum += out.loss * out.num_tokens
+            tokens += out.num_tokens
+        row = {"kind": "eval", "step": step, "loss": loss_sum / tokens}
+        if self.config.eval.exact_match:
+            pipe.export_to(model)
+            row["exact_match"] = exact_match(model, list(self._eval_chunks(samples)), samples)
+        metrics.log(row)
+        return {k: v for k, v in row.items() if k not in ("kind", "step")}
+
+    def _save_timeline(self, pipe) -> None:
+        from roundpipe.train.watch import save_timeline
+
+        try:
+            save_timeline(pipe, self.run_dir, f"{self.config.run.name}: one training step")
+        except Exception as e:  # a picture must not fail the run
+            self.log(f"timeline not drawn: {e}")
+
+    def _save(self, manager, step: int, pipe, batches) -> Path:
+        from roundpipe.train.recipe import dump_recipe
+
+        state = {
+            "step": step,
+            "pipeline": pipe.state_dict(),
+            "data": batches.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        path = manager.save(step, state, extra_files={"config.yaml": dump_recipe(self.config).encode()})
+        self.log(f"checkpoint: {path}")
+        return path
+
+    def _restore(self, manager, path: Path, pipe, batches) -> int:
+        step, state, _ = manager.load(path)
+        if state.get("step") != step:
+            raise CheckpointError(f"{path}: the state says step {state.get('step')} but the manifest {step}")
+        pipe.load_state_dict(state["pipeline"])
+        batches.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(_as_tuples(state["rng"]["python"]))
+        return step
+
+    def _export(self, pipe, model, tokenizer) -> dict[str, Path]:
+        from roundpipe.train.export import export_adapter, export_merged
+
+        cfg = self.config
+        kind = cfg.checkpoint.export
+        if kind == "none":
+            return {}
+        if kind == "auto":
+            kind = "adapter" if cfg.lora.enabled else "merged"
+        if kind in ("adapter", "both") and not cfg.lora.enabled:
+            raise DataError("checkpoint.export asks for an adapter but lora.enabled is false; export: merged")
+        pipe.export_to(model)
+        out = {}
+        if kind in ("adapter", "both"):
+            out["adapter"] = self.run_dir / "export" / "adapter"
+            export_adapter(model, out["adapter"])
+            tokenizer.save_pretrained(str(out["adapter"]))
+        if kind in ("merged", "both"):
+            out["merged"] = self.run_dir / "export" / "merged"
+            export_merged(model, out["merged"], tokenizer=tokenizer)
+        for name, path in out.items():
+            self.log(f"export ({name}): {path}")
+        return out
+
+    def _show_samples(self, model, samples, tokenizer) -> None:
+        was_training = model.training
+        model.eval()
+        self.log("held-out samples (greedy):")
+        try:
+            with torch.no_grad():
+                for s in samples:
+                    prompt = torch.tensor([s.input_ids[: s.prompt_len]])
+                    out = model.generate(
+                        prompt,
+                        attention_mask=torch.ones_like(prompt),
+                        max_new_tokens=self.config.eval.max_new_tokens,
+                        do_sample=False,
+                        eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id,
+                    )[0, prompt.shape[1] :].tolist()
+                    got = tokenizer.decode(out, skip_special_tokens=True)
+                    want = tokenizer.decode(list(s.input_ids[s.prompt_len :]), skip_special_tokens=True)
+                    mark = "ok " if got.strip() == want.strip() else "MISS"
+                    shown = tokenizer.decode(list(s.input_ids[: s.prompt_len]), skip_special_tokens=True)
+                    self.log(f"  {mark} {shown!r} -> {got!r} (answer {want!r})")
+        finally:
+            model.train(was_training)
+
+
+def exact_match(model, batches, samples) -> float:
+    """Share of ``samples`` whose whole answer (``input_ids[prompt_len:]``, end-of-sequence
+    included) is the model's greedy choice at every position, fed the reference prefix. That is
+    exactly the share a greedy decoder answers correctly: each answer token is then predicted from
+    the correct prefix. ``batches`` hold ``samples`` in order (``eval_batches``)."""
+    was_training = model.training
+    model.eval()
+    hits, index = 0, 0
+    try:
+        with torch.no_grad():
+            for b in batches:
+                logits = model(
+                    input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False
+                ).logits
+                pred = logits[:, :-1].argmax(-1)
+                for row in range(b["input_ids"].shape[0]):
+                    s = samples[index]
+                    index += 1
+                    start, end = s.prompt_len, len(s.input_ids)
+                    if start == 0:
+                        continue  # no answer to match (text format)
+                    want = b["input_ids"][row, start:end]
+                    hits += bool(torch.equal(pred[row, start - 1 : end - 1], want))
+    finally:
+        model.train(was_training)
+    answered = sum(1 for s in samples[:index] if s.prompt_len > 0)
+    return hits / answered if answered else 0.0
+
+
+def _eval_line(step: int, ev: dict) -> str:
+    return f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items())
+
+
+def _as_tuples(state):
+    """``random.setstate`` wants tuples where a JSON round trip may have left lists."""
+    if isinstance(state, list):
+        return tuple(_as_tuples(x) for x in state)
+    return state

@@ -1,0 +1,142 @@
+"""Watching a run: a tqdm progress bar, metrics as JSON lines (and TensorBoard when installed), and
+the pictures drawn at the end (the loss curve, one step's timeline as PNG and Chrome trace).
+
+Caller's thread only. Metrics files are appended line by line and flushed, so a run killed at any
+moment leaves every line it logged readable; a resumed run drops the lines past its checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from roundpipe.train.config import LoggingConfig
+
+
+class MetricsLog:
+    """``metrics.jsonl`` in the run directory: one JSON object per logged step or evaluation,
+    with ``step`` and ``kind`` (``train`` / ``eval``); and TensorBoard scalars when asked for."""
+
+    def __init__(self, run_dir: Path, config: LoggingConfig, resume_step: int | None = None):
+        self.path = run_dir / "metrics.jsonl"
+        self.rows: list[dict[str, Any]] = []
+        if resume_step is not None and self.path.exists():
+            # Keep what the checkpointed part of the run logged; the steps after it run again.
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill
+                if row.get("step", math.inf) <= resume_step:
+                    self.rows.append(row)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb = _tensorboard_writer(run_dir / "tensorboard", config.tensorboard)
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key not in ("step", "kind") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"{row['kind']}/{key}", value, row["step"])
+
+    def series(self, kind: str, key: str) -> tuple[list[int], list[float]]:
+        rows = [r for r in self.rows if r.get("kind") == kind and key in r]
+        return [r["step"] for r in rows], [r[key] for r in rows]
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _tensorboard_writer(directory: Path, wanted: bool | str):
+    if wanted is False:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is an optional extra
+        if wanted is True:
+            from roundpipe.errors import RecipeError
+
+            raise RecipeError(
+                "logging.tensorboard is true but tensorboard is not installed: "
+                "pip install 'roundpipe[tensorboard]', or set logging.tensorboard: auto"
+            ) from None
+        return None
+    return SummaryWriter(str(directory))
+
+
+class Progress:
+    """A tqdm bar over optimizer steps showing loss, tokens/s, ETA and the workers' idle share;
+    plain lines instead when progress bars are off or the output is not a terminal."""
+
+    def __init__(self, total: int, start: int, enabled: bool, every: int):
+        self.every = every
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+        self.total = total
+
+    def update(self, step: int, loss: float, tokens_per_s: float, idle: float, lr: float) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", idle=f"{idle:.0%}")
+        elif step % self.every == 0 or step == self.total:
+            print(
+                f"step {step:5d}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  "
+                f"{tokens_per_s:,.0f} tokens/s  workers idle {idle:.0%}",
+                flush=True,
+            )
+
+    def write(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def save_loss_curve(metrics: MetricsLog, path: Path, title: str) -> None:
+    """Train (and eval, where there is one) loss against the optimizer step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps, losses = metrics.series("train", "loss")
+    ax.plot(steps, losses, label="train", linewidth=1.2)
+    steps, losses = metrics.series("eval", "loss")
+    if steps:
+        ax.plot(steps, losses, "o-", label="eval", linewidth=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean cross-entropy per label token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save_timeline(pipe, run_dir: Path, title: str) -> list[Path]:
+    """The last recorded step of ``pipe``: a Gantt PNG (the simulator's drawing code) and a Chrome
+    trace (open in chrome://tracing or Perfetto)."""
+    from roundpipe.sim.gantt import save_gantt
+
+    timeline = pipe.last_timeline()
+    png, trace = run_dir / "timeline.png", run_dir / "timeline.trace.json"
+    save_gantt(timeline, str(png), title=title)
+    timeline.save_chrome_trace(str(trace))
+    return [png, trace]
