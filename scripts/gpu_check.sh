@@ -9,6 +9,7 @@
 #   memory       roundpipe policy, 386 MiB bf16 layers: measured peak vs the plan, every figure printed
 #   smoke        bf16 LoRA training and the ledger-vs-torch.cuda test
 #   demo         a short throughput run of scripts/gpu_throughput.py on cuda:0x2
+#   train        `roundpipe train recipes/demo.yaml` for 20 steps on cuda:0x2 (SKIP without `datasets`)
 #   sanitizer    the equivalence tests under TORCH_CUDA_SANITIZER=1, plus a control that the
 #                sanitizer sees roundpipe's worker threads (last: it takes what the budget has left)
 # Ends with one PASS / SKIP / FAIL line per step; exits non-zero if any step failed. The whole run
@@ -153,6 +154,15 @@ else
     run_step demo 60 "$PY" scripts/gpu_throughput.py --devices "$D2" --steps 20 --batch 32 --seq 256 --dtype bf16
 fi
 
+TRAIN_ARGS=(--set "run.devices=$D2" --set run.max_steps=20 --set eval.every=10 --set "run.output_dir=${TMPDIR:-/tmp}/roundpipe-gpu-check-train"
+    --set "data.train=${TMPDIR:-/tmp}/roundpipe-gpu-check-train/data/train.jsonl" --set "data.eval=${TMPDIR:-/tmp}/roundpipe-gpu-check-train/data/eval.jsonl"
+    --set "data.synthetic_samples=[2000,64]" --set logging.progress=false)
+if "$PY" -c 'import datasets' 2>/dev/null; then
+    run_step train 60 "$PY" -m roundpipe.cli train recipes/demo.yaml "${TRAIN_ARGS[@]}"
+else
+    SUMMARY+=("SKIP  train: this python has no datasets (the training product reads data with it)")
+fi
+
 # Last, as the slowest and least predictable step: it gets what is left of the budget (up to 240 s).
 if ((DRY)); then
     # No CUDA here: the sanitizer is never set; the step still runs (its control test skips).
@@ -169,6 +179,7 @@ echo "=== digest"
 grep -hE '^(python|torch|transformers|peft|gpu|nvidia-smi) ' "$LOGDIR/versions.log" 2>/dev/null
 grep -hE '^memory |^  (plan per worker|measured peak|above weights|within plan)' "$LOGDIR/memory.log" 2>/dev/null
 grep -hE 'tokens/s|^loss ' "$LOGDIR/demo.log" 2>/dev/null | tail -n 2
+grep -hE '^(simulator|eval at|done)' "$LOGDIR/train.log" 2>/dev/null | tail -n 4
 for log in "$LOGDIR"/*.log; do
     grep -hE '^(FAILED|ERROR) ' "$log" 2>/dev/null | cut -c1-400
 done

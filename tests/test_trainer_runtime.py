@@ -135,3 +135,37 @@ def test_async_accumulation_reads_the_same_weights_as_one_whole_batch():
     assert split_losses == pytest.approx(whole_losses, rel=1e-5)
     for name, w in split_weights.items():
         torch.testing.assert_close(w, whole_weights[name], rtol=1e-4, atol=1e-6)
+
+
+def test_an_async_update_under_way_keeps_its_learning_rate(monkeypatch):
+    """``set_lr`` right after an async ``step()`` is queued behind the update still running on the
+    host thread (a schedule changes the rate every step), so that update uses its own rate."""
+    import time
+
+    from roundpipe.runtime.optimizer_steps import OptimizerSteps
+
+    slow = OptimizerSteps.deferred_step
+
+    def slow_step(self, *args, **kwargs):
+        time.sleep(0.5)  # the caller's thread reaches set_lr long before the update starts
+        return slow(self, *args, **kwargs)
+
+    monkeypatch.setattr(OptimizerSteps, "deferred_step", slow_step)
+    model = make_model("llama")
+    batch = make_batch(batch=4)
+
+    def run(change_lr_early: bool):
+        m = copy.deepcopy(model)
+        config = roundpipe.RunConfig(devices="cpu:1", optimizer_mode="async")
+        with roundpipe.wrap(m, config) as pipe:
+            pipe.configure_optimizer(lr=LR, eps=EPS)
+            pipe.forward_backward(**batch)
+            pipe.step()
+            if change_lr_early:
+                pipe.set_lr(100.0)  # for the next update only
+            pipe.export_to(m)  # waits for the update
+        return trainable_weights(m)
+
+    want, got = run(change_lr_early=False), run(change_lr_early=True)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

@@ -110,8 +110,13 @@ class Pipeline:
         self._updates.configure(OptimizerConfig(lr, weight_decay, tuple(betas), eps, max_grad_norm))
 
     def set_lr(self, lr: float) -> None:
+        """The learning rate of the next ``step()``. In async mode an update may still be running
+        on the host thread: the change is queued behind it, so that update keeps its own rate."""
         self._updates.require("set_lr")
-        self._optimizer.set_lr(lr)
+        if self.config.optimizer_mode == "async":
+            self._hostq.submit(lambda: self._optimizer.set_lr(lr))
+        else:
+            self._optimizer.set_lr(lr)
 
     def forward_backward(
         self,
