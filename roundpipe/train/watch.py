@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,7 @@ class Progress:
     def __init__(self, total: int, start: int, enabled: bool, every: int):
         self.every = every
         self._bar = None
+        self._start, self._t0 = start, time.monotonic()
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -90,9 +92,11 @@ class Progress:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", idle=f"{idle:.0%}")
         elif step % self.every == 0 or step == self.total:
+            per_step = (time.monotonic() - self._t0) / max(1, step - self._start)
+            eta = per_step * (self.total - step)
             print(
                 f"step {step:5d}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  "
-                f"{tokens_per_s:,.0f} tokens/s  workers idle {idle:.0%}",
+                f"{tokens_per_s:,.0f} tokens/s  workers idle {idle:.0%}  ETA {eta // 60:.0f}:{eta % 60:02.0f}",
                 flush=True,
             )
 
