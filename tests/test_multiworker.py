@@ -27,7 +27,7 @@ from roundpipe.schedule import Partition, ScheduleTable, build_table
 
 torch.set_num_threads(1)
 
-STEPS = 3
+STEPS = 2  # the second step runs on weights the first one updated
 NUM_LAYERS = 8  # embed + 6 blocks + head: enough stages for hanayo / interleaved on 4 devices
 _refs: dict = {}
 
