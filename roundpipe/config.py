@@ -75,6 +75,11 @@ class RunConfig:
             tensors need plus alignment; ``"pinned"``: one ``pin_memory()`` per tensor (PyTorch's
             caching host allocator rounds each up to a power of two: up to ~2x the bytes);
             ``"pageable"``: nothing pinned (asynchronous copies are staged and block the host).
+        fp16_accumulation: with ``dtype="fp16"``, let fp16 matmuls accumulate in fp16
+            (``torch.backends.cuda.matmul.allow_fp16_accumulation``): twice the tensor-core rate on
+            GeForce cards, as the RoundPipe paper's 4090 runs use; fewer correct bits in long sums.
+            The cuda backend sets it for the process while the pipeline is open (and warns where
+            the installed torch lacks it); the cpu backend has no such mode and warns.
     """
 
     devices: str = "auto"
@@ -97,6 +102,7 @@ class RunConfig:
     backward_partition: tuple[int, ...] | None = None
     schedule: Any = None  # a roundpipe.schedule.ScheduleTable written by hand
     host_memory: str = "arena"
+    fp16_accumulation: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -148,6 +154,10 @@ class RunConfig:
         if self.host_memory not in HOST_MEMORY_MODES:
             raise ConfigError(
                 f"unknown host_memory {self.host_memory!r}; choose one of {', '.join(HOST_MEMORY_MODES)}"
+            )
+        if self.fp16_accumulation and self.dtype != "fp16":
+            raise ConfigError(
+                f"fp16_accumulation needs dtype='fp16', not {self.dtype!r}; set both or neither"
             )
         if self.watchdog_s <= 0:
             raise ConfigError(f"watchdog_s must be positive, got {self.watchdog_s!r}")

@@ -17,6 +17,7 @@ waited on it, so errors travel the same paths as data.
 from __future__ import annotations
 
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -269,6 +270,15 @@ class Backend(ABC):
 
     def unregister_host(self, t: torch.Tensor) -> None:  # noqa: B027 (optional hook)
         """Undo ``register_host`` before the allocation is freed. A no-op on the cpu backend."""
+
+    def use_fp16_accumulation(self) -> None:
+        """Let fp16 matmuls accumulate in fp16 while this backend is open (``RunConfig(
+        fp16_accumulation=True)``). The cpu backend has no such mode: it warns and computes as usual."""
+        warnings.warn(
+            f"fp16_accumulation has no effect on the {type(self).__name__}: CPU matmuls accumulate in fp32",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def check_empty(self) -> None:  # noqa: B027 (optional hook)
         """After a step: raise ``StreamProtocolError`` if a device still holds a tensor (the

@@ -9,6 +9,7 @@ multi-worker protocol be tested on a single card.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -158,6 +159,7 @@ class CudaBackend(Backend):
         self.aborted = False
         self.errors: list[BaseException] = []
         self.rng_lock = threading.RLock()
+        self._fp16_accumulation_before: bool | None = None  # the process setting to restore on close
         self.devices = [
             CudaDevice(self, i, gpu, capacity)
             for i, gpu in enumerate(g for g in gpus for _ in range(workers_per_gpu))
@@ -240,6 +242,25 @@ class CudaBackend(Backend):
         self.aborted = False
         self.errors = []
 
+    def use_fp16_accumulation(self) -> None:
+        """Set ``torch.backends.cuda.matmul.allow_fp16_accumulation`` (process-wide) until close;
+        warn where the installed torch does not have it (added in torch 2.7)."""
+        matmul = torch.backends.cuda.matmul
+        if not hasattr(matmul, "allow_fp16_accumulation"):
+            warnings.warn(
+                f"torch {torch.__version__} has no torch.backends.cuda.matmul.allow_fp16_accumulation "
+                "(torch >= 2.7 does): fp16 matmuls keep accumulating in fp32",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        if self._fp16_accumulation_before is None:
+            self._fp16_accumulation_before = matmul.allow_fp16_accumulation
+        matmul.allow_fp16_accumulation = True
+
     def close(self) -> None:
+        if self._fp16_accumulation_before is not None:
+            torch.backends.cuda.matmul.allow_fp16_accumulation = self._fp16_accumulation_before
+            self._fp16_accumulation_before = None
         for dev in self.devices:
             torch.cuda.synchronize(dev.torch_device)

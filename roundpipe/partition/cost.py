@@ -107,6 +107,7 @@ class LayerCost:
     optimizer_bytes: int = 0
     tokens: int = 0
     dtype: str = "bf16"
+    fp16_accumulate: bool = False  # fp16 matmuls accumulate in fp16 (the GeForce 2x rate)
 
     @property
     def fwd_flops_per_token(self) -> float:
@@ -317,6 +318,14 @@ def check_label_fraction(value) -> None:
         )
 
 
+def check_fp16_accumulation(on: bool, dtype: str) -> None:
+    """fp16 accumulation is a property of fp16 matmuls only."""
+    if on and dtype != "fp16":
+        raise ConfigError(
+            f"fp16 accumulation needs dtype fp16, not {dtype}; set the dtype to fp16 or drop it"
+        )
+
+
 def model_costs(
     config: Mapping[str, Any],
     seq_len: int,
@@ -327,6 +336,7 @@ def model_costs(
     head_chunk_tokens: int = DEFAULT_HEAD_CHUNK_TOKENS,
     lora_experts: bool = True,
     label_fraction: float = 1.0,
+    fp16_accumulation: bool = False,
 ) -> list[LayerCost]:
     """Per-layer costs ``[embed, layers.0 .. layers.{L-1}, head | head.0 .. head.{k-1}]``.
 
@@ -337,6 +347,8 @@ def model_costs(
     ``head_chunk_tokens`` is the token chunk of the fused head + loss. ``label_fraction`` is the
     share of tokens that have a label (not -100): the head computes logits and keeps gradients for
     those only (``models/head.py``), while the hand-off between head shards still carries every token.
+    ``fp16_accumulation``: fp16 matmuls accumulate in fp16 (``RunConfig(fp16_accumulation=True)``),
+    so every layer is timed at the GPU's fp16-accumulate rate where the preset has one.
     """
     if seq_len < 1 or micro_batch_size < 1:
         raise ConfigError(f"seq_len and micro_batch_size must be >= 1, got {seq_len} and {micro_batch_size}")
@@ -344,6 +356,7 @@ def model_costs(
         raise ConfigError(f"lora_rank must be a positive int or None (full fine-tuning), got {lora_rank}")
     check_label_fraction(label_fraction)
     dt = normalize_dtype(dtype)
+    check_fp16_accumulation(fp16_accumulation, dt)
     b = DTYPE_BYTES[dt]
     shape = model_shape(config)
     if not 1 <= head_shards <= shape.vocab:
@@ -431,6 +444,7 @@ def model_costs(
             optimizer_bytes=int(c["owned_trainable"] * OPTIMIZER_BYTES_PER_PARAM),
             tokens=tokens,
             dtype=dt,
+            fp16_accumulate=fp16_accumulation,
         )
         for name, kind, c in raw
     ]
@@ -481,7 +495,8 @@ def layer_time(
     }
     if phase not in flops:
         raise ConfigError(f"unknown phase {phase!r}; use forward, backward or backward_stage")
-    return flops[phase] / (hw.peak_flops(cost.dtype, fp16_accumulate=fp16_accumulate) * eff)
+    rate = hw.peak_flops(cost.dtype, fp16_accumulate=fp16_accumulate or cost.fp16_accumulate)
+    return flops[phase] / (rate * eff)
 
 
 def layer_times(

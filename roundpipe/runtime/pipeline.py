@@ -57,6 +57,8 @@ class Pipeline:
         self.config = config or RunConfig()
         self.adapter = adapt_model(model, head_shards=self.config.head_shards)
         self.backend = make_backend(self.config.devices, self.config.device_capacity, self.config.sanitize)
+        if self.config.fp16_accumulation:
+            self.backend.use_fp16_accumulation()
         names = [layer.name for layer in self.adapter.layers]
         try:
             self.store = ParameterStore(

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
-from roundpipe.partition.cost import check_label_fraction, layer_times, model_costs
+from roundpipe.partition.cost import check_fp16_accumulation, check_label_fraction, layer_times, model_costs
 from roundpipe.partition.partitioner import HEAD_SHARD_CANDIDATES, optimal_partition, plan
 from roundpipe.schedule import POLICIES, build_table
 from roundpipe.schedule.table import Partition, ScheduleTable
@@ -58,6 +58,7 @@ class Scenario:
     times: Mapping[str, tuple[float, float]] | None = field(default=None, compare=False)
     efficiency: float | None = None
     label_fraction: float = 1.0  # share of tokens with a label: the head computes only those
+    fp16_accumulation: bool = False  # fp16 matmuls accumulate in fp16 (RunConfig(fp16_accumulation=True))
 
     @property
     def model_name(self) -> str:
@@ -107,7 +108,7 @@ def check_scenario(s: Scenario) -> tuple[Server, int, int]:
         raise ConfigError(
             f"lora rank must be a positive integer (or omitted for full fine-tuning), got {s.lora_rank!r}"
         )
-    normalize_dtype(s.dtype)
+    check_fp16_accumulation(s.fp16_accumulation, normalize_dtype(s.dtype))
     if s.optimizer not in ("sync", "async"):
         raise ConfigError(f"optimizer must be 'sync' or 'async', got {s.optimizer!r}")
     m = s.microbatches if s.microbatches is not None else s.global_batch
@@ -131,7 +132,12 @@ def _classic_stages(policy: str, n_dev: int, stages) -> int:
 
 def _cost_args(s: Scenario) -> dict:
     """The scenario's settings that shape every layer's cost."""
-    return dict(dtype=s.dtype, lora_rank=s.lora_rank, label_fraction=s.label_fraction)
+    return dict(
+        dtype=s.dtype,
+        lora_rank=s.lora_rank,
+        label_fraction=s.label_fraction,
+        fp16_accumulation=s.fp16_accumulation,
+    )
 
 
 def _classic_partition(

@@ -42,6 +42,12 @@ def add_model_args(ap: argparse.ArgumentParser, *, seq_required: bool = False) -
     )
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument(
+        "--fp16-accumulation",
+        action="store_true",
+        help="fp16 matmuls accumulate in fp16 (needs --dtype fp16): the GPU's fp16-accumulate rate "
+        "(2x on GeForce cards), as RunConfig(fp16_accumulation=True) runs",
+    )
+    ap.add_argument(
         "--optimizer", default="sync", choices=["sync", "async"], help="exact (sync) or one-step-stale"
     )
 
@@ -54,6 +60,7 @@ def model_settings(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         num_devices=args.num_devices,
         label_fraction=args.label_fraction,
+        fp16_accumulation=args.fp16_accumulation,
     )
 
 

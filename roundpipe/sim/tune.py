@@ -306,6 +306,7 @@ def tune(
     time_budget_s: float = DEFAULT_TIME_BUDGET_S,
     refine_top: int = REFINE_TOP,
     label_fraction: float = 1.0,
+    fp16_accumulation: bool = False,
 ) -> TuneResult:
     """Search policy x partition x microbatches x stage grain (head shards with the partition) and
     return the best plan and a ranked table of alternatives (see the module docstring).
@@ -318,6 +319,7 @@ def tune(
     base = Scenario(
         model, hardware, "roundpipe", seq_len=seq_len, global_batch=global_batch, lora_rank=lora_rank,
         dtype=dtype, optimizer=optimizer, num_devices=num_devices, label_fraction=label_fraction,
+        fp16_accumulation=fp16_accumulation,
     )  # fmt: skip
     hw, _, _ = check_scenario(base)
     n_dev = hw.num_gpus
@@ -410,6 +412,7 @@ def max_seq_len(
     upper: int | None = None,
     grain: int = SEQ_LEN_GRAIN,
     label_fraction: float = 1.0,
+    fp16_accumulation: bool = False,
 ) -> tuple[int, SimResult | None]:
     """The longest sequence (a multiple of ``grain``) whose step fits device and host memory, and
     its simulated result; ``(0, None)`` if not even ``grain`` tokens fit.
@@ -420,6 +423,7 @@ def max_seq_len(
     base = Scenario(
         model, hardware, policy, seq_len=grain, global_batch=global_batch, microbatches=microbatches,
         lora_rank=lora_rank, dtype=dtype, num_devices=num_devices, label_fraction=label_fraction,
+        fp16_accumulation=fp16_accumulation,
     )  # fmt: skip
     check_scenario(base)
     if upper is None:

@@ -113,7 +113,7 @@ class Forecast:
 
 
 def predict(model: nn.Module, devices, *, policy: str, seq_len: int, batch: int, microbatches, lora_rank, dtype: str,
-            optimizer_mode: str, tune_policy: bool) -> Forecast:  # fmt: skip
+            optimizer_mode: str, tune_policy: bool, fp16_accumulation: bool = False) -> Forecast:  # fmt: skip
     """The simulator's prediction for this run (and the tuner's policy when ``tune_policy``).
 
     Never raises for a model the simulator cannot describe: the text then says why."""
@@ -130,6 +130,7 @@ def predict(model: nn.Module, devices, *, policy: str, seq_len: int, batch: int,
             result = tune(
                 config, hardware, seq_len=seq_len, global_batch=batch, lora_rank=lora_rank, dtype=dtype,
                 optimizer=optimizer_mode, policies=known_policies(), time_budget_s=20.0,
+                fp16_accumulation=fp16_accumulation,
             )  # fmt: skip
             best = result.best
             r = best.result
@@ -148,6 +149,7 @@ def predict(model: nn.Module, devices, *, policy: str, seq_len: int, batch: int,
                     lora_rank=lora_rank,
                     dtype=dtype,
                     optimizer=optimizer_mode,
+                    fp16_accumulation=fp16_accumulation,
                 )  # fmt: skip
             )
             head = f"simulator ({hardware}, {how}): policy {policy}"

@@ -244,6 +244,7 @@ class Trainer:
                 dtype=run.dtype,
                 optimizer_mode=run.optimizer_mode,
                 tune_policy=run.policy == "auto",
+                fp16_accumulation=bool(run.options.get("fp16_accumulation", False)),
             )
         finally:
             probe.close()
