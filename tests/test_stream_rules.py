@@ -172,7 +172,7 @@ def test_a_device_runs_out_of_what_is_alive_not_of_what_the_ledger_says():
 
 # ----------------------------------------------------------------------------- memory bound
 @pytest.mark.slow
-@pytest.mark.parametrize("microbatches", [2, 8, 32])
+@pytest.mark.parametrize("microbatches", [2, 8, 16])
 def test_what_is_alive_on_a_device_stays_within_two_stages_and_one_working_set(microbatches):
     """roundpipe on 4 virtual devices, 4 steps: the bytes really alive on any device never exceed
     two stages' weights (current + prefetched) plus one microbatch's working set (and the next
