@@ -76,8 +76,13 @@ def _profile_vs_direct(pipe, batch, blocks) -> list[tuple[str, str, float, float
 
 @pytest.mark.timing
 def test_profiled_layer_times_match_wall_clock_of_the_same_layers():
-    """Within 25%, for both decoder blocks (the layers that carry the time). A load burst from
-    another process can still skew one attempt on a shared machine: up to two attempts."""
+    """For both decoder blocks (the layers that carry the time): never below 90% of the bare
+    layer's wall clock, and at most 1.5x it. A profiled task also does the runtime's per-task
+    work (binding the weights into the layer's shell and unbinding them, handing tensors over,
+    the gradient hooks that add into the fp32 accumulators), which the direct timing leaves out:
+    measured at +20-40% on these small layers (hidden 256, 256 tokens per microbatch), with and
+    without the sanitizer. Timings that include waits or a wrong recompute subtraction land far
+    outside. A load burst from another process can still skew one attempt: up to two attempts."""
     model = make_timing_llama(vocab=512, num_layers=2)
     batch = {
         k: v
@@ -89,10 +94,10 @@ def test_profiled_layer_times_match_wall_clock_of_the_same_layers():
     with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", num_microbatches=4)) as pipe:
         for _ in range(2):
             rows = _profile_vs_direct(pipe, batch, (1, 2))
-            misses = [r for r in rows if r[2] != pytest.approx(r[3], rel=0.25)]
+            misses = [r for r in rows if not 0.9 * r[3] <= r[2] <= 1.5 * r[3]]
             if not misses:
                 return
-    pytest.fail(f"profiled vs wall-clock beyond 25%: {misses}")
+    pytest.fail(f"profiled outside [0.9, 1.5] x wall-clock: {misses}")
 
 
 def test_profile_leaves_weights_and_gradients_untouched():
