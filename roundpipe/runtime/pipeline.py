@@ -157,12 +157,8 @@ class Pipeline:
             self.profile(input_ids, labels, attention_mask, position_ids, steps=1)
         plan = self._planner.flow_plan(len(microbatches))
         eager = self._updates.eager(accumulate, self.config.optimizer_mode)
-        self.store.set_read_buffer(self._updates_run)
-        step = self._new_step(microbatches, loss_tokens or total, plan, eager)
-        self.weight_bound = plan.table.weight_bound
+        step = self._run(microbatches, loss_tokens or total, plan, eager)
         self.last_plan = plan
-        with self._recorder.recording():
-            self._executor.run(step)
         self._planner.advance_start_device(plan)
         self._planner.observe(self._recorder.last_spans, plan, input_ids.numel() / len(microbatches))
         self._steps_run += 1
@@ -194,12 +190,7 @@ class Pipeline:
             )
         self._hostq.drain()  # an async update still reading the gradient buffers must finish
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
-        plan = self._planner.flow_plan(len(microbatches))
-        self.store.set_read_buffer(self._updates_run)
-        step = self._new_step(microbatches, total, plan, eager=False)
-        self.weight_bound = plan.table.weight_bound
-        with self._recorder.recording():
-            self._executor.run(step)
+        step = self._run(microbatches, total, self._planner.flow_plan(len(microbatches)), eager=False)
         self.store.zero_grads()
         return StepOutput(step.loss_sum / total, total)
 
@@ -358,6 +349,15 @@ class Pipeline:
             vocab_size=self.adapter.config.vocab_size,
             microbatch_count=self._planner.microbatch_count,
         )
+
+    def _run(self, microbatches, total: int, plan: FlowPlan, eager: bool) -> StepRun:
+        """One forward and backward over the workers, on the compute copy of this optimizer step."""
+        self.store.set_read_buffer(self._updates_run)
+        step = self._new_step(microbatches, total, plan, eager)
+        self.weight_bound = plan.table.weight_bound
+        with self._recorder.recording():
+            self._executor.run(step)
+        return step
 
     def _new_step(self, microbatches, total: int, plan: FlowPlan, eager: bool) -> StepRun:
         exchange = Exchange(lambda: self.backend.aborted)

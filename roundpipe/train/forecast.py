@@ -87,11 +87,12 @@ def _base_config(model: nn.Module):
 
 
 def simulator_hardware(devices) -> tuple[str, str]:
-    """The simulator's preset for the pipeline's devices, and a note on how it was chosen."""
-    names = [d.name for d in devices]
-    n = len(names)
-    if names[0].startswith("cpu"):
-        return f"{n}xcpu", "virtual cpu devices"
+    """The simulator's preset for the run's devices (a ``DeviceSpec``: nothing is started), and a
+    note on how it was chosen."""
+    if devices.kind == "cpu":
+        return f"{devices.count}xcpu", "virtual cpu devices"
+    gpus = len(devices.gpus) if devices.gpus else torch.cuda.device_count()
+    n = gpus * devices.workers_per_gpu
     gpu = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
     for key, preset in (
         ("4090", "rtx4090"),

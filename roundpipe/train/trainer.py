@@ -222,7 +222,7 @@ class Trainer:
 
     def _run_config(self, model, tokenizer):
         import roundpipe
-        from roundpipe.backend import make_backend
+        from roundpipe.backend import parse_device_spec
         from roundpipe.train.forecast import check_host_ram, host_ram_needed, predict
 
         cfg = self.config
@@ -231,23 +231,19 @@ class Trainer:
         if run.host_ram_check:
             self.log(check_host_ram(need, lora=cfg.lora.enabled, dtype=run.dtype))
         devices = "cpu:2" if run.devices == "auto" and not torch.cuda.is_available() else run.devices
-        probe = make_backend(devices, None, False)  # the device list, for the simulator's preset
-        try:
-            forecast = predict(
-                model,
-                probe.devices,
-                policy=run.policy,
-                seq_len=cfg.data.max_length,
-                batch=run.batch_size,
-                microbatches=run.num_microbatches,
-                lora_rank=cfg.lora.rank if cfg.lora.enabled else None,
-                dtype=run.dtype,
-                optimizer_mode=run.optimizer_mode,
-                tune_policy=run.policy == "auto",
-                fp16_accumulation=bool(run.options.get("fp16_accumulation", False)),
-            )
-        finally:
-            probe.close()
+        forecast = predict(
+            model,
+            parse_device_spec(devices),
+            policy=run.policy,
+            seq_len=cfg.data.max_length,
+            batch=run.batch_size,
+            microbatches=run.num_microbatches,
+            lora_rank=cfg.lora.rank if cfg.lora.enabled else None,
+            dtype=run.dtype,
+            optimizer_mode=run.optimizer_mode,
+            tune_policy=run.policy == "auto",
+            fp16_accumulation=bool(run.options.get("fp16_accumulation", False)),
+        )
         self.log(forecast.text)
         policy, microbatches = run.policy, run.num_microbatches
         if run.policy == "auto":
@@ -301,29 +297,30 @@ class Trainer:
             row["skipped"] = True  # fp16: non-finite gradients, the update was skipped
         return row
 
-    def _eval_chunks(self, samples):
+    def _eval_chunks(self, samples, pad_id: int) -> list[dict]:
         """Held-out samples in order, as batches no smaller than the microbatch count."""
         from roundpipe.train.data import eval_batches
 
         cfg = self.config
-        samples = samples[: cfg.eval.max_samples] if cfg.eval.max_samples else samples
         size = cfg.eval.batch_size or cfg.run.batch_size
         count = max(1, math.ceil(len(samples) / size))
         bounds = [round(i * len(samples) / count) for i in range(count + 1)]
-        for a, b in zip(bounds, bounds[1:]):
-            yield from eval_batches(samples[a:b], b - a, self._pad_id)
+        return [
+            batch for a, b in zip(bounds, bounds[1:]) for batch in eval_batches(samples[a:b], b - a, pad_id)
+        ]
 
     def _evaluate(self, pipe, model, samples, tokenizer, step: int, metrics) -> dict:
-        self._pad_id = tokenizer.pad_token_id
+        samples = samples[: self.config.eval.max_samples] if self.config.eval.max_samples else samples
+        batches = self._eval_chunks(samples, tokenizer.pad_token_id)
         loss_sum, tokens = 0.0, 0
-        for b in self._eval_chunks(samples):
+        for b in batches:
             out = pipe.evaluate(b["input_ids"], labels=b["labels"], attention_mask=b["attention_mask"])
             loss_sum += out.loss * out.num_tokens
             tokens += out.num_tokens
         row = {"kind": "eval", "step": step, "loss": loss_sum / tokens}
         if self.config.eval.exact_match:
             pipe.export_to(model)
-            row["exact_match"] = exact_match(model, list(self._eval_chunks(samples)), samples)
+            row["exact_match"] = exact_match(model, batches, samples)
         metrics.log(row)
         return {k: v for k, v in row.items() if k not in ("kind", "step")}
 
