@@ -15,9 +15,9 @@ import time
 from _common import write_results
 
 from roundpipe.partition.cost import model_costs
+from roundpipe.presets import load_hardware, load_model_config
 from roundpipe.schedule import Partition, build_table
 from roundpipe.sim import SimOptions, simulate, workload_from_costs
-from roundpipe.sim.presets import load_hardware, load_model_config
 
 
 def main() -> None:

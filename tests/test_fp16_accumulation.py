@@ -14,7 +14,7 @@ from tiny_models import make_batch, make_model
 import roundpipe
 from roundpipe.cli import main
 from roundpipe.partition.cost import layer_time, model_costs
-from roundpipe.sim.presets import load_hardware, load_model_config
+from roundpipe.presets import load_hardware, load_model_config
 from roundpipe.sim.scenario import Scenario, run_scenario
 
 torch.set_num_threads(1)

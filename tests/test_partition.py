@@ -29,8 +29,8 @@ from roundpipe.partition import (
     stage_bytes,
 )
 from roundpipe.partition.__main__ import main as partition_main
+from roundpipe.presets import GIB, known_gpus, known_models, load_hardware, load_model_config
 from roundpipe.schedule.table import Partition
-from roundpipe.sim.presets import GIB, known_gpus, known_models, load_hardware, load_model_config
 
 SEQ = 4096
 

@@ -12,12 +12,12 @@ import pytest
 
 from roundpipe.errors import ConfigError
 from roundpipe.partition.cost import model_costs
+from roundpipe.presets import GIB, load_hardware
 from roundpipe.schedule import POLICIES, build_table
 from roundpipe.schedule.formulas import closed_form
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.schedule.timeline import LANES, Span, Timeline
 from roundpipe.sim.engine import SimOptions
-from roundpipe.sim.presets import GIB, load_hardware
 from roundpipe.sim.scenario import Scenario, check_scenario, run_scenario
 from roundpipe.sim.simulator import simulate, without_costs
 from roundpipe.sim.tune import refine, stage_blame, tune
@@ -251,9 +251,7 @@ def test_async_optimizer_overlaps_steps_and_sync_waits_for_the_updates():
 def test_measured_layer_times_replace_the_analytic_ones():
     s = Scenario("qwen3-0.6b", "2xcpu", seq_len=128, global_batch=2, lora_rank=4)
     base = run_scenario(s)
-    costs = model_costs(
-        __import__("roundpipe.sim.presets", fromlist=["x"]).load_model_config("qwen3-0.6b"), 128
-    )
+    costs = model_costs(__import__("roundpipe.presets", fromlist=["x"]).load_model_config("qwen3-0.6b"), 128)
     measured = {c.name: (0.5, 1.0) for c in costs if c.name.startswith("layers.")}
     slow = run_scenario(replace(s, times=measured))
     assert slow.iteration_s > base.iteration_s

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roundpipe.errors import ConfigError
-from roundpipe.sim.presets import GPU, Server, normalize_dtype
+from roundpipe.presets import GPU, Server, normalize_dtype
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32 = 4
@@ -340,7 +340,7 @@ def model_costs(
 ) -> list[LayerCost]:
     """Per-layer costs ``[embed, layers.0 .. layers.{L-1}, head | head.0 .. head.{k-1}]``.
 
-    ``config`` is a transformers-style dict (:func:`roundpipe.sim.presets.load_model_config`).
+    ``config`` is a transformers-style dict (:func:`roundpipe.presets.load_model_config`).
     ``lora_rank=None`` means full fine-tuning (every parameter trainable); an int means LoRA of that
     rank on every linear layer of the blocks (attention, MLP, MoE router and, unless
     ``lora_experts=False``, every expert), with embedding and head frozen.

@@ -59,8 +59,8 @@ from typing import Any
 
 from roundpipe.errors import ConfigError, PlanError
 from roundpipe.partition.cost import DEFAULT_HEAD_CHUNK_TOKENS, LayerCost, layer_times, model_costs
+from roundpipe.presets import GPU, Server, load_hardware, load_model_config
 from roundpipe.schedule.table import Partition
-from roundpipe.sim.presets import GPU, Server, load_hardware, load_model_config
 
 DEFAULT_TOLERANCE = 0.10  # a stage within 10% of the mean stage time counts as balanced
 DEFAULT_TARGET_BUBBLE = 0.10

@@ -1,14 +1,13 @@
-"""Simulation side of roundpipe: hardware and model presets, the event simulator, the tuner.
+"""Simulation side of roundpipe: the event simulator, workloads and the tuner.
 
-- ``sim.presets``: numbers that describe GPUs, servers and models (with sources).
 - ``sim.simulate(table, workload, server, SimOptions(...)) -> SimResult``: one training step of any
   schedule table, with copy engines, shared PCIe uplinks, host memory and the CPU optimizer.
 - ``sim.Scenario`` / ``sim.run_scenario``: the same from a model name, a hardware spec and a policy.
 - ``sim.tune`` / ``sim.max_seq_len``: the search behind ``roundpipe plan``.
 - ``sim.gantt.save_gantt``: PNG chart of any ``Timeline`` (``roundpipe.schedule.timeline``).
 
-Pure Python: nothing here imports torch. Names are loaded on first use (``partition`` imports
-``sim.presets``, so this package must not import ``partition`` eagerly).
+Pure Python: nothing here imports torch. Names are loaded on first use. The hardware and model
+presets live in ``roundpipe.presets``, below both ``partition`` and ``sim``.
 """
 
 from __future__ import annotations

@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from roundpipe.errors import ConfigError
+from roundpipe.presets import Server
 from roundpipe.schedule.table import ScheduleTable, Task
 from roundpipe.schedule.timeline import HOST_DEVICE, Span, Timeline
-from roundpipe.sim.presets import Server
 from roundpipe.sim.workload import StageWork, Workload, plan_work
 
 ADAMW_BYTES_PER_PARAM = 30  # fused fp32 AdamW: read grad, master, m, v; write master, m, v, bf16 copy

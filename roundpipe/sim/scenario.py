@@ -23,10 +23,10 @@ from typing import Any
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
 from roundpipe.partition.cost import check_fp16_accumulation, check_label_fraction, layer_times, model_costs
 from roundpipe.partition.partitioner import HEAD_SHARD_CANDIDATES, optimal_partition, plan
+from roundpipe.presets import Server, load_hardware, load_model_config, normalize_dtype
 from roundpipe.schedule import POLICIES, build_table
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
-from roundpipe.sim.presets import Server, load_hardware, load_model_config, normalize_dtype
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import Workload, workload_from_costs
 

@@ -12,10 +12,10 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from roundpipe.errors import ConfigError
+from roundpipe.presets import GIB, Server
 from roundpipe.schedule import build_table
 from roundpipe.schedule.table import ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult, _Sim
-from roundpipe.sim.presets import GIB, Server
 from roundpipe.sim.workload import StageWork, Workload, plan_work
 
 

@@ -427,7 +427,7 @@ def max_seq_len(
     )  # fmt: skip
     check_scenario(base)
     if upper is None:
-        from roundpipe.sim.presets import load_model_config
+        from roundpipe.presets import load_model_config
 
         cfg = dict(model) if isinstance(model, dict) else load_model_config(model)
         upper = int(cfg.get("max_position_embeddings") or (1 << 20))

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from roundpipe.errors import ConfigError
 from roundpipe.partition.cost import LayerCost, layer_times, model_totals
+from roundpipe.presets import GPU, Server
 from roundpipe.schedule.deps import TaskKey
 from roundpipe.schedule.table import ScheduleTable, Task
-from roundpipe.sim.presets import GPU, Server
 
 DEFAULT_W_FRACTION = 0.5  # share of a layer's backward that is weight gradient (I/W split)
 FP32_BYTES = 4  # the runtime accumulates weight gradients in fp32 on the device and sends them down so
