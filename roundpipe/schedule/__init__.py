@@ -12,13 +12,13 @@ import inspect
 from roundpipe.errors import ScheduleError
 from roundpipe.schedule.check import dry_run
 from roundpipe.schedule.deps import TaskKey, dependencies, required_tasks
-from roundpipe.schedule.policies import POLICIES
+from roundpipe.schedule.policies import POLICIES, PolicySpec
 from roundpipe.schedule.table import Partition, ScheduleTable, Task
 
 
 def policy_options(policy: str) -> dict[str, object]:
     """The options ``policy`` accepts, with their defaults."""
-    params = list(inspect.signature(_lookup(policy)).parameters.values())[4:]
+    params = list(inspect.signature(_lookup(policy).build).parameters.values())[4:]
     return {p.name: p.default for p in params}
 
 
@@ -54,6 +54,7 @@ def build_table(
 
 __all__ = [
     "POLICIES",
+    "PolicySpec",
     "Partition",
     "ScheduleTable",
     "Task",

@@ -3,7 +3,18 @@
 Every policy returns a validated table whose ``options`` include ``weight_bound`` (True when devices
 keep their stages' weights resident: every policy but ``roundpipe``) and raises ScheduleError,
 saying what to change, for arguments it cannot schedule.
+
+``POLICIES`` maps a name to its :class:`PolicySpec`: the builder and the facts about the policy that
+the planner, the simulator, the scenario and the tuner need (how many stages it takes, whether its
+forward and backward partitions may differ, which microbatch counts it accepts, whether it rotates
+the start device between steps). Code outside this package asks the spec; it never compares a
+policy's name.
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from roundpipe.schedule.policies.chimera import chimera
 from roundpipe.schedule.policies.gpipe import gpipe
@@ -13,14 +24,92 @@ from roundpipe.schedule.policies.one_f_one_b import one_f_one_b
 from roundpipe.schedule.policies.roundpipe import roundpipe
 from roundpipe.schedule.policies.zb import zb
 
-POLICIES = {
-    "roundpipe": roundpipe,
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved,
-    "chimera": chimera,
-    "hanayo": hanayo,
-    "zb": zb,
-}
 
-__all__ = ["POLICIES", "chimera", "gpipe", "hanayo", "interleaved", "one_f_one_b", "roundpipe", "zb"]
+@dataclass(frozen=True)
+class PolicySpec:
+    """One registered policy: its table builder and its facts.
+
+    - ``weight_bound``: devices keep their stages' weights resident (False: weights stream per deal).
+    - ``separate_partitions``: forward and backward may be cut differently (one partition otherwise).
+    - ``rotates``: takes a ``start_device`` option that the runtime advances after every step.
+    - ``stages_per_device``: the stage counts it accepts are multiples of ``stages_per_device *
+      devices`` (``exact_stages``: only that one count); ``None``: any count from 1 to the layers.
+    - ``default_grain``: stages per device when no count is given.
+    - ``grains``: stages per device the tuner tries (``()`` with ``stages_per_device=None``: the
+      partitioner chooses the counts).
+    - ``microbatch_multiple``: ``"devices"`` when the microbatch count must be a multiple of the
+      device count, else an int it must be a multiple of.
+    - ``even_devices``: the device count must be even.
+    """
+
+    name: str
+    build: Callable
+    weight_bound: bool = True
+    separate_partitions: bool = False
+    rotates: bool = False
+    stages_per_device: int | None = 1
+    exact_stages: bool = True
+    default_grain: int = 1
+    grains: tuple[int, ...] = (1,)
+    microbatch_multiple: int | str = 1
+    even_devices: bool = False
+
+    def __call__(self, *args, **kwargs):
+        return self.build(*args, **kwargs)
+
+    def default_stages(self, num_devices: int) -> int | None:
+        """The stage count used when none is given (``None``: the partitioner picks)."""
+        return None if self.stages_per_device is None else self.default_grain * num_devices
+
+    def stage_options(self, num_devices: int) -> list[int | None]:
+        """Stage counts worth trying: ``[None]`` when the partitioner picks freely."""
+        if self.stages_per_device is None:
+            return [None]
+        return [g * num_devices for g in self.grains]
+
+    def accepts_stages(self, num_stages: int, num_devices: int) -> bool:
+        if self.stages_per_device is None:
+            return num_stages >= 1
+        unit = self.stages_per_device * num_devices
+        return num_stages == unit if self.exact_stages else num_stages % unit == 0 and num_stages > 0
+
+    def microbatch_step(self, num_devices: int) -> int:
+        """The microbatch count must be a multiple of this."""
+        return num_devices if self.microbatch_multiple == "devices" else int(self.microbatch_multiple)
+
+    def accepts_microbatches(self, num_microbatches: int, num_devices: int) -> bool:
+        return num_microbatches >= 1 and num_microbatches % self.microbatch_step(num_devices) == 0
+
+
+POLICIES: dict[str, PolicySpec] = {
+    spec.name: spec
+    for spec in (
+        PolicySpec(
+            "roundpipe", roundpipe, weight_bound=False, separate_partitions=True, rotates=True,
+            stages_per_device=None, exact_stages=False, grains=(),
+        ),
+        PolicySpec("gpipe", gpipe),
+        PolicySpec("1f1b", one_f_one_b),
+        PolicySpec(
+            "interleaved", interleaved, stages_per_device=1, exact_stages=False, default_grain=2,
+            grains=(2, 4), microbatch_multiple="devices",
+        ),
+        PolicySpec("chimera", chimera, microbatch_multiple=2, even_devices=True),
+        PolicySpec(
+            "hanayo", hanayo, stages_per_device=2, exact_stages=False, default_grain=2, grains=(2, 4)
+        ),
+        PolicySpec("zb", zb),
+    )
+}  # fmt: skip
+
+__all__ = [
+    "POLICIES",
+    "PolicySpec",
+    "chimera",
+    "gpipe",
+    "hanayo",
+    "interleaved",
+    "one_f_one_b",
+    "roundpipe",
+    "zb",
+]
