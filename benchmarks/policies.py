@@ -42,7 +42,7 @@ MODELS = (
     ("qwen3-32b", None),
     ("qwen3-235b-a22b", 16),
 )
-WEIGHT_BOUND = tuple(p for p in POLICIES if p != "roundpipe")
+WEIGHT_BOUND = tuple(name for name, spec in POLICIES.items() if spec.weight_bound)
 
 
 def best_per_policy(ranked: tuple[Candidate, ...]) -> dict[str, Candidate]:
@@ -97,7 +97,8 @@ def md_table(rows: list[dict], first: str = "model") -> list[str]:
 def draw(model: str, lora, c: Candidate, path: Path, options: SimOptions) -> None:
     s = Scenario(
         model, HARDWARE, c.policy, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, microbatches=c.microbatches,
-        lora_rank=lora, stages=c.stages if c.policy == "roundpipe" else c.stages[0], head_shards=c.head_shards,
+        lora_rank=lora, stages=c.stages if POLICIES[c.policy].separate_partitions else c.stages[0],
+        head_shards=c.head_shards,
     )  # fmt: skip
     prep = prepare(s)
     from roundpipe.schedule import build_table

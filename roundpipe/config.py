@@ -61,6 +61,12 @@ class RunConfig:
             test suite sets it). On CUDA use PyTorch's ``TORCH_CUDA_SANITIZER=1`` instead.
         seed: base seed of the dropout masks, so recomputation replays them exactly.
         policy_options: extra arguments of the policy (e.g. ``{"virtual_stages": 2}``).
+        round_size: ``roundpipe`` only: deal each batch in rounds of this many microbatches (the
+            last may be shorter), each round's forward, head and backward stages before the next
+            round's, the deal going on across rounds without a drain. The host then holds the saved
+            stage inputs of about two rounds instead of the whole batch, for one weight upload per
+            stage per round. At least the device count (unless it covers every microbatch); None:
+            one round of all microbatches.
         partition: layers per forward stage, e.g. ``(3, 4, 4, 3)`` (default: one layer per stage
             for roundpipe, even stages for the others). Layers are embed, each block, the head.
             ``"auto"``: profile the layers on the first batch (``Pipeline.profile``) and let the
@@ -98,6 +104,7 @@ class RunConfig:
     sanitize: bool | None = None
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)
+    round_size: int | None = None
     partition: tuple[int, ...] | str | None = None
     backward_partition: tuple[int, ...] | None = None
     schedule: Any = None  # a roundpipe.schedule.ScheduleTable written by hand
@@ -151,6 +158,7 @@ class RunConfig:
                 f"the schedule is written for {self.schedule.num_microbatches} microbatches but "
                 f"num_microbatches={self.num_microbatches}; make them equal"
             )
+        self._check_round_size()
         if self.host_memory not in HOST_MEMORY_MODES:
             raise ConfigError(
                 f"unknown host_memory {self.host_memory!r}; choose one of {', '.join(HOST_MEMORY_MODES)}"
@@ -161,6 +169,29 @@ class RunConfig:
             )
         if self.watchdog_s <= 0:
             raise ConfigError(f"watchdog_s must be positive, got {self.watchdog_s!r}")
+
+    def _check_round_size(self) -> None:
+        """A positive int, for a policy that deals in rounds, not given twice. Whether it covers
+        the device count is checked when the pipeline knows its devices (the policy's table)."""
+        r = self.round_size
+        if r is None:
+            return
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ConfigError(
+                f"round_size must be a positive int (microbatches per round) or None, got {r!r}"
+            )
+        from roundpipe.schedule import policy_options
+
+        if "round_size" not in policy_options(self.policy):
+            raise ConfigError(
+                f"round_size deals microbatches in rounds, which policy {self.policy!r} does not do; "
+                "use policy='roundpipe' or drop round_size"
+            )
+        if self.policy_options.get("round_size", r) != r:
+            raise ConfigError(
+                f"round_size={r} and policy_options['round_size']={self.policy_options['round_size']!r} "
+                "disagree; set one of them"
+            )
 
     @property
     def torch_dtype(self):

@@ -55,6 +55,25 @@ def test_several_devices_give_the_same_training(devices, microbatches):
     assert_same_run(got, want)
 
 
+@pytest.mark.parametrize(
+    ("family", "lora", "tied", "padding"),
+    [
+        ("llama", None, False, "left"),
+        ("qwen3", "default", True, "right"),
+        ("gemma3_text", None, True, "left"),
+    ],
+)
+@pytest.mark.parametrize("round_size", [2, 3])
+def test_roundpipe_rounds_train_like_plain_pytorch(family, lora, tied, padding, round_size):
+    """6 samples in 4 uneven microbatches on 2 devices, dealt in rounds of 2 (2 + 2) or of 3
+    (3 + a short last round of 1); more cases in tests/test_rounds_runtime.py."""
+    model, batch, want = _reference(family, lora, tied, padding)
+    got = pipeline_train(
+        model, batch, STEPS, devices="cpu:2", num_microbatches=4, policy="roundpipe", round_size=round_size
+    )
+    assert_same_run(got, want)
+
+
 def test_gradient_clipping_equals_clip_grad_norm():
     model = make_model("llama")
     batch = make_batch(batch=6, padding="right")

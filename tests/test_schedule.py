@@ -56,6 +56,8 @@ def policy_args(draw, policy: str):
         layers = draw(st.integers(1, 12))
         forward, backward = draw(partitions(layers)), draw(partitions(layers))
         options["start_device"] = draw(st.integers(0, 9))
+        low, high = min(devices, microbatches), max(devices, microbatches)
+        options["round_size"] = draw(st.none() | st.integers(low, high))
         return forward, backward, devices, microbatches, options
     stages = devices
     if policy == "interleaved":
@@ -232,7 +234,7 @@ def test_roundpipe_deals_stages_round_robin_with_a_fused_head():
         "d1: F1.0 B3.0 F1.1 B3.1 B0.0 B0.1",
         "d2: B2.0 B2.1",
     ]
-    assert table.options == {"start_device": 0, "weight_bound": False}
+    assert table.options == {"start_device": 0, "round_size": None, "weight_bound": False}
     assert len(table.fused_pairs()) == 2
 
 

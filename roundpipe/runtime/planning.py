@@ -21,6 +21,8 @@ from roundpipe.runtime.store import ParameterStore
 from roundpipe.schedule import Partition
 from roundpipe.schedule.policies import POLICIES
 
+GRAIN_OPTIONS = ("virtual_stages", "waves")  # policy options that set the stages per device
+
 
 class Planner:
     """Partitions, counts and the flow-plan cache of one Pipeline.
@@ -41,10 +43,9 @@ class Planner:
         self._plans: dict[tuple, FlowPlan] = {}
         self._auto: tuple[Partition, Partition] | None = None
         self._start_device = 0
-        # The one fact about the policy planning needs beyond its table: roundpipe streams any
-        # number of stages (separate forward and backward partitions, a rotating start device);
-        # the other policies keep a fixed number of stages resident.
-        self._streaming = config.policy == "roundpipe"
+        # What planning needs to know about the policy beyond its table: which stage counts it
+        # takes, whether forward and backward are cut apart, whether its start device rotates.
+        self._spec = POLICIES[config.policy]
 
     @property
     def num_devices(self) -> int:
@@ -64,8 +65,10 @@ class Planner:
     def flow_plan(self, num_microbatches: int) -> FlowPlan:
         """The (cached) flow plan of the next step: the configured table, else the policy's."""
         options = dict(self.config.policy_options)
-        if self._streaming:
+        if self._spec.rotates:
             options.setdefault("start_device", self._start_device)
+        if self.config.round_size is not None:
+            options.setdefault("round_size", self.config.round_size)
         key = (num_microbatches, tuple(sorted(options.items())))
         plan = self._plans.get(key)
         if plan is None:
@@ -80,12 +83,12 @@ class Planner:
         return plan
 
     def advance_start_device(self, plan: FlowPlan) -> None:
-        """Deal the next iteration's first stage to the device after the one that ran the last
-        backward stage, so one step's tail and the next step's head land on different workers."""
-        if self._streaming:
-            t = plan.table
-            deals = t.forward.num_stages + t.backward.num_stages - 1
-            self._start_device = (self._start_device + deals) % t.num_devices
+        """Deal the next call's first stage to the device after the one that ran the last deal
+        (the last round's first backward stage), after every ``forward_backward``, accumulating
+        calls included: one call's tail and the next call's head land on different workers."""
+        rotation = POLICIES[self.config.policy].next_start_device  # where the policy's deal goes on
+        if rotation is not None:
+            self._start_device = rotation(plan.table)
 
     def report(self) -> RuntimePlan:
         forward, backward = self.partitions()
@@ -159,20 +162,25 @@ class Planner:
         return Partition.from_sizes(sizes["partition"]), Partition.from_sizes(sizes["backward_partition"])
 
     def _default_partition(self) -> Partition:
-        """One layer per stage for ``roundpipe`` (it streams any number of stages), else as many
-        even stages as the policy places on the devices."""
+        """One layer per stage for a policy that takes any stage count (roundpipe streams them),
+        else as many even stages as the policy places on the devices."""
         n = len(self.names)
-        stages = n if self._streaming else self._stage_count()
+        stages = n if self._spec.stages_per_device is None else self._stage_count()
         return Partition.from_sizes([n // stages + (1 if i < n % stages else 0) for i in range(stages)])
 
     def _stage_count(self) -> int:
-        """Stages the policy places on the devices: one per device (roundpipe: one round),
-        ``virtual_stages`` per device for interleaved, ``2 x waves`` per device for hanayo."""
-        n, d, opts = len(self.names), self.num_devices, self.config.policy_options
-        stages = {
-            "interleaved": d * (opts.get("virtual_stages") or 2),
-            "hanayo": 2 * d * (opts.get("waves") or 1),
-        }.get(self.config.policy, d)
+        """Stages the policy places on the devices: one per device for a policy that takes any
+        count (roundpipe: one round), else its default stages per device, or ``stages_per_device``
+        times the grain option it was given (interleaved's ``virtual_stages``: ``v`` per device;
+        hanayo's ``waves``: ``2 x waves``)."""
+        n, d, opts, spec = len(self.names), self.num_devices, self.config.policy_options, self._spec
+        grain = next((opts[o] for o in GRAIN_OPTIONS if opts.get(o)), None)
+        if spec.stages_per_device is None:
+            stages = d
+        elif grain:
+            stages = d * spec.stages_per_device * grain
+        else:
+            stages = spec.default_stages(d)
         if stages > n:
             raise ConfigError(
                 f"policy {self.config.policy!r} on {d} devices needs {stages} stages but the model has only {n} "
@@ -184,8 +192,9 @@ class Planner:
         """Balance measured stage times (``layer_times``) within the device capacity.
 
         Forward stages balance forward times; backward stages balance recompute + backward times
-        (roundpipe only: the weight-bound policies need one partition for both, balancing the sum).
-        Too little memory for the policy's stage count raises the count (roundpipe) or PlanError.
+        (policies with ``separate_partitions``; the others need one partition for both, balancing
+        the sum). Too little memory for the policy's stage count raises the count (a policy that
+        takes any count, like roundpipe) or PlanError.
         """
         from roundpipe.partition.partitioner import optimal_partition
 
@@ -212,11 +221,12 @@ class Planner:
                         what=what,
                     ).partition
                 except PlanError as e:
-                    if not self._streaming or getattr(e, "min_stages", None) is None or s >= len(times):
+                    any_count = self._spec.stages_per_device is None
+                    if not any_count or getattr(e, "min_stages", None) is None or s >= len(times):
                         raise
                     s = min(len(times), max(s + 1, e.min_stages))
 
-        if self._streaming:
+        if self._spec.separate_partitions:
             self._auto = (cut(fwd, "forward"), cut(bwd, "backward"))
         else:
             both = cut([f + b for f, b in zip(fwd, bwd)], "forward+backward")

@@ -153,26 +153,14 @@ class ScheduleTable:
     def fused_pairs(self) -> list[tuple[Task, Task]]:
         """The (last F, last B or I) pairs the runtime may run as one forward+backward, no recompute.
 
-        A pair is fused when ``F(last, j)`` is immediately followed, on the same device, by the last
-        backward stage's ``B(last, j)`` (or ``I(last, j)``) and the last forward stage starts at or
-        before the last backward stage (so the forward pass covers every layer that backward needs).
-        Fusing is an execution detail: it changes no dependency.
+        The rule lives in ``flow.py``: ``F(last, j)`` immediately followed, on the same device, by
+        the last backward stage's ``B(last, j)`` (or ``I(last, j)``), when the last forward stage
+        starts at or before the last backward stage. Fusing is an execution detail: it changes no
+        dependency.
         """
-        last_f, last_b = self.forward.num_stages - 1, self.backward.num_stages - 1
-        if self.forward.bounds[last_f] > self.backward.bounds[last_b]:
-            return []
-        pairs = []
-        for row in self.devices:
-            for t, nxt in zip(row, row[1:]):
-                if (
-                    t.kind == "F"
-                    and t.stage == last_f
-                    and nxt.kind in ("B", "I")
-                    and nxt.stage == last_b
-                    and nxt.microbatch == t.microbatch
-                ):
-                    pairs.append((t, nxt))
-        return pairs
+        from roundpipe.schedule.flow import fused_pairs  # flow imports the policies, which import this
+
+        return fused_pairs(self)
 
     def validate(self) -> ScheduleTable:
         """Check that the table can run; return it unchanged.
@@ -183,7 +171,9 @@ class ScheduleTable:
                 in-order execution (with the waiting cycle: who waits at which task for what, held by
                 whom).
         """
-        validate_table(self)
+        if not self.__dict__.get("_validated"):  # a table is immutable: once checked, always valid
+            validate_table(self)
+            self.__dict__["_validated"] = True
         return self
 
     def execution_order(self, *, in_order: bool = True) -> list[Task]:

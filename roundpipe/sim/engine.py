@@ -3,7 +3,7 @@
 What is modelled, and why it matches the runtime (docs/design.md §3-§4):
 
 - **Per device, three engines**: ``compute`` runs the device's operations strictly in table order
-  (fused F+B pairs as one operation, see ``workload.device_ops``); ``h2d`` and ``d2h`` copy engines
+  (fused F+B pairs as one operation, see ``schedule/flow.py``); ``h2d`` and ``d2h`` copy engines
   move one copy at a time, choosing by priority: activations the next compute needs (0) > weights
   of the current/next stage (1) > weight gradients down (2) > saved stage inputs down (3). Weight
   copies are cut into ``chunk_bytes`` pieces so an urgent copy can pass between pieces.
@@ -50,9 +50,10 @@ from operator import attrgetter
 
 from roundpipe.errors import ConfigError
 from roundpipe.presets import Server
+from roundpipe.schedule.flow import StageWork, device_flows
 from roundpipe.schedule.table import ScheduleTable, Task
 from roundpipe.schedule.timeline import HOST_DEVICE, Span, Timeline
-from roundpipe.sim.workload import StageWork, Workload, plan_work
+from roundpipe.sim.workload import Workload
 
 ADAMW_BYTES_PER_PARAM = 30  # fused fp32 AdamW: read grad, master, m, v; write master, m, v, bf16 copy
 DEFAULT_CHUNK_BYTES = 64 << 20  # weight copies are cut so urgent copies can pass (a runtime setting)
@@ -75,7 +76,7 @@ class SimOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     iterations: int | None = None
     record_timeline: bool = True
-    classic_flow: bool = False  # textbook forward tasks (closed forms' setting), see workload.device_ops
+    classic_flow: bool = False  # textbook forward tasks (closed forms' setting), see flow.stage_work
     # Sum weight gradients on the device while the next task on the device backpropagates the same
     # layers and download them once (what the runtime does); False: download after every task.
     accumulate_grads: bool = True
@@ -193,7 +194,7 @@ class _OpState:
 
     __slots__ = ("dev", "label", "kind", "it", "pos", "mb", "task", "cost", "keys", "in_bytes",
                  "ctx_bytes", "dependents", "group", "ends_group", "last_of_iter", "alloc", "flush", "stash_add",
-                 "stash_drop", "deps", "host_wait", "up_wait", "lookahead_ok", "started")  # fmt: skip
+                 "stash_drop", "deps", "host_wait", "up_wait", "lookahead_ok", "started", "scale")  # fmt: skip
 
     def __init__(
         self, dev: int, work: StageWork, tasks: tuple[Task, ...], it: int, pos: int, cost: _OpCost, keys
@@ -213,6 +214,7 @@ class _OpState:
         self.up_wait = -1  # inputs: -1 not issued, 1 uploading, 0 on the device
         self.lookahead_ok = pos == 0  # the operation before it on the device has started
         self.started = -1.0
+        self.scale = 1.0  # its microbatch's size over the workload's (uneven microbatches)
 
 
 class _Link:
@@ -344,9 +346,10 @@ class _Sim:
         for it, table in enumerate(self.tables):
             plan = plans.get(id(table))
             if plan is None:
-                plan = plans[id(table)] = plan_work(table, classic=self.opts.classic_flow)
+                plan = plans[id(table)] = device_flows(table, full_forward=self.opts.classic_flow)
             fwd_bounds = set(table.forward.bounds)
             by_task = _task_index(table)
+            scales = self.w.scales(table.num_microbatches)
             for d, (ops, row) in enumerate(zip(self.ops, plan)):
                 for work, tasks in row:
                     cost = costs.get(id(work))
@@ -356,6 +359,7 @@ class _Sim:
                     if keys is None:
                         keys = cost.keys[it] = tuple((it, i) for i in cost.layers)
                     st = _OpState(d, work, tasks, it, len(ops), cost, keys)
+                    st.scale = scales[st.mb]
                     for t in tasks:
                         by_task[t.kind][t.stage][t.microbatch] = st
                     ops.append(st)
@@ -416,7 +420,7 @@ class _Sim:
                         waiters[k].append(st)
                 if st.kind != "W" and (st.keys or consumes) and (st.it, st.mb) != prev:
                     st.ctx_bytes, prev = ctx, (st.it, st.mb)
-                st.in_bytes = st.cost.in_bytes + st.ctx_bytes
+                st.in_bytes = round((st.cost.in_bytes + st.ctx_bytes) * st.scale)
 
     def _link_tasks(self) -> None:
         """Control dependencies (deps.py) between operations, and the stash a device keeps between
@@ -775,7 +779,7 @@ class _Sim:
             k = (name, b, st.mb)
             consumers[k] -= 1
             if consumers[k] == 0:
-                self.host -= act[b]  # (a drop sets no peak)
+                self.host -= round(act[b] * st.scale)  # (a drop sets no peak)
         self._try_compute(st.dev)
 
     # ------------------------------------------------------------------ compute
@@ -793,7 +797,7 @@ class _Sim:
                 return
         st.started = self.now
         cost = st.cost
-        self._alloc(d, _WORK, cost.work, st.label)
+        self._alloc(d, _WORK, round(cost.work * st.scale), st.label)
         if st.alloc:
             self._alloc(d, _GRADS, cost.wgrad, st.label)
         if st.stash_add:
@@ -804,27 +808,28 @@ class _Sim:
             nxt = ops[i + 1]
             nxt.lookahead_ok = True
             self._check_inputs(nxt)
-        self._at(self.now + cost.dur, _COMPUTE_END, st)
+        self._at(self.now + cost.dur * st.scale, _COMPUTE_END, st)
 
     def _compute_end(self, st: _OpState) -> None:
-        d, cost, now = st.dev, st.cost, self.now
-        self.busy[d] += cost.dur
+        d, cost, now, scale = st.dev, st.cost, self.now, st.scale
+        self.busy[d] += cost.dur * scale
         if now > self.iter_end[st.it]:
             self.iter_end[st.it] = now
         if cost.dur > 0 and self.spans is not None:
             self.spans.append((d, "compute", st.label, st.kind, st.started, now))
         mem = self.mem[d]
-        mem[_WORK] -= cost.work
+        mem[_WORK] -= round(cost.work * scale)
         mem[_ACTS] -= st.in_bytes
         if cost.hold:  # an I leaves its saved tensors for its W ...
-            self._alloc(d, _ACTS, cost.hold, st.label)
-        mem[_ACTS] -= cost.release  # ... which frees them
+            self._alloc(d, _ACTS, round(cost.hold * scale), st.label)
+        mem[_ACTS] -= round(cost.release * scale)  # ... which frees them
         if st.stash_drop:
             self.stash[d] -= 1
         self.ops_left -= 1
         self.cursor[d] += 1
         d2h = self.d2h[d]
         for hand_offs, prio, kind, nbytes in cost.out_groups:
+            nbytes = round(nbytes * scale)
             c = _Copy(d2h, f"out:{st.label}", kind, nbytes, (prio, st.pos), self._output_done, st.it)
             c.key, c.owner = hand_offs, st
             self._alloc(d, _ACTS, nbytes, st.label)
@@ -852,7 +857,7 @@ class _Sim:
         for name, b in c.key:
             k = (name, b, mb)
             if consumers.get(k, 0) > 0:
-                self._host(self.act_bytes[b])
+                self._host(round(self.act_bytes[b] * c.owner.scale))
             for st in waiters.pop(k, ()):
                 st.host_wait -= 1
                 self._check_inputs(st)

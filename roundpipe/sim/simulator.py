@@ -8,15 +8,17 @@ Pure Python.
 from __future__ import annotations
 
 import gc
+import math
 from contextlib import contextmanager
 from dataclasses import replace
 
 from roundpipe.errors import ConfigError
 from roundpipe.presets import GIB, Server
-from roundpipe.schedule import build_table
+from roundpipe.schedule import build_table, policy_options
+from roundpipe.schedule.flow import StageWork, device_flows, next_start_device, rotation
 from roundpipe.schedule.table import ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult, _Sim
-from roundpipe.sim.workload import StageWork, Workload, plan_work
+from roundpipe.sim.workload import Workload
 
 
 def _gib(n: float) -> str:
@@ -28,10 +30,11 @@ def resident_bytes(table: ScheduleTable, work: Workload) -> list[int]:
     weights plus the largest working set, gradients and activations of one of its tasks."""
     ly = work.layers
     out = []
-    for row in plan_work(table):
+    for row in device_flows(table):
         layers = set()
         worst = 0
-        for stage in {id(w): w for w, _ in row}.values():  # every microbatch of a stage needs the same
+        stages = {id(op.work): op.work for op in row}  # every microbatch of a stage needs the same
+        for stage in stages.values():
             layers.update(stage.layers)
             worst = max(worst, _task_bytes(stage, ly))
         out.append(sum(ly[i].param_bytes for i in layers) + worst)
@@ -49,18 +52,18 @@ def _task_bytes(stage: StageWork, ly) -> int:
 
 
 def _iteration_tables(table: ScheduleTable, n: int) -> list[ScheduleTable]:
-    """The tables of ``n`` consecutive steps: RoundPipe continues its deal where the last step ended."""
-    if n == 1 or table.policy != "roundpipe":
+    """The tables of ``n`` consecutive steps: a policy that rotates continues its deal where the
+    last step ended (``flow.next_start_device``); any other table runs as it is every step."""
+    if n == 1 or rotation(table) == 0:
         return [table] * n
-    deals = table.forward.num_stages + table.backward.num_stages - 1
-    start = int(table.options.get("start_device", 0))
-    return [
-        build_table(
-            "roundpipe", table.forward, table.backward, table.num_devices, table.num_microbatches,
-            start_device=(start + i * deals) % table.num_devices,
-        )
-        for i in range(n)
-    ]  # fmt: skip
+    accepted = policy_options(table.policy)
+    options = {k: v for k, v in table.options.items() if k in accepted}
+    tables = [table]
+    while len(tables) < n:
+        options["start_device"] = next_start_device(tables[-1])
+        part = (table.forward, table.backward)
+        tables.append(build_table(table.policy, *part, table.num_devices, table.num_microbatches, **options))
+    return tables
 
 
 @contextmanager
@@ -128,14 +131,19 @@ def simulate(
         sim.free_operations()
 
     ends = sim.iter_end
-    iteration_s = ends[0] if n_iter == 1 else (ends[-1] - ends[0]) / (n_iter - 1)
     n_dev, m = table.num_devices, table.num_microbatches
     busy = [b / n_iter for b in sim.busy]
+    iteration_s = ends[0] if n_iter == 1 else (ends[-1] - ends[0]) / (n_iter - 1)
+    # Overlapping steps: a step's last task can end on a device that keeps up while another runs
+    # behind (a rotating deal loads devices unevenly from step to step), so the spacing of the
+    # steps' ends can undercut the work. No period is shorter than the busiest device's share.
+    iteration_s = max(iteration_s, max(busy, default=0.0))
     total_busy = sum(busy)
     bubble_total = 1.0 - total_busy / (n_dev * iteration_s) if iteration_s > 0 else 0.0
     bubble_ideal = n_dev * iteration_s / total_busy - 1.0 if total_busy > 0 else 0.0
-    tokens = m * workload.tokens_per_microbatch
-    flops = m * sum(lw.flops for lw in workload.layers)
+    microbatches = math.fsum(workload.scales(m))  # in units of the workload's microbatch
+    tokens = microbatches * workload.tokens_per_microbatch
+    flops = microbatches * sum(lw.flops for lw in workload.layers)
     peak_flops = hardware.gpu.peak_flops(workload.dtype)
     reserve = hardware.workspace_reserve_bytes
     peak_gpu = tuple(p + reserve for p in sim.mem_peak)

@@ -6,20 +6,16 @@ Build one from the analytic cost model (:func:`workload_from_costs`, optionally 
 per-layer times keyed by layer name, exactly like ``partition.layer_times(..., times=...)``) or
 synthetically (:func:`uniform_workload`, what the closed-form checks use).
 
-:func:`device_ops` turns a schedule table into per-device operations following the runtime's data
-flow (``roundpipe/runtime/plan.py``: which hand-offs a task consumes and produces, which F and B
-run fused, which layers each runs forward and backward). Keys are ``("act", boundary, mb)`` (the
-input of layer ``boundary``) and ``("grad", boundary, mb)`` (the gradient w.r.t. it).
-:func:`plan_work` is the same plan with what every microbatch of a stage shares factored out into
-one :class:`StageWork` per kind and stage; the simulator builds from it, so its setup does the
-per-stage work once instead of once per task.
+Which operations a table runs on each device (fused F+B pairs, the hand-offs each consumes and
+produces, the layers each runs forward and backward) is ``roundpipe/schedule/flow.py``'s, shared
+with the runtime; the simulator reads it there. :func:`device_ops` is the same, one self-contained
+:class:`Op` per operation, for readers who want the ops of one table spelled out.
 
 Pure Python.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,7 +23,8 @@ from roundpipe.errors import ConfigError
 from roundpipe.partition.cost import LayerCost, layer_times, model_totals
 from roundpipe.presets import GPU, Server
 from roundpipe.schedule.deps import TaskKey
-from roundpipe.schedule.table import ScheduleTable, Task
+from roundpipe.schedule.flow import FlowOp, device_flows, layers_of
+from roundpipe.schedule.table import ScheduleTable
 
 DEFAULT_W_FRACTION = 0.5  # share of a layer's backward that is weight gradient (I/W split)
 FP32_BYTES = 4  # the runtime accumulates weight gradients in fp32 on the device and sends them down so
@@ -61,10 +58,25 @@ class Workload:
     name: str = "model"
     dtype: str = "bf16"
     w_fraction: float = DEFAULT_W_FRACTION
+    # Uneven microbatches: the sequences in each microbatch of the step, against ``micro_batch_size``
+    # (the size the layer numbers are for); a microbatch's times and activation bytes scale with it.
+    microbatch_sizes: tuple[int, ...] = ()
+    micro_batch_size: int = 1
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def scales(self, num_microbatches: int) -> list[float]:
+        """Per microbatch, its size over the workload's (all 1.0 unless ``microbatch_sizes`` is set)."""
+        if not self.microbatch_sizes:
+            return [1.0] * num_microbatches
+        if len(self.microbatch_sizes) != num_microbatches:
+            raise ConfigError(
+                f"the workload has {len(self.microbatch_sizes)} microbatch sizes but the table "
+                f"{num_microbatches} microbatches; give one size per microbatch"
+            )
+        return [k / self.micro_batch_size for k in self.microbatch_sizes]
 
 
 def workload_from_costs(
@@ -125,14 +137,6 @@ def uniform_workload(
     return Workload(layers, name=f"uniform{num_layers}")
 
 
-def _layers_of(fwd_layers: range, bwd_layers: range) -> range:
-    """Every layer run forward or backward: the weights an operation needs on its device."""
-    spans = [r for r in (fwd_layers, bwd_layers) if len(r)]
-    if not spans:
-        return range(0)
-    return range(min(r.start for r in spans), max(r.stop for r in spans))
-
-
 @dataclass(slots=True)
 class Op:
     """One unit of device work: a task, or a fused F+B pair. Built by :func:`device_ops`."""
@@ -152,146 +156,34 @@ class Op:
 
     @property
     def layers(self) -> range:
-        return _layers_of(self.fwd_layers, self.bwd_layers)
+        return layers_of(self.fwd_layers, self.bwd_layers)
 
-
-@dataclass(frozen=True)
-class StageWork:
-    """What a task of one kind and stage (or the fused head pair) runs and moves: an :class:`Op`
-    without its device, microbatch and label, the same for every microbatch. Hand-offs are
-    ``(name, boundary)``; the op of microbatch ``j`` moves ``(name, boundary, j)``."""
-
-    kind: str
-    fwd_layers: range = range(0)
-    bwd_layers: range = range(0)
-    recompute: bool = True
-    consumes: tuple[tuple[str, int], ...] = ()
-    produces: tuple[tuple[str, int], ...] = ()
-    weight_grads: bool = False
-    first_forward: bool = False
-    split: bool = False
-
-    @property
-    def layers(self) -> range:
-        return _layers_of(self.fwd_layers, self.bwd_layers)
-
-    def op(self, device: int, label: str, tasks: tuple[TaskKey, ...], microbatch: int) -> Op:
-        j = microbatch
-        return Op(
-            device, label, self.kind, tasks, self.fwd_layers, self.bwd_layers, self.recompute,
-            [(name, b, j) for name, b in self.consumes], [(name, b, j) for name, b in self.produces],
-            self.weight_grads, self.first_forward, self.split,
+    @classmethod
+    def of(cls, device: int, op: FlowOp) -> Op:
+        w = op.work
+        return cls(
+            device, op.label, w.kind, tuple(t.key for t in op.tasks), w.fwd_layers, w.bwd_layers, w.recompute,
+            op.consumes, op.produces, w.weight_grads, w.first_forward, w.split,
         )  # fmt: skip
 
 
 def device_ops(table: ScheduleTable, *, classic: bool = False) -> list[list[Op]]:
-    """Per device, the operations the runtime issues for ``table``, in order (see module docstring).
+    """Per device, the operations the runtime issues for ``table``, in order: ``flow.device_flows``
+    (which F and B run fused, what each consumes, produces and runs), one :class:`Op` each.
 
     ``classic=True`` is the textbook pipeline instead (the closed forms' setting): every forward
     task runs all its stage's layers, so a backward re-runs only layers marked ``recompute``. The
     runtime's last forward stage, unless fused, runs nothing at all (nobody needs its output) and
     its backward runs the head's forward too (``first_forward``).
-
-    Mirrors ``roundpipe/runtime/plan.py``: ``F(last_f, j)`` directly followed by the last backward
-    stage's ``B``/``I`` of the same microbatch is one fused op (forward ``[a, c)``, forward+backward
-    ``[c, n)`` without recompute); a forward stage leaves its output boundary and every backward
-    stage start inside it on the host and runs only as far as the last of them; a backward stage
-    ``[c, d)`` consumes ``act[c]`` and ``grad[d]`` and produces ``grad[c]``. With the backward
-    split, ``I`` does that and ``W`` (weight gradients) needs nothing but its ``I``.
     """
-    return [
-        [
-            work.op(d, "+".join(map(str, tasks)), tuple(t.key for t in tasks), tasks[0].microbatch)
-            for work, tasks in row
-        ]
-        for d, row in enumerate(plan_work(table, classic=classic))
-    ]
-
-
-def plan_work(
-    table: ScheduleTable, *, classic: bool = False
-) -> list[list[tuple[StageWork, tuple[Task, ...]]]]:
-    """What :func:`device_ops` describes, with the per-stage part shared: per device, in order, each
-    operation as ``(work, tasks)``, its :class:`StageWork` (one object per kind and stage) and its
-    one or two tasks of the table. For callers that would otherwise redo per-stage work for every
-    microbatch (the simulator)."""
-    fwd, bwd = table.forward, table.backward
-    last_f, last_b = fwd.num_stages - 1, bwd.num_stages - 1
-    fusable = fwd.bounds[last_f] <= bwd.bounds[last_b]
-    works: dict[tuple[str, int], StageWork] = {}  # (kind, stage) -> its work; ("FB", 0 or 1) fused
-
-    def work(kind: str, stage: int) -> StageWork:
-        w = works.get((kind, stage))
-        if w is None:
-            w = works[(kind, stage)] = _stage_work(table, kind, stage, classic)
-        return w
-
-    out = []
-    for row in table.devices:
-        ops = []
-        i = 0
-        while i < len(row):
-            t, nxt = row[i], row[i + 1] if i + 1 < len(row) else None
-            if (
-                fusable
-                and t.kind == "F"
-                and t.stage == last_f
-                and nxt is not None
-                and nxt.kind in ("B", "I")
-                and nxt.stage == last_b
-                and nxt.microbatch == t.microbatch
-            ):
-                ops.append((work("FB", int(nxt.kind == "I")), (t, nxt)))
-                i += 2
-            else:
-                ops.append((work(t.kind, t.stage), (t,)))
-                i += 1
-        out.append(ops)
-    return out
-
-
-def _stage_work(table: ScheduleTable, kind: str, stage: int, classic: bool) -> StageWork:
-    """The work of a task of ``kind`` at ``stage`` (``"FB"``: the fused head, ``stage`` 1 when its
-    backward is split), following the runtime's data flow (see :func:`device_ops`)."""
-    fwd, bwd = table.forward, table.backward
-    n = fwd.num_layers
-    last_b = bwd.num_stages - 1
-    starts = list(bwd.bounds[1:-1])  # backward-stage starts inside the model, ascending
-
-    def starts_inside(lo: int, hi: int) -> list[int]:
-        return starts[bisect_right(starts, lo) : bisect_left(starts, hi)]
-
-    if kind == "FB":
-        a, c = fwd.bounds[fwd.num_stages - 1], bwd.bounds[last_b]
-        produces = [("act", b) for b in starts_inside(a, c)] + ([("grad", c)] if c > 0 else [])
-        return StageWork(
-            "FB", range(a, c), range(c, n), recompute=False, consumes=(("act", a),) if a > 0 else (),
-            produces=tuple(produces), weight_grads=not stage, split=bool(stage),
-        )  # fmt: skip
-    if kind == "F":
-        a, e = fwd.bounds[stage], fwd.bounds[stage + 1]
-        outs = starts_inside(a, e) + ([e] if e < n else [])
-        run_to = e if classic else (outs[-1] if outs else a)
-        consumes = (("act", a),) if a > 0 else ()
-        return StageWork("F", range(a, run_to), consumes=consumes, produces=tuple(("act", b) for b in outs))
-    c, e = bwd.bounds[stage], bwd.bounds[stage + 1]
-    if kind in ("B", "I"):
-        consumes = ([("act", c)] if c > 0 else []) + ([("grad", e)] if stage < last_b else [])
-        return StageWork(
-            kind, bwd_layers=range(c, e), consumes=tuple(consumes), produces=(("grad", c),) if c > 0 else (),
-            weight_grads=kind == "B", first_forward=stage == last_b and not classic,
-        )  # fmt: skip
-    # W: weight gradients of a stage whose I ran before, on this device
-    return StageWork("W", bwd_layers=range(c, e), weight_grads=True)
+    return [[Op.of(d, op) for op in row] for d, row in enumerate(device_flows(table, full_forward=classic))]
 
 
 __all__ = [
     "LayerWork",
     "Op",
-    "StageWork",
     "Workload",
     "device_ops",
-    "plan_work",
     "uniform_workload",
     "workload_from_costs",
 ]

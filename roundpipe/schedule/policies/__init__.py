@@ -21,7 +21,7 @@ from roundpipe.schedule.policies.gpipe import gpipe
 from roundpipe.schedule.policies.hanayo import hanayo
 from roundpipe.schedule.policies.interleaved import interleaved
 from roundpipe.schedule.policies.one_f_one_b import one_f_one_b
-from roundpipe.schedule.policies.roundpipe import roundpipe
+from roundpipe.schedule.policies.roundpipe import next_start_device, roundpipe
 from roundpipe.schedule.policies.zb import zb
 
 
@@ -31,7 +31,9 @@ class PolicySpec:
 
     - ``weight_bound``: devices keep their stages' weights resident (False: weights stream per deal).
     - ``separate_partitions``: forward and backward may be cut differently (one partition otherwise).
-    - ``rotates``: takes a ``start_device`` option that the runtime advances after every step.
+    - ``rotates``: takes a ``start_device`` option that the runtime advances after every step;
+      ``next_start_device(table)`` is the one the step after ``table`` starts on (the deal goes on
+      where the table's ended).
     - ``stages_per_device``: the stage counts it accepts are multiples of ``stages_per_device *
       devices`` (``exact_stages``: only that one count); ``None``: any count from 1 to the layers.
     - ``default_grain``: stages per device when no count is given.
@@ -53,6 +55,7 @@ class PolicySpec:
     grains: tuple[int, ...] = (1,)
     microbatch_multiple: int | str = 1
     even_devices: bool = False
+    next_start_device: Callable | None = None
 
     def __call__(self, *args, **kwargs):
         return self.build(*args, **kwargs)
@@ -86,7 +89,7 @@ POLICIES: dict[str, PolicySpec] = {
     for spec in (
         PolicySpec(
             "roundpipe", roundpipe, weight_bound=False, separate_partitions=True, rotates=True,
-            stages_per_device=None, exact_stages=False, grains=(),
+            stages_per_device=None, exact_stages=False, grains=(), next_start_device=next_start_device,
         ),
         PolicySpec("gpipe", gpipe),
         PolicySpec("1f1b", one_f_one_b),
