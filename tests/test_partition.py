@@ -271,8 +271,8 @@ def _minmax(times, stages):
 
 # Largest stage over the mean, (forward, backward), with 8 stages: what whole layers allow. Qwen3-8B
 # balances within 10%; 32 Llama-3.1-8B blocks + head cannot (some stage holds 5 blocks while the mean
-# is ~4.3), nor can the forward of Qwen3-1.7B (28 blocks + a head of 5.3 blocks).
-BALANCE_8 = {"qwen3-8b": (0.10, 0.10), "qwen3-1.7b": (0.13, 0.10), "llama3.1-8b": (0.17, 0.20)}
+# is ~4.25: +17.6%), nor can the forward of Qwen3-1.7B (28 blocks + a head of 5.3 blocks).
+BALANCE_8 = {"qwen3-8b": (0.10, 0.10), "qwen3-1.7b": (0.13, 0.10), "llama3.1-8b": (0.18, 0.20)}
 
 
 @pytest.mark.parametrize("name", sorted(BALANCE_8))
@@ -317,7 +317,7 @@ def test_plans_for_24gb_devices_fit_by_the_models_own_accounting(name, lora):
     assert p.budget == 24 * GIB
     assert max(*fwd, *bwd, last) <= p.budget and p.fits
     assert (tuple(fwd), tuple(bwd), last) == (p.fwd_stage_peaks, p.bwd_stage_peaks, p.last_stage_peak)
-    assert p.forward.num_stages % 8 == 0 and p.backward.num_stages % 8 == 0
+    assert p.forward.bounds[-2] == p.backward.bounds[-2]  # the free grain fuses the head stage
 
 
 def test_a_layer_that_cannot_fit_raises_plan_error_with_the_levers():

@@ -305,7 +305,7 @@ def test_simulate_leaves_the_cycle_collector_as_it_found_it(monkeypatch):
         (dict(seq_len=0), "seq len must be a positive integer"),
         (dict(hardware="16xrtx4090"), "holds at most 8"),
         (dict(num_devices=9), "has 8"),
-        (dict(microbatches=5), "do not divide"),
+        (dict(microbatches=65), "use 1..64 microbatches"),
         (dict(policy="pipedream"), "unknown policy"),
         (dict(label_fraction=0.0), "label fraction .* must lie in"),
     ],

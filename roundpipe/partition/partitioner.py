@@ -111,12 +111,17 @@ def optimal_partition(
     reserve_bytes: int = 0,
     names: Sequence[str] | None = None,
     what: str = "",
+    ascending: bool = False,
 ) -> PartitionResult:
     """Cut layers into exactly ``num_stages`` contiguous stages with the smallest possible bottleneck.
 
     Per-layer inputs (all of length ``n``): ``times`` (seconds, >= 0), ``weight_bytes``,
     ``added_bytes`` and ``peak_bytes`` as in the module docstring. ``budget=None`` ignores memory.
     ``names`` and ``what`` ("forward"/"backward") only make error messages readable.
+    ``ascending``: among the partitions with the optimal bottleneck, prefer lighter early stages
+    (stage ``s`` of ``S`` weighs ``2 - s / S`` in the sum of squares) instead of the smoothest: a
+    pipeline's fill runs its first stages and its drain its first backward stages, so light ones
+    there shorten both.
 
     Raises :class:`PlanError` when ``num_stages`` is not in ``1..n``, when a single layer cannot fit
     the budget (the error names the layer and has ``layer``, ``needed`` and ``budget`` attributes),
@@ -227,7 +232,7 @@ def optimal_partition(
             budget=budget_b,
         )
     best_bound = bounds[best_idx]
-    cuts = _smoothest(n, num_stages, best_bound, best_cap, pt, p, allowed)
+    cuts = _smoothest(n, num_stages, best_bound, best_cap, pt, p, allowed, ascending)
     part = Partition(tuple(cuts))
     stage_times = tuple(math.fsum(t[i:j]) for i, j in zip(cuts, cuts[1:]))
     stage_weights = tuple(pw[j] - pw[i] for i, j in zip(cuts, cuts[1:]))
@@ -255,8 +260,9 @@ def _exact_min_stages(cap: int, n: int, allowed, p: Sequence[int]) -> int:
     return count
 
 
-def _smoothest(n: int, num_stages: int, bound: float, cap: int, pt, p, allowed) -> list[int]:
-    """Among partitions into ``num_stages`` allowed stages, the one with the least sum of squared times.
+def _smoothest(n: int, num_stages: int, bound: float, cap: int, pt, p, allowed, ascending: bool = False) -> list[int]:
+    """Among partitions into ``num_stages`` allowed stages, the one with the least sum of squared
+    times (``ascending``: weighted ``2 - s / num_stages`` for stage ``s``, so early stages are lighter).
 
     Dynamic program over (stages used, layers covered); a stage ``[i, j)`` is extended leftwards
     until it stops being allowed (allowed-ness is monotone, so the scan can stop there).
@@ -267,6 +273,7 @@ def _smoothest(n: int, num_stages: int, bound: float, cap: int, pt, p, allowed) 
     for s in range(1, num_stages + 1):
         new = [inf] * (n + 1)
         arg = [-1] * (n + 1)
+        weight = 2.0 - s / num_stages if ascending else 1.0
         for j in range(s, n - (num_stages - s) + 1):
             peak = 0
             for i in range(j - 1, s - 2, -1):
@@ -276,7 +283,7 @@ def _smoothest(n: int, num_stages: int, bound: float, cap: int, pt, p, allowed) 
                 if cost[i] == inf:
                     continue
                 ts = pt[j] - pt[i]
-                c = cost[i] + ts * ts
+                c = cost[i] + weight * ts * ts
                 if c < new[j]:
                     new[j], arg[j] = c, i
         cost = new
@@ -588,6 +595,21 @@ def _partition_phase(
             count = _auto_stages(n, num_devices, max(fewest, count + 1))
 
 
+def partition_result(
+    partition: Partition, times: Sequence[float], costs: Sequence[LayerCost], phase: str, reserve: int
+) -> PartitionResult:
+    """The per-stage numbers of a given partition, by this module's memory rule."""
+    spans = list(zip(partition.bounds, partition.bounds[1:]))
+    w = memory_vectors(costs, phase)[0]
+    return PartitionResult(
+        partition,
+        tuple(math.fsum(times[i:j]) for i, j in spans),
+        tuple(sum(w[i:j]) for i, j in spans),
+        tuple(stage_bytes(costs, partition, phase, reserve)),
+        max(sum(w[i:j]) for i, j in spans),
+    )
+
+
 def _plan_with_shards(
     k: int,
     *,
@@ -624,8 +646,26 @@ def _plan_with_shards(
     )
     fwd_t, bwd_t = layer_times(costs, hw, efficiency=efficiency, times=times)
     sf, sb = _stage_counts(stages)
-    bwd = _partition_phase(bwd_t, costs, "backward", sb, num_devices, budget, reserve)
-    fwd = _partition_phase(fwd_t, costs, "forward", sf, num_devices, budget, reserve)
+    notes = []
+    grain = None
+    if stages is None:
+        # Free stage grain: the paper's objective for this microbatch count (partition/grain.py).
+        from roundpipe.partition.grain import grain_choices
+
+        grain_m = microbatches if isinstance(microbatches, int) else 2 * num_devices
+        try:
+            grain = grain_choices(
+                costs, fwd_t, bwd_t, num_devices=num_devices, microbatches=grain_m, budget=budget,
+                reserve_bytes=reserve, limit=1,
+            )[0]  # fmt: skip
+        except PlanError as err:
+            notes.append(f"no free stage grain fits ({err}); stage counts are multiples of the devices instead")
+    if grain is not None:
+        fwd = partition_result(grain.forward, fwd_t, costs, "forward", reserve)
+        bwd = partition_result(grain.backward, bwd_t, costs, "backward", reserve)
+    else:
+        bwd = _partition_phase(bwd_t, costs, "backward", sb, num_devices, budget, reserve)
+        fwd = _partition_phase(fwd_t, costs, "forward", sf, num_devices, budget, reserve)
     last = last_stage_bytes(costs, fwd.partition, bwd.partition, reserve)
     while last > budget and sf is None and fwd.partition.num_stages < len(costs):
         # The device interleaving the last F and B stages holds both: shrink the forward stages.
@@ -647,7 +687,6 @@ def _plan_with_shards(
         m = microbatches
     else:
         raise ConfigError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
-    notes = []
     if times:
         notes.append(f"measured times for {len(times)} of {len(costs)} layers, analytic for the rest")
     plan = Plan(
@@ -707,11 +746,12 @@ def plan(
     :class:`Server` or :class:`GPU`; ``num_devices`` defaults to the server's GPU count.
 
     ``stages``: an int for both partitions, a ``(forward, backward)`` pair, or ``None`` (default):
-    for each partition the smallest multiple of ``num_devices`` whose stages fit the budget. Fewer,
-    larger stages balance better (a stage's time is a sum of whole layers) and pay fewer per-stage
-    overheads and saved boundary activations; more stages only buy memory and a shorter fill, and
-    the fill is better paid for with more microbatches. Backward stages carry gradients and saved
-    activations, so they usually need more stages than forward.
+    a free stage grain chosen by the RoundPipe paper's objective for ``microbatches`` (``"auto"``:
+    ``2 * num_devices``), with the head and its shards in one fused last stage of both partitions
+    (``partition/grain.py``). Where no such grain fits (the whole head is too large for one device),
+    and for given counts, the exact minimum-bottleneck partitioner cuts each phase, head shards
+    spread like any layer; ``None`` then takes for each partition the smallest multiple of
+    ``num_devices`` whose stages fit the budget.
 
     ``head_shards``: an int, or ``"auto"`` (:func:`choose_head_shards`' rule). ``microbatches``: an
     int or ``"auto"`` (:func:`auto_microbatches`). ``memory_budget`` defaults to the GPU's memory,
@@ -757,6 +797,12 @@ def plan(
     return _choose(common, tolerance, max_head_shards)[0]
 
 
+def _head_fused(p: Plan, shards: int) -> bool:
+    """The plan's last stage, in both partitions, is the fused head stage holding every head shard."""
+    start = len(p.layer_names) - shards
+    return p.forward.bounds[-2] == p.backward.bounds[-2] <= start
+
+
 def _choose(common: dict, tolerance: float, max_head_shards: int) -> tuple[Plan, int]:
     """Plan every candidate shard count and keep the smallest that is (nearly) as fast as the best."""
     plans: list[Plan] = []
@@ -764,6 +810,8 @@ def _choose(common: dict, tolerance: float, max_head_shards: int) -> tuple[Plan,
     for k in (c for c in HEAD_SHARD_CANDIDATES if c <= max_head_shards):
         try:
             plans.append(_plan_with_shards(k, **common)[0])
+            if _head_fused(plans[-1], k):
+                break  # every shard sits in the fused head stage: more shards cannot speed it up
         except PlanError as err:
             layer = getattr(err, "layer", None)
             if layer is not None and not str(layer).startswith("head"):

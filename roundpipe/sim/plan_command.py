@@ -19,6 +19,7 @@ import sys
 from roundpipe.errors import ConfigError, RoundpipeError
 from roundpipe.sim.report import dumps, result_table
 from roundpipe.sim.simulate_command import add_model_args, model_settings
+from roundpipe.sim.tune import DEFAULT_TIME_BUDGET_S
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,7 +28,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits instead")
     ap.add_argument("--policies", default=None, help="comma-separated policies to search (default: all)")
     ap.add_argument(
-        "--time-budget", type=float, default=45.0, help="seconds the search may take (default 45)"
+        "--time-budget",
+        type=float,
+        default=DEFAULT_TIME_BUDGET_S,
+        help=f"seconds the search may take (default {DEFAULT_TIME_BUDGET_S:.0f})",
     )
     ap.add_argument("--top", type=int, default=12, help="rows of the ranked table to print")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -6,11 +6,16 @@ work from the cost model) and :func:`run_scenario` simulates it. Settings the ha
 cannot take raise :class:`ConfigError`; a model that cannot be cut to fit comes back as a result
 with ``fits=False`` and the partitioner's reason, so a table of policies can show it.
 
-Partitions per policy: ``roundpipe`` uses the memory-aware planner (``partition.plan``: separate
-forward and backward partitions, auto stage counts and head shards); the weight-bound policies cut
-the model into their fixed stage count (``D``; ``2D`` for interleaved and hanayo unless ``stages``
-says otherwise) with one partition balanced on forward + backward time, and the simulator judges
-memory. Pure Python.
+Partitions per policy (its facts are on its registry entry, ``schedule.POLICIES``): a policy with
+separate forward and backward partitions (``roundpipe``) uses the memory-aware planner
+(``partition.plan``: a free stage grain by the paper's objective, or the given stage counts, and
+head shards); the others cut the model into their default stage count (``stages`` overrides it)
+with one partition balanced on forward + backward time, and the simulator judges memory.
+``partitions`` replays explicit bounds instead.
+
+Microbatches: any count from 1 to the batch. An uneven split is cut as the runtime cuts it
+(``tensor_split``: the first ``batch % M`` microbatches one sequence larger); the layers are costed
+at the larger size and each microbatch's times and activation bytes scale with its size. Pure Python.
 """
 
 from __future__ import annotations
@@ -30,16 +35,15 @@ from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import Workload, workload_from_costs
 
-DEFAULT_VIRTUAL_STAGES = 2  # interleaved: stages per device; hanayo: 2 x waves
-
 
 @dataclass(frozen=True)
 class Scenario:
     """One question for the simulator. ``global_batch`` is in sequences per optimizer step.
 
-    ``microbatches`` defaults to ``global_batch`` (one sequence per microbatch) and must divide it.
-    ``stages``: an int (or a ``(forward, backward)`` pair for roundpipe) overrides the policy's
-    default stage count. ``times`` are measured per-layer ``(forward_s, backward_s)`` keyed by layer
+    ``microbatches`` defaults to ``global_batch`` (one sequence per microbatch); any count up to the
+    batch (uneven sizes as the runtime cuts them). ``stages``: an int (or a ``(forward, backward)``
+    pair for a policy with separate partitions) overrides the policy's default stage count;
+    ``partitions``: explicit ``(forward bounds, backward bounds)`` (with an int ``head_shards``). ``times`` are measured per-layer ``(forward_s, backward_s)`` keyed by layer
     name (see ``partition.layer_times``).
     """
 
@@ -55,6 +59,7 @@ class Scenario:
     num_devices: int | None = None
     head_shards: int | str = "auto"
     stages: int | tuple[int, int] | None = None
+    partitions: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     times: Mapping[str, tuple[float, float]] | None = field(default=None, compare=False)
     efficiency: float | None = None
     label_fraction: float = 1.0  # share of tokens with a label: the head computes only those
@@ -114,12 +119,18 @@ def check_scenario(s: Scenario) -> tuple[Server, int, int]:
     m = s.microbatches if s.microbatches is not None else s.global_batch
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ConfigError(f"microbatches must be a positive integer, got {m!r}")
-    if s.global_batch % m:
-        divisors = [k for k in range(1, s.global_batch + 1) if s.global_batch % k == 0]
+    if m > s.global_batch:
         raise ConfigError(
-            f"{m} microbatches do not divide the global batch of {s.global_batch} sequences; use one of {divisors}"
+            f"{m} microbatches for a global batch of {s.global_batch} sequences leaves some empty; "
+            f"use 1..{s.global_batch} microbatches"
         )
-    return resolve_hardware(s), m, s.global_batch // m
+    return resolve_hardware(s), m, -(-s.global_batch // m)
+
+
+def microbatch_sizes(batch: int, num_microbatches: int) -> tuple[int, ...]:
+    """Sequences per microbatch as the runtime cuts a batch (``torch.tensor_split``)."""
+    q, r = divmod(batch, num_microbatches)
+    return (q + 1,) * r + (q,) * (num_microbatches - r)
 
 
 def _classic_stages(policy: str, n_dev: int, stages) -> int:
@@ -127,7 +138,7 @@ def _classic_stages(policy: str, n_dev: int, stages) -> int:
         if not isinstance(stages, int):
             raise ConfigError(f"{policy} uses one partition for forward and backward: give stages as an int")
         return stages
-    return n_dev * (DEFAULT_VIRTUAL_STAGES if policy in ("interleaved", "hanayo") else 1)
+    return POLICIES[policy].default_stages(n_dev)
 
 
 def _cost_args(s: Scenario) -> dict:
@@ -166,7 +177,22 @@ def prepare(s: Scenario) -> Prepared:
     config = dict(s.model) if isinstance(s.model, Mapping) else load_model_config(s.model)
     n_dev = hw.num_gpus
     notes: list[str] = []
-    if s.policy == "roundpipe":
+    spec = POLICIES[s.policy]
+    if s.partitions is not None:
+        forward, backward = (Partition(tuple(b)) for b in s.partitions)
+        if not spec.separate_partitions and forward != backward:
+            raise ConfigError(
+                f"{s.policy} uses one partition for forward and backward: give the same bounds twice"
+            )
+        shards = s.head_shards if isinstance(s.head_shards, int) else 1
+        costs = model_costs(config, s.seq_len, mbs, **_cost_args(s), head_shards=shards)
+        if forward.num_layers != len(costs):
+            raise ConfigError(
+                f"the partitions cut {forward.num_layers} layers but the model has {len(costs)} with "
+                f"{shards} head shard(s) ({costs[0].name} .. {costs[-1].name})"
+            )
+        table = build_table(s.policy, forward, backward, n_dev, m)
+    elif spec.separate_partitions:
         p = plan(
             config,
             hw,
@@ -185,12 +211,14 @@ def prepare(s: Scenario) -> Prepared:
         forward, backward, shards = p.forward, p.backward, p.head_shards
         costs = model_costs(config, s.seq_len, mbs, **_cost_args(s), head_shards=shards)
         notes += list(p.notes)
-        table = build_table("roundpipe", forward, backward, n_dev, m)
+        table = build_table(s.policy, forward, backward, n_dev, m)
     else:
         n_stages = _classic_stages(s.policy, n_dev, s.stages)
         part, shards, costs = _classic_partition(s, hw, config, mbs, n_stages)
         table = build_table(s.policy, part, part, n_dev, m)
     work = workload_from_costs(costs, hw, times=s.times, efficiency=s.efficiency, name=s.model_name)
+    if s.global_batch % m:
+        work = replace(work, microbatch_sizes=microbatch_sizes(s.global_batch, m), micro_batch_size=mbs)
     return Prepared(s, hw, table, work, mbs, shards, tuple(notes))
 
 
@@ -240,4 +268,13 @@ def safe_run(s: Scenario, options: SimOptions | None = None) -> SimResult:
         return failed_result(s, f"{type(err).__name__}: {err}")
 
 
-__all__ = ["Prepared", "Scenario", "check_scenario", "failed_result", "prepare", "run_scenario", "safe_run"]
+__all__ = [
+    "Prepared",
+    "Scenario",
+    "check_scenario",
+    "failed_result",
+    "microbatch_sizes",
+    "prepare",
+    "run_scenario",
+    "safe_run",
+]

@@ -2,14 +2,16 @@
 
 Search (everything under the memory limits the simulator checks):
 
-1. **Grid.** For each policy, microbatch counts that divide the global batch (``D``, ``2D``, ``4D``,
-   ``8D`` and one sequence per microbatch, filtered by what the policy accepts) and stage grains:
-   ``roundpipe`` tries the planner's automatic stage counts (memory-aware, head shards chosen by
-   the planner) and ``(kD, k'D)`` forward/backward stage counts; interleaved and hanayo try 2 and 4
-   stages per device; the others run one stage per device. A finer backward grain is a finer
-   recompute grain: each backward stage recomputes from its own saved input. Each candidate starts
-   from balanced partitions (the partitioner's) and is simulated once. Around each policy's best,
-   half and twice as many LM-head vocabulary shards are tried too.
+1. **Grid.** For each policy, microbatch counts ``D``, ``2D``, ``3D``, ``4D``, ``8D`` and one
+   sequence per microbatch, up to the batch and filtered by what the policy accepts (its registry
+   entry); they need not divide the batch (uneven microbatches, cut as the runtime cuts them). Stage
+   grains: a policy with a free grain (``roundpipe``) tries the best grains of the paper's objective
+   for that microbatch count (``partition.grain``: one per slowest-deal level, the head fused in the
+   last stage) and ``(kD, k'D)`` stage counts with the head shards spread like any layer; the
+   others try their registry grains (interleaved and hanayo 2 and 4 stages per device, the rest one).
+   A finer backward grain is a finer recompute grain: each backward stage recomputes from its own
+   saved input. Each candidate starts from balanced partitions (the partitioner's) and is simulated
+   once. Around each policy's best, half and twice as many LM-head vocabulary shards are tried too.
 2. **Bubble-aware refinement.** For the two best candidates of each of the two best policies, the simulated timeline shows where devices
    wait: a task that waits for its input blames the stage that produced it. The most-blamed stage
    gives one layer to its lighter neighbour (when no stage is much to blame, the stage of the
@@ -26,17 +28,19 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
+from roundpipe.partition.cost import layer_times, model_costs
+from roundpipe.presets import load_model_config
 from roundpipe.schedule import POLICIES, build_table
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.scenario import Prepared, Scenario, check_scenario, failed_result, prepare
 from roundpipe.sim.simulator import simulate
 
-DEFAULT_TIME_BUDGET_S = 45.0
+DEFAULT_TIME_BUDGET_S = 15.0
 REFINE_ROUNDS = 8
 REFINE_TOP = 2  # policies whose best candidates are refined
 REFINE_PER_POLICY = 2  # candidates refined per such policy
@@ -95,23 +99,58 @@ def _rank_key(c: Candidate) -> tuple:
     return (not c.fits, -c.result.tokens_per_s, c.policy, c.microbatches)
 
 
+MICROBATCHES_PER_DEVICE = (1, 2, 4, 8)
+ONE_PER_MICROBATCH_UP_TO = 16  # one sequence per microbatch is tried up to this many per device
+GRAIN_ALTERNATIVES = 2  # grains of the objective simulated besides its best
+COUNT_GRAINS = ((1, 2), (2, 2))  # (forward, backward) stages per device, head shards spread
+GRID_SHARE = 0.6  # of the time budget; the rest refines
+
+
 def microbatch_options(policy: str, n_dev: int, global_batch: int) -> list[int]:
-    """Microbatch counts worth trying: divisors of the global batch near multiples of the devices."""
-    wanted = {n_dev, 2 * n_dev, 4 * n_dev, 8 * n_dev, global_batch}
-    out = sorted(m for m in wanted if 1 <= m <= global_batch and global_batch % m == 0)
-    if policy == "chimera":
-        out = [m for m in out if m % 2 == 0]
-    if policy == "interleaved":
-        out = [m for m in out if m % n_dev == 0]
-    return out or [global_batch]
+    """Microbatch counts worth trying: multiples of the devices and one sequence per microbatch,
+    up to the batch, as far as the policy accepts them (uneven sizes are fine)."""
+    spec = POLICIES[policy]
+    wanted = {k * n_dev for k in MICROBATCHES_PER_DEVICE}
+    if global_batch <= ONE_PER_MICROBATCH_UP_TO * n_dev:
+        wanted.add(global_batch)
+    out = sorted(m for m in wanted if 1 <= m <= global_batch and spec.accepts_microbatches(m, n_dev))
+    if not out:
+        step = spec.microbatch_step(n_dev)
+        out = [m for m in (step * (global_batch // step),) if m >= 1] or [global_batch]
+    return out
 
 
 def stage_options(policy: str, n_dev: int) -> list:
-    if policy == "roundpipe":
-        return [None, (n_dev, n_dev), (2 * n_dev, 2 * n_dev), (n_dev, 2 * n_dev), (4 * n_dev, 4 * n_dev)]
-    if policy in ("interleaved", "hanayo"):
-        return [2 * n_dev, 4 * n_dev]
-    return [None]
+    """Stage counts to try: ``None`` is the policy's default (for a free grain, the objective's best)."""
+    spec = POLICIES[policy]
+    if spec.separate_partitions:
+        return [None, *((f * n_dev, b * n_dev) for f, b in COUNT_GRAINS)]
+    return spec.stage_options(n_dev)
+
+
+def grain_alternatives(
+    prep: Prepared, limit: int = GRAIN_ALTERNATIVES
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Partitions of the objective's next-best grains for ``prep``'s model and microbatch shape (the
+    best one is ``prep``'s own when it was planned with a free grain)."""
+    from roundpipe.partition.grain import grain_choices
+
+    s, hw = prep.scenario, prep.hardware
+    config = dict(s.model) if isinstance(s.model, dict) else load_model_config(s.model)
+    costs = model_costs(
+        config, s.seq_len, prep.micro_batch_size, dtype=s.dtype, lora_rank=s.lora_rank,
+        label_fraction=s.label_fraction, fp16_accumulation=s.fp16_accumulation, head_shards=prep.head_shards,
+    )  # fmt: skip
+    f, b = layer_times(costs, hw, efficiency=s.efficiency, times=s.times)
+    try:
+        choices = grain_choices(
+            costs, f, b, num_devices=hw.num_gpus, microbatches=prep.table.num_microbatches,
+            budget=hw.memory_bytes, reserve_bytes=hw.workspace_reserve_bytes, limit=limit + 1,
+        )  # fmt: skip
+    except PlanError:
+        return []
+    own = (prep.table.forward, prep.table.backward)
+    return [(g.forward.bounds, g.backward.bounds) for g in choices if (g.forward, g.backward) != own][:limit]
 
 
 def _candidate(prep: Prepared | None, s: Scenario, result: SimResult, refined: int = 0) -> Candidate:
@@ -233,10 +272,18 @@ def _move(bounds: tuple[int, ...], stage: int, times: Sequence[float]) -> list[t
     return out
 
 
-def refine(prep: Prepared, result: SimResult, opts: SimOptions, deadline: float, rounds: int = REFINE_ROUNDS):
+def refine(
+    prep: Prepared,
+    result: SimResult,
+    opts: SimOptions,
+    deadline: float,
+    rounds: int = REFINE_ROUNDS,
+    accept: Callable[[ScheduleTable], bool] | None = None,
+):
     """Move stage boundaries away from the bubbles while the simulated step improves.
 
-    Returns ``(table, result, accepted_moves)``.
+    ``accept`` vetoes a moved table before it is simulated (e.g. a memory rule the workload does
+    not carry). Returns ``(table, result, accepted_moves)``.
     """
     table, best = prep.table, result
     work = prep.workload
@@ -274,6 +321,8 @@ def refine(prep: Prepared, result: SimResult, opts: SimOptions, deadline: float,
                     )
                 except ScheduleError:
                     continue
+                if accept is not None and not accept(cand_table):
+                    continue
                 res = simulate(cand_table, work, prep.hardware, timed, notes=best.notes)
                 if res.fits and res.iteration_s < best.iteration_s * (1 - 1e-6):
                     table, best, improved = cand_table, res, True
@@ -286,6 +335,65 @@ def refine(prep: Prepared, result: SimResult, opts: SimOptions, deadline: float,
         if not improved:
             break
     return table, best, accepted
+
+
+def polish(
+    prep: Prepared,
+    result: SimResult,
+    opts: SimOptions,
+    deadline: float,
+    accept: Callable[[ScheduleTable], bool] | None = None,
+    passes: int = 4,
+):
+    """Hill-climb every stage boundary: move each by one layer either way, keep a move when the
+    simulated step gets faster (and ``accept`` allows the table), repeat while a pass improves.
+
+    :func:`refine` only moves the stages the timeline blames; the step's fill and drain also depend
+    on where the lighter stages sit, which only trying shows. Forward boundaries first (fewer, and
+    they set the fill). Returns ``(table, result, accepted_moves)``.
+    """
+    table, best = prep.table, result
+    work, hw = prep.workload, prep.hardware
+    options = {k: v for k, v in table.options.items() if k != "weight_bound"}
+    untimed = replace(opts, record_timeline=False)
+    same = table.forward == table.backward
+    moves = 0
+    for _ in range(passes):
+        improved = False
+        for which in ("F",) if same else ("F", "B"):
+            stage = 1
+            while stage < (table.forward if which == "F" else table.backward).num_stages:
+                part = table.forward if which == "F" else table.backward
+                for delta in (-1, 1):
+                    if time.monotonic() > deadline:
+                        return table, best, moves
+                    b = list(part.bounds)
+                    b[stage] += delta
+                    if not b[stage - 1] < b[stage] < b[stage + 1]:
+                        continue
+                    new = Partition(tuple(b))
+                    fwd, bwd = (
+                        (new, new)
+                        if same
+                        else ((new, table.backward) if which == "F" else (table.forward, new))
+                    )
+                    try:
+                        cand = build_table(
+                            table.policy, fwd, bwd, table.num_devices, table.num_microbatches, **options
+                        )
+                    except ScheduleError:
+                        continue
+                    if accept is not None and not accept(cand):
+                        continue
+                    res = simulate(cand, work, hw, untimed, notes=best.notes)
+                    if res.fits and res.iteration_s < best.iteration_s * (1 - 1e-6):
+                        table, best, improved = cand, res, True
+                        moves += 1
+                        break
+                stage += 1
+        if not improved:
+            break
+    return table, best, moves
 
 
 # --------------------------------------------------------------------------------------- search
@@ -331,30 +439,45 @@ def tune(
     notes: list[str] = []
     found: list[tuple[Candidate, Prepared | None]] = []
     seen: set[tuple] = set()
-    for policy in names:
-        for m in microbatch_options(policy, n_dev, global_batch):
-            for stages in stage_options(policy, n_dev):
-                if time.monotonic() > deadline and found:
-                    notes.append(f"time budget of {time_budget_s:.0f} s reached; the grid was cut short")
-                    break
-                s = replace(base, policy=policy, microbatches=m, stages=stages)
-                try:
-                    prep, res = _evaluate(s, opts)
-                except RoundpipeError as err:
-                    prep, res = None, failed_result(s, f"{type(err).__name__}: {err}")
-                cand = _candidate(prep, s, res)
-                key = (policy, m, cand.forward, cand.backward, cand.head_shards)
-                if key in seen:
-                    continue
-                seen.add(key)
-                found.append((cand, prep))
+
+    def consider(s: Scenario) -> Prepared | None:
+        try:
+            prep, res = _evaluate(s, opts)
+        except RoundpipeError as err:
+            prep, res = None, failed_result(s, f"{type(err).__name__}: {err}")
+        cand = _candidate(prep, s, res)
+        key = (s.policy, cand.microbatches, cand.forward, cand.backward, cand.head_shards)
+        if key not in seen:
+            seen.add(key)
+            found.append((cand, prep))
+        return prep
+
+    # Most promising first, so a cut grid still holds every policy: default grains before the
+    # others, microbatch counts nearest 4 per device first.
+    grid = [
+        (stages is not None, abs(math.log(m / (4 * n_dev))), i, policy, m, stages)
+        for i, policy in enumerate(names)
+        for m in microbatch_options(policy, n_dev, global_batch)
+        for stages in stage_options(policy, n_dev)
+    ]
+    grid.sort(key=lambda g: g[:3])
+    grid_deadline = t0 + GRID_SHARE * time_budget_s
+    for _, _, _, policy, m, stages in grid:
+        if time.monotonic() > grid_deadline and found:
+            notes.append(f"time budget of {time_budget_s:.0f} s reached; the grid was cut short")
+            break
+        s = replace(base, policy=policy, microbatches=m, stages=stages)
+        prep = consider(s)
+        if stages is None and prep is not None and POLICIES[policy].separate_partitions:
+            for bounds in grain_alternatives(prep):
+                consider(replace(s, partitions=bounds, head_shards=prep.head_shards))
     found.sort(key=lambda cp: _rank_key(cp[0]))
     # Head shards: around each policy's best, half and twice as many vocabulary shards.
     for policy in names:
         top = next((c for c, p in found if c.policy == policy and c.fits and p is not None), None)
         if top is None or time.monotonic() > deadline:
             continue
-        stages = top.stages if policy == "roundpipe" else top.stages[0]
+        stages = top.stages if POLICIES[policy].separate_partitions else top.stages[0]
         for k in sorted({max(1, top.head_shards // 2), top.head_shards * 2} - {top.head_shards}):
             s = replace(base, policy=policy, microbatches=top.microbatches, stages=stages, head_shards=k)
             try:
