@@ -147,7 +147,7 @@ def fits(model: PaperModel, table: ScheduleTable, budget: int, reserve: int) -> 
 
 
 def own_plan(
-    model: PaperModel, optimizer: str, num_devices: int, microbatches: int
+    model: PaperModel, optimizer: str, num_devices: int, microbatches: int, seconds: float = REFINE_SECONDS
 ) -> tuple[ScheduleTable, SimResult, dict]:
     """roundpipe's own choice: the best grains by the objective, each simulated and refined."""
     hw = load_hardware("8xrtx4090")
@@ -161,7 +161,7 @@ def own_plan(
         reserve_bytes=reserve, limit=OWN_CANDIDATES,
     )  # fmt: skip
     tried = []
-    deadline = time.monotonic() + REFINE_SECONDS / 2
+    deadline = time.monotonic() + seconds / 2
     for rank, g in enumerate(choices):
         table = build_table("roundpipe", g.forward, g.backward, num_devices, microbatches)
         res = simulate(table, model.workload, server, opts)
@@ -170,7 +170,7 @@ def own_plan(
         info = {"grain_rank": rank, "objective_s": g.objective, "t_max_s": g.t_max, "refined_moves": moves}
         tried.append((res.iteration_s, rank, table, res, info))
     tried.sort(key=lambda x: x[:2])
-    deadline = time.monotonic() + REFINE_SECONDS / 2
+    deadline = time.monotonic() + seconds / 2
     best = None
     for _, _rank, table, res, info in tried[:POLISHED]:
         prep = Prepared(Scenario(model.name), server, table, model.workload, MICRO_BATCH, 1)
@@ -189,7 +189,7 @@ def stage_sizes(part: Partition) -> list[int]:
     return [part.bounds[s + 1] - part.bounds[s] for s in range(part.num_stages)]
 
 
-def study(names: list[str] | None = None) -> dict:
+def study(names: list[str] | None = None, seconds: float = REFINE_SECONDS) -> dict:
     setting = load_setting()
     n_dev, m = setting["num_devices"], setting["num_microbatches"]
     server = paper_server()
@@ -224,7 +224,7 @@ def study(names: list[str] | None = None) -> dict:
             res = simulate(paper_table, model.workload, server, options(optimizer))
             record(f"roundpipe_{optimizer}_paper", paper_table, res)
             t0 = time.monotonic()
-            table, res, info = own_plan(model, optimizer, n_dev, m)
+            table, res, info = own_plan(model, optimizer, n_dev, m, seconds)
             record(f"roundpipe_{optimizer}_own", table, res, plan_seconds=time.monotonic() - t0, **info)
         best_classic = min(CLASSIC, key=lambda k: out[k]["bubble"])
         out["summary"] = {

@@ -159,3 +159,12 @@ def test_the_tuner_tries_counts_that_do_not_divide_the_batch():
     assert 24 in microbatch_options("roundpipe", 8, 100)  # 100 / 24 is uneven
     assert all(m % 8 == 0 for m in microbatch_options("interleaved", 8, 100))
     assert all(m % 2 == 0 for m in microbatch_options("chimera", 8, 100))
+
+
+def test_a_scenario_deals_in_rounds_and_the_host_holds_less():
+    kw = dict(model="qwen3-1.7b", hardware="8xrtx4090", seq_len=2048, global_batch=64, microbatches=64, dtype="fp16")
+    whole = run_scenario(Scenario(**kw))
+    rounds = run_scenario(Scenario(**kw, round_size=16))
+    assert rounds.peak_host_bytes < whole.peak_host_bytes
+    with pytest.raises(ConfigError, match="round_size"):
+        prepare(Scenario(**{**kw, "policy": "1f1b"}, round_size=16))

@@ -29,7 +29,7 @@ from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleErr
 from roundpipe.partition.cost import check_fp16_accumulation, check_label_fraction, layer_times, model_costs
 from roundpipe.partition.partitioner import HEAD_SHARD_CANDIDATES, optimal_partition, plan
 from roundpipe.presets import Server, load_hardware, load_model_config, normalize_dtype
-from roundpipe.schedule import POLICIES, build_table
+from roundpipe.schedule import POLICIES, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.simulator import simulate
@@ -60,6 +60,7 @@ class Scenario:
     head_shards: int | str = "auto"
     stages: int | tuple[int, int] | None = None
     partitions: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    round_size: int | None = None  # a dealing policy's rounds of microbatches (RunConfig.round_size)
     times: Mapping[str, tuple[float, float]] | None = field(default=None, compare=False)
     efficiency: float | None = None
     label_fraction: float = 1.0  # share of tokens with a label: the head computes only those
@@ -141,6 +142,17 @@ def _classic_stages(policy: str, n_dev: int, stages) -> int:
     return POLICIES[policy].default_stages(n_dev)
 
 
+def _round(s: Scenario) -> dict:
+    """The ``round_size`` option for the policy's table, if the scenario sets one."""
+    if s.round_size is None:
+        return {}
+    if "round_size" not in policy_options(s.policy):
+        raise ConfigError(
+            f"round_size deals microbatches in rounds, which policy {s.policy!r} does not do; drop it"
+        )
+    return {"round_size": s.round_size}
+
+
 def _cost_args(s: Scenario) -> dict:
     """The scenario's settings that shape every layer's cost."""
     return dict(
@@ -191,7 +203,7 @@ def prepare(s: Scenario) -> Prepared:
                 f"the partitions cut {forward.num_layers} layers but the model has {len(costs)} with "
                 f"{shards} head shard(s) ({costs[0].name} .. {costs[-1].name})"
             )
-        table = build_table(s.policy, forward, backward, n_dev, m)
+        table = build_table(s.policy, forward, backward, n_dev, m, **_round(s))
     elif spec.separate_partitions:
         p = plan(
             config,
@@ -211,11 +223,11 @@ def prepare(s: Scenario) -> Prepared:
         forward, backward, shards = p.forward, p.backward, p.head_shards
         costs = model_costs(config, s.seq_len, mbs, **_cost_args(s), head_shards=shards)
         notes += list(p.notes)
-        table = build_table(s.policy, forward, backward, n_dev, m)
+        table = build_table(s.policy, forward, backward, n_dev, m, **_round(s))
     else:
         n_stages = _classic_stages(s.policy, n_dev, s.stages)
         part, shards, costs = _classic_partition(s, hw, config, mbs, n_stages)
-        table = build_table(s.policy, part, part, n_dev, m)
+        table = build_table(s.policy, part, part, n_dev, m, **_round(s))
     work = workload_from_costs(costs, hw, times=s.times, efficiency=s.efficiency, name=s.model_name)
     if s.global_batch % m:
         work = replace(work, microbatch_sizes=microbatch_sizes(s.global_batch, m), micro_batch_size=mbs)

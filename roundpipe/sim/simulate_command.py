@@ -93,7 +93,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="roundpipe simulate", description=__doc__.split("\n\n")[0])
     add_model_args(ap, seq_required=True)
     ap.add_argument("--policy", default="roundpipe", choices=list(POLICIES))
-    ap.add_argument("--microbatches", type=int, default=None, help="default: one sequence per microbatch")
+    ap.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="default: one sequence per microbatch; any count up to the batch (uneven sizes are fine)",
+    )
+    ap.add_argument(
+        "--round-size", type=int, default=None,
+        help="roundpipe: deal microbatches in rounds of this many (>= devices); bounds the host's saved inputs",
+    )  # fmt: skip
     ap.add_argument("--stages", default=None, help="stage count N, or F,B for roundpipe (default: automatic)")
     ap.add_argument("--head-shards", default="auto", help="vocabulary shards of the LM head (default: auto)")
     ap.add_argument("--times", default=None, help="JSON file of measured per-layer [forward_s, backward_s]")
@@ -116,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             policy=args.policy,
             seq_len=args.seq_len,
             microbatches=args.microbatches,
+            round_size=args.round_size,
             optimizer=args.optimizer,
             head_shards=shards,
             stages=_stages(args.stages),

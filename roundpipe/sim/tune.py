@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
 from roundpipe.partition.cost import layer_times, model_costs
 from roundpipe.presets import load_model_config
-from roundpipe.schedule import POLICIES, build_table
+from roundpipe.schedule import POLICIES, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.scenario import Prepared, Scenario, check_scenario, failed_result, prepare
@@ -60,6 +60,7 @@ class Candidate:
     backward: tuple[int, ...]
     result: SimResult
     refined: int = 0
+    round_size: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -80,6 +81,7 @@ class Candidate:
             "fits": r.fits,
             "reason": r.reason,
             "refined_moves": self.refined,
+            "round_size": self.round_size,
             "forward": list(self.forward),
             "backward": list(self.backward),
         }
@@ -155,7 +157,7 @@ def grain_alternatives(
 
 def _candidate(prep: Prepared | None, s: Scenario, result: SimResult, refined: int = 0) -> Candidate:
     if prep is None:
-        return Candidate(s.policy, result.num_microbatches, (0, 0), 0, (), (), result, refined)
+        return Candidate(s.policy, result.num_microbatches, (0, 0), 0, (), (), result, refined, s.round_size)
     t = prep.table
     return Candidate(
         s.policy,
@@ -166,6 +168,7 @@ def _candidate(prep: Prepared | None, s: Scenario, result: SimResult, refined: i
         t.backward.bounds,
         result,
         refined,
+        s.round_size,
     )
 
 
@@ -446,10 +449,16 @@ def tune(
         except RoundpipeError as err:
             prep, res = None, failed_result(s, f"{type(err).__name__}: {err}")
         cand = _candidate(prep, s, res)
-        key = (s.policy, cand.microbatches, cand.forward, cand.backward, cand.head_shards)
+        key = (s.policy, cand.microbatches, cand.forward, cand.backward, cand.head_shards, s.round_size)
         if key not in seen:
             seen.add(key)
             found.append((cand, prep))
+        rounds = 2 * n_dev
+        if (
+            prep is not None and not res.fits and "host memory" in res.reason and s.round_size is None
+            and cand.microbatches > rounds and "round_size" in policy_options(s.policy)
+        ):  # fmt: skip
+            consider(replace(s, round_size=rounds))  # saved inputs of two rounds instead of the step
         return prep
 
     # Most promising first, so a cut grid still holds every policy: default grains before the
@@ -511,7 +520,7 @@ def tune(
         if moves:
             refined[idx] = Candidate(
                 cand.policy, cand.microbatches, cand.stages, cand.head_shards,
-                table.forward.bounds, table.backward.bounds, res, moves,
+                table.forward.bounds, table.backward.bounds, res, moves, cand.round_size,
             )  # fmt: skip
     ranked = [refined.get(i, c) for i, (c, _) in enumerate(found)]
     ranked.sort(key=_rank_key)
