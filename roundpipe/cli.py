@@ -1,4 +1,4 @@
-"""The ``roundpipe`` command: ``train``, ``demo``, ``partition``, ``simulate`` and ``plan``."""
+"""The ``roundpipe`` command: ``train``, ``demo``, ``partition``, ``simulate``, ``plan`` and ``costs``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ COMMANDS = {
         "simulate one configuration: step time, tokens/s, memory, fits",
     ),
     "plan": ("roundpipe.sim.plan_command", "search policy, partition and microbatches (or --max-seq-len)"),
+    "costs": (
+        "roundpipe.sim.costs_command",
+        "per-layer forward/backward seconds and bytes the cost model predicts (or --calibration)",
+    ),
 }
 
 

@@ -1,5 +1,5 @@
 """fp16 accumulation (issue 11, item 4): ``RunConfig(fp16_accumulation=True)`` sets the CUDA flag
-for the pipeline's lifetime; the cost model, ``simulate`` and ``plan`` time fp16 layers at the
+for the pipeline's lifetime; the cost model, ``simulate`` and ``plan`` time fp16 GEMMs at the
 preset's fp16-accumulate rate when asked; every other dtype refuses the option."""
 
 from __future__ import annotations
@@ -20,17 +20,22 @@ from roundpipe.sim.scenario import Scenario, run_scenario
 torch.set_num_threads(1)
 
 
-def test_fp16_accumulation_times_fp16_layers_at_the_fp16_accumulate_rate():
+def test_fp16_accumulation_runs_fp16_gemms_at_the_fp16_accumulate_rate():
     hw = load_hardware("rtx4090")  # 165.2 TFLOP/s accumulating in fp32, 330.3 in fp16
     config = load_model_config("llama3.1-8b")
     plain = model_costs(config, 2048, 4, dtype="fp16")
     fast = model_costs(config, 2048, 4, dtype="fp16", fp16_accumulation=True)
     for a, b in zip(plain, fast):
         for phase in ("forward", "backward_stage"):
-            if layer_time(a, hw, phase=phase) == 0:
-                continue  # the embedding lookup has no matmul
             ratio = layer_time(a, hw, phase=phase) / layer_time(b, hw, phase=phase)
-            assert ratio == pytest.approx(330.3 / 165.2), (a.name, phase)
+            # Only the GEMMs speed up: elementwise traffic and FlashAttention (fp32 accumulation) do not.
+            assert 1.0 <= ratio <= 330.3 / 165.2 + 1e-9, (a.name, phase)
+            if a.kind == "embed":
+                assert ratio == 1.0  # a gather, no GEMM
+            elif a.kind == "head":
+                assert ratio > 1.8, phase  # a vocabulary-sized GEMM is nearly all of it
+            else:
+                assert ratio > 1.5, phase
 
 
 def test_a_scenario_with_fp16_accumulation_is_faster_and_other_dtypes_refuse_it():

@@ -13,8 +13,8 @@ FLOPs (per token, forward; ``H`` hidden, ``q = heads * head_dim``, ``kv = kv_hea
   MLP ``6HI``; MoE router ``2HE`` plus only the ``k`` active experts ``6 H I_moe k``.
 - attention core (scores and weighted values, each ``2 * head_dim`` per query-key pair and head):
   a causal query at position ``t`` sees ``t + 1`` keys, ``(T + 1) / 2`` on average, so
-  ``4 * heads * head_dim * (T + 1) / 2``. Softmax, norms, rotary and activations are memory-bound
-  and left out (a few percent of a block; measured times replace all of this anyway).
+  ``4 * heads * head_dim * (T + 1) / 2``; a sliding-window layer (gpt-oss) sees at most ``w``.
+  Softmax, norms, rotary and activations are memory traffic, not FLOPs (they are timed as such).
 - LoRA rank ``r`` on a linear: ``2 r (in + out)`` more.
 - head shard of ``Vs`` rows: ``2 H Vs``; the embedding is a gather (0 FLOPs).
 
@@ -55,8 +55,12 @@ Bytes (``b`` = bytes of the compute dtype):
   logits never exist for the whole microbatch) + ``tokens * H * b`` (gradient of the hidden input);
   saved: its hidden input (shard 0 also the final norm's output).
 
-Times: :func:`layer_time` divides FLOPs by ``peak * efficiency``; :func:`layer_times` accepts
-measured times per layer name that replace the analytic ones.
+Times: every :class:`LayerCost` carries the kernels its forward and backward run
+(``fwd_kernels``, ``bwd_kernels``; ``partition/kernels.py``): each GEMM with its shape, the
+attention core, the elementwise and MoE routing traffic. :func:`layer_time` sums a roofline over
+them with the GPU's fitted parameters (``presets/hardware.json``; calibrated on the RoundPipe
+paper's measured RTX 4090 layers, ``roundpipe costs``); :func:`layer_times` accepts measured times
+per layer name that replace the analytic ones.
 
 Pure Python: no torch import.
 """
@@ -64,10 +68,21 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from roundpipe.errors import ConfigError
+from roundpipe.partition.kernels import (
+    ATTENTION_BWD_FACTOR,
+    Kernel,
+    block_kernels,
+    embed_kernels,
+    head_kernels,
+    kernels_seconds,
+    keys_per_query,
+    rates,
+)
+from roundpipe.partition.shape import ModelShape, model_shape
 from roundpipe.presets import GPU, Server, normalize_dtype
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -75,7 +90,6 @@ FP32 = 4
 OPTIMIZER_BYTES_PER_PARAM = 12  # AdamW: fp32 master weight + exp_avg + exp_avg_sq
 GRAD_HOST_BYTES_PER_PARAM = 4  # fp32 gradient accumulation on the CPU
 DEVICE_GRAD_BYTES_PER_PARAM = 4  # fp32 accumulator on the device (runtime/worker.py _accumulator)
-ATTENTION_BWD_FACTOR = 2.5  # dQ, dK, dV, dP matmuls + FlashAttention's recomputed scores
 HEAD_LOGIT_BUFFERS = 2  # a chunk's fp32 logits and their gradient are alive together
 HEAD_STATS_PER_TOKEN = 2  # running log-sum-exp and target logit (fp32) between vocabulary shards
 DEFAULT_HEAD_CHUNK_TOKENS = 1024
@@ -108,6 +122,9 @@ class LayerCost:
     tokens: int = 0
     dtype: str = "bf16"
     fp16_accumulate: bool = False  # fp16 matmuls accumulate in fp16 (the GeForce 2x rate)
+    # What the layer runs (partition/kernels.py): forward, and backward without the recompute forward.
+    fwd_kernels: tuple[Kernel, ...] = field(default=(), repr=False)
+    bwd_kernels: tuple[Kernel, ...] = field(default=(), repr=False)
 
     @property
     def fwd_flops_per_token(self) -> float:
@@ -123,91 +140,6 @@ class LayerCost:
     def transient_bytes(self) -> int:
         """The part of ``work_bytes`` only alive while this one layer runs its backward."""
         return self.work_bytes - self.saved_bytes
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The few config numbers the cost model uses, read from a transformers-style config dict."""
-
-    model_type: str
-    hidden: int
-    num_layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int | None
-    vocab: int
-    tied: bool
-    qk_norm: bool
-    attention_bias: bool
-    mlp_bias: bool
-    num_experts: int
-    experts_per_tok: int
-    moe_intermediate: int | None
-    moe_layers: frozenset[int]
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def is_moe(self, layer: int) -> bool:
-        return layer in self.moe_layers
-
-
-def _need(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise ConfigError(
-            f"model config lacks {key!r}; the cost model needs it (source: {config.get('_source')})"
-        )
-    return config[key]
-
-
-def model_shape(config: Mapping[str, Any]) -> ModelShape:
-    """Read a transformers-style config (``hidden_size``, ``num_hidden_layers``, ...).
-
-    MoE follows Qwen3-MoE: ``num_experts`` (or ``num_local_experts``), ``num_experts_per_tok``,
-    ``moe_intermediate_size``; a layer ``i`` is MoE unless listed in ``mlp_only_layers`` or
-    ``(i + 1) % decoder_sparse_step != 0``. Qwen3 families have per-head q/k norms.
-    """
-    hidden = int(_need(config, "hidden_size"))
-    layers = int(_need(config, "num_hidden_layers"))
-    heads = int(_need(config, "num_attention_heads"))
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    model_type = str(config.get("model_type", ""))
-    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-    moe_layers: frozenset[int] = frozenset()
-    if experts:
-        step = int(config.get("decoder_sparse_step") or 1)
-        dense_only = set(config.get("mlp_only_layers") or [])
-        moe_layers = frozenset(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
-    shape = ModelShape(
-        model_type=model_type,
-        hidden=hidden,
-        num_layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate=config.get("intermediate_size"),
-        vocab=int(_need(config, "vocab_size")),
-        tied=bool(config.get("tie_word_embeddings", False)),
-        qk_norm=model_type.startswith("qwen3"),
-        attention_bias=bool(config.get("attention_bias", False)),
-        mlp_bias=bool(config.get("mlp_bias", False)),
-        num_experts=experts,
-        experts_per_tok=int(config.get("num_experts_per_tok") or 0),
-        moe_intermediate=config.get("moe_intermediate_size") or config.get("intermediate_size"),
-        moe_layers=moe_layers,
-    )
-    if experts and not shape.experts_per_tok:
-        raise ConfigError("MoE config has num_experts but no num_experts_per_tok")
-    if len(moe_layers) < layers and not shape.intermediate:
-        raise ConfigError("model config lacks 'intermediate_size' for its dense MLP layers")
-    return shape
 
 
 @dataclass(frozen=True)
@@ -242,9 +174,9 @@ def _block_linears(shape: ModelShape, layer: int, lora_experts: bool) -> list[_L
     out = [_Linear(h, q, bias=ab), _Linear(h, kv, bias=ab), _Linear(h, kv, bias=ab), _Linear(q, h, bias=ab)]
     if shape.is_moe(layer):
         e, k, im = shape.num_experts, shape.experts_per_tok, int(shape.moe_intermediate)
-        out.append(_Linear(h, e))  # router
-        for fan_in, fan_out in ((h, im), (h, im), (im, h)):
-            out.append(_Linear(fan_in, fan_out, active=k, total=e, lora=lora_experts))
+        out.append(_Linear(h, e, bias=shape.router_bias))  # router
+        for fan_in, fan_out in ((h, im), (h, im), (im, h)):  # gate, up (fused in gpt-oss), down
+            out.append(_Linear(fan_in, fan_out, active=k, total=e, bias=shape.expert_bias, lora=lora_experts))
     else:
         i, mb = int(shape.intermediate), shape.mlp_bias
         out += [_Linear(h, i, bias=mb), _Linear(h, i, bias=mb), _Linear(i, h, bias=mb)]
@@ -262,7 +194,9 @@ def _block_cost(
 ) -> dict[str, Any]:
     h, q, kv, heads = shape.hidden, shape.q_dim, shape.kv_dim, shape.heads
     linears = _block_linears(shape, layer, lora_experts)
-    norm_params = 2 * h + (2 * shape.head_dim if shape.qk_norm else 0)
+    norm_params = (
+        2 * h + (2 * shape.head_dim if shape.qk_norm else 0) + (heads if shape.attention_sinks else 0)
+    )
     base_params = sum(lin.params for lin in linears) + norm_params
     lora = lora_rank or 0
     lora_params = sum(lin.lora_params(lora) for lin in linears)
@@ -270,7 +204,7 @@ def _block_cost(
 
     matmul = sum(lin.flops_per_token for lin in linears)
     lora_flops = sum(lin.lora_flops_per_token(lora) for lin in linears)
-    attn_core = 4.0 * heads * shape.head_dim * (seq_len + 1) / 2
+    attn_core = 4.0 * heads * shape.head_dim * keys_per_query(seq_len, shape.window(layer))
     fwd = matmul + lora_flops + attn_core
     bwd = matmul * (2.0 if full else 1.0) + 2.0 * lora_flops + ATTENTION_BWD_FACTOR * attn_core
 
@@ -288,7 +222,12 @@ def _block_cost(
 
     params = base_params + lora_params
     trainable = base_params if full else lora_params
+    fwd_kernels, bwd_kernels = block_kernels(
+        shape, layer, seq_len, tokens // seq_len, b, lora_rank, lora_experts, trainable
+    )
     return dict(
+        fwd_kernels=fwd_kernels,
+        bwd_kernels=bwd_kernels,
         fwd_flops=fwd * tokens,
         bwd_flops=bwd * tokens,
         params=params,
@@ -367,11 +306,14 @@ def model_costs(
 
     raw: list[tuple[str, str, dict[str, Any]]] = []
     embed_params = v * h
+    embed_fwd, embed_bwd = embed_kernels(v, h, tokens, b, trained=full)
     raw.append(
         (
             "embed",
             "embed",
             dict(
+                fwd_kernels=embed_fwd,
+                bwd_kernels=embed_bwd,
                 fwd_flops=0.0,
                 bwd_flops=0.0,
                 params=embed_params,
@@ -404,11 +346,16 @@ def model_costs(
         # After the first shard the hand-off is one packed fp32 tensor [tokens, H + 2] (models/head_shards.py).
         hidden_in = tokens * h * (FP32 if j > 0 else b)
         transient = HEAD_LOGIT_BUFFERS * chunk * vs * FP32 + tokens * h * b
+        head_fwd, head_bwd = head_kernels(
+            h, vs, tokens, labelled, chunk, b, first=j == 0, trained=full, trained_params=trainable
+        )
         raw.append(
             (
                 "head" if head_shards == 1 else f"head.{j}",
                 "head",
                 dict(
+                    fwd_kernels=head_fwd,
+                    bwd_kernels=head_bwd,
                     fwd_flops=fwd,
                     bwd_flops=fwd * (2.0 if full else 1.0),
                     params=weight + norm,
@@ -445,6 +392,8 @@ def model_costs(
             tokens=tokens,
             dtype=dt,
             fp16_accumulate=fp16_accumulation,
+            fwd_kernels=c["fwd_kernels"],
+            bwd_kernels=c["bwd_kernels"],
         )
         for name, kind, c in raw
     ]
@@ -477,26 +426,28 @@ def layer_time(
     efficiency: float | None = None,
     fp16_accumulate: bool = False,
 ) -> float:
-    """Seconds for one microbatch: ``flops / (peak(dtype) * efficiency)``.
+    """Seconds for one microbatch on ``hw``: the roofline of every kernel the layer runs.
 
     ``phase``: ``"forward"``, ``"backward"`` (backward alone) or ``"backward_stage"`` (what a
     backward stage spends: recompute forward where the layer recomputes, then backward).
-    ``efficiency`` defaults to the hardware preset's ``matmul_efficiency`` (an assumption, see
-    ``hardware.json``); the fraction of peak is the same for every layer and phase, so it scales
-    all times alike and never changes a partition.
+    Each kernel takes ``max(compute, memory traffic) + launch`` (``partition/kernels.py``): GEMMs
+    at an efficiency that grows with their size up to the preset's ``matmul_efficiency``,
+    FlashAttention at ``attention_efficiency``, elementwise work at ``memory_efficiency`` of the
+    memory bandwidth. ``efficiency`` replaces the preset's GEMM plateau ``matmul_efficiency``.
+    A cost built by hand without kernels is timed as ``flops / (peak * efficiency)``.
     """
-    eff = hw.matmul_efficiency if efficiency is None else efficiency
-    if not 0 < eff <= 1:
-        raise ConfigError(f"efficiency must be in (0, 1], got {eff}")
-    flops = {
-        "forward": cost.fwd_flops,
-        "backward": cost.bwd_flops,
-        "backward_stage": cost.bwd_recompute_flops,
-    }
-    if phase not in flops:
+    if phase not in ("forward", "backward", "backward_stage"):
         raise ConfigError(f"unknown phase {phase!r}; use forward, backward or backward_stage")
-    rate = hw.peak_flops(cost.dtype, fp16_accumulate=fp16_accumulate or cost.fp16_accumulate)
-    return flops[phase] / (rate * eff)
+    fp16_acc = fp16_accumulate or cost.fp16_accumulate
+    r = rates(hw, cost.dtype, fp16_accumulate=fp16_acc, efficiency=efficiency)
+    if not (cost.fwd_kernels or cost.bwd_kernels):
+        flops = {"forward": cost.fwd_flops, "backward": cost.bwd_flops}.get(phase, cost.bwd_recompute_flops)
+        return flops / (r.gemm_flops * r.gemm_efficiency)
+    fwd = kernels_seconds(cost.fwd_kernels, r, r.launch_s)
+    if phase == "forward":
+        return fwd
+    bwd = kernels_seconds(cost.bwd_kernels, r, r.launch_bwd_s)
+    return bwd + (fwd if phase == "backward_stage" and cost.recompute else 0.0)
 
 
 def layer_times(
@@ -521,6 +472,7 @@ def layer_times(
             f"measured times for unknown layers {sorted(unknown)}; layers are {costs[0].name}.."
         )
     fwd, bwd = [], []
+    seen: dict[tuple, tuple[float, float]] = {}  # identical blocks share their kernel tuples
     for c in costs:
         if c.name in times:
             f, b = (float(x) for x in times[c.name])
@@ -528,13 +480,15 @@ def layer_times(
                 raise ConfigError(f"measured times of {c.name} must be >= 0, got {times[c.name]}")
             fwd.append(f)
             bwd.append(b + (f if c.recompute else 0.0))
-        else:
-            fwd.append(
-                layer_time(c, hw, phase="forward", efficiency=efficiency, fp16_accumulate=fp16_accumulate)
+            continue
+        key = (id(c.fwd_kernels), id(c.bwd_kernels), c.recompute, c.dtype, c.fp16_accumulate)
+        if not c.fwd_kernels or key not in seen:
+            kw = dict(efficiency=efficiency, fp16_accumulate=fp16_accumulate)
+            seen[key] = (
+                layer_time(c, hw, phase="forward", **kw),
+                layer_time(c, hw, phase="backward_stage", **kw),
             )
-            bwd.append(
-                layer_time(
-                    c, hw, phase="backward_stage", efficiency=efficiency, fp16_accumulate=fp16_accumulate
-                )
-            )
+        f, b = seen[key]
+        fwd.append(f)
+        bwd.append(b)
     return fwd, bwd

@@ -798,9 +798,11 @@ def plan(
 
 
 def _head_fused(p: Plan, shards: int) -> bool:
-    """The plan's last stage, in both partitions, is the fused head stage holding every head shard."""
+    """The plan's last stage, in both partitions, is the fused head stage holding every head shard,
+    and it is not the slowest stage of either (else more shards could spread it over stages)."""
     start = len(p.layer_names) - shards
-    return p.forward.bounds[-2] == p.backward.bounds[-2] <= start
+    slowest = p.fwd_stage_times[-1] >= p.fwd_bottleneck or p.bwd_stage_times[-1] >= p.bwd_bottleneck
+    return p.forward.bounds[-2] == p.backward.bounds[-2] <= start and not slowest
 
 
 def _choose(common: dict, tolerance: float, max_head_shards: int) -> tuple[Plan, int]:

@@ -1,6 +1,6 @@
 """Hardware and model presets: the one place where numbers that describe GPUs, servers and models live.
 
-The numbers sit in two data files next to this module, each entry with its public source
+The numbers sit in three data files next to this module, each entry with its public source
 (``_source``) and, where a number is not a published figure, an ``_assumed`` note saying why it is
 what it is:
 
@@ -8,6 +8,8 @@ what it is:
   kind a default server topology (``servers``) used when a spec like ``"8xrtx4090"`` builds a server.
 - ``models.json``: architecture numbers of the models the issues name, with transformers field names,
   so a preset and a local ``config.json`` are interchangeable.
+- ``measured_layers.json``: per-layer times measured on real hardware (the RoundPipe paper's RTX
+  4090 layers), which the cost model's fitted parameters in ``hardware.json`` reproduce.
 
 This module only parses and converts units (datasheet TFLOPS/GB/GBs -> FLOP/s, bytes, bytes/s).
 Pure Python; nothing is read until a loader is called.
@@ -83,6 +85,13 @@ class GPU:
     workspace_reserve_bytes: int
     host_link_efficiency: float
     source: str
+    # The cost model's kernel roofline (partition/kernels.py); matmul_efficiency is its GEMM plateau.
+    memory_efficiency: float  # share of memory_bw that elementwise kernels reach
+    gemm_ramp_s: float  # fixed time a GEMM spends filling and draining the GPU
+    attention_efficiency: float  # share of the fp32-accumulate tensor peak FlashAttention reaches
+    launch_s: float  # host time to issue one forward kernel (eager Python); shorter kernels wait for it
+    launch_bwd_s: float  # the same for a backward kernel (issued by the autograd engine)
+    expert_grad_passes: float  # DRAM passes charged per expert's full-size gradient (MoE backward)
 
     def peak_flops(
         self, dtype: str = "bf16", *, fp16_accumulate: bool = False, allow_tf32: bool = False
@@ -204,6 +213,12 @@ def _gpu(name: str) -> GPU:
         workspace_reserve_bytes=int(entry.get("workspace_reserve_gb", d["workspace_reserve_gb"]) * GIB),
         host_link_efficiency=entry.get("host_link_efficiency", d["host_link_efficiency"]),
         source=entry["_source"],
+        memory_efficiency=entry.get("memory_efficiency", d["memory_efficiency"]),
+        gemm_ramp_s=entry.get("gemm_ramp_us", d["gemm_ramp_us"]) * 1e-6,
+        attention_efficiency=entry.get("attention_efficiency", d["attention_efficiency"]),
+        launch_s=entry.get("launch_us", d["launch_us"]) * 1e-6,
+        launch_bwd_s=entry.get("launch_bwd_us", d["launch_bwd_us"]) * 1e-6,
+        expert_grad_passes=entry.get("expert_grad_passes", d["expert_grad_passes"]),
     )
 
 
@@ -301,6 +316,14 @@ def load_model_config(name_or_path: str | os.PathLike) -> dict[str, Any]:
     )
 
 
+def load_measured_layers() -> dict[str, Any]:
+    """Per-layer times measured on real hardware (``measured_layers.json``, a fresh copy): the
+    RoundPipe paper's RTX 4090 figures the cost model is calibrated on. ``setting`` says how they
+    were measured; ``models`` maps a preset name to its ``fwd``, ``bwd``, ``head_fwd`` and
+    ``head_bwd`` milliseconds and ``lora_rank`` (None: full fine-tuning)."""
+    return json.loads(json.dumps(_read("measured_layers.json")))
+
+
 __all__ = [
     "GIB",
     "GPU",
@@ -308,6 +331,7 @@ __all__ = [
     "known_gpus",
     "known_models",
     "load_hardware",
+    "load_measured_layers",
     "load_model_config",
     "normalize_dtype",
 ]
