@@ -29,7 +29,7 @@ from pathlib import Path
 from roundpipe.partition.cost import model_costs
 from roundpipe.partition.grain import grain_choices, objective
 from roundpipe.partition.partitioner import last_stage_bytes, optimal_partition, stage_bytes
-from roundpipe.presets import load_hardware, load_model_config
+from roundpipe.presets import load_hardware, load_measured_layers, load_model_config
 from roundpipe.schedule import build_table
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
@@ -51,7 +51,18 @@ CLASSIC = ("gpipe", "1f1b", "interleaved")
 
 
 def load_setting() -> dict:
-    return json.loads(DATA.read_text())
+    """The study's setting, with every model's measured layer times (``presets.load_measured_layers``)."""
+    setting = json.loads(DATA.read_text())
+    measured = load_measured_layers()["models"]
+    setting["per_layer_times_ms"] = {
+        name: {
+            **{k: measured[name][k] for k in ("fwd", "bwd", "head_fwd", "head_bwd")},
+            "layers": int(load_model_config(name)["num_hidden_layers"]),
+            "comm_per_hop": hop,
+        }
+        for name, hop in setting["comm_per_hop_ms"].items()
+    }
+    return setting
 
 
 @dataclass(frozen=True)
