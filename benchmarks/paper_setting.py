@@ -169,7 +169,7 @@ def own_plan(
     accept = lambda t: fits(model, t, budget, reserve)  # noqa: E731
     choices = grain_choices(
         model.costs, f, b, num_devices=num_devices, microbatches=microbatches, budget=budget,
-        reserve_bytes=reserve, limit=OWN_CANDIDATES,
+        reserve_bytes=reserve, limit=OWN_CANDIDATES, steady=optimizer == "async",
     )  # fmt: skip
     tried = []
     deadline = time.monotonic() + seconds / 2

@@ -162,9 +162,10 @@ def test_the_tuner_tries_counts_that_do_not_divide_the_batch():
 
 
 def test_a_scenario_deals_in_rounds_and_the_host_holds_less():
-    kw = dict(model="qwen3-1.7b", hardware="8xrtx4090", seq_len=2048, global_batch=64, microbatches=64, dtype="fp16")
+    # more forward and backward stages than devices: then a round holds back the next (see the policy)
+    kw = dict(model="qwen3-1.7b", seq_len=2048, global_batch=64, microbatches=64, dtype="fp16", stages=(16, 16))
     whole = run_scenario(Scenario(**kw))
     rounds = run_scenario(Scenario(**kw, round_size=16))
     assert rounds.peak_host_bytes < whole.peak_host_bytes
     with pytest.raises(ConfigError, match="round_size"):
-        prepare(Scenario(**{**kw, "policy": "1f1b"}, round_size=16))
+        prepare(Scenario(**{**kw, "policy": "1f1b", "stages": 8}, round_size=16))

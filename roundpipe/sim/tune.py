@@ -148,6 +148,7 @@ def grain_alternatives(
         choices = grain_choices(
             costs, f, b, num_devices=hw.num_gpus, microbatches=prep.table.num_microbatches,
             budget=hw.memory_bytes, reserve_bytes=hw.workspace_reserve_bytes, limit=limit + 1,
+            steady=s.optimizer == "async",
         )  # fmt: skip
     except PlanError:
         return []
