@@ -238,8 +238,9 @@ def optimal_partition(
     stage_weights = tuple(pw[j] - pw[i] for i, j in zip(cuts, cuts[1:]))
     prefetch = max(stage_weights)
     if mem_on:
+        nxt = prefetch_bounds(stage_weights)
         peaks = tuple(
-            stage_weights[s] + prefetch + pa[j] - pa[i] + max(p[i:j]) + reserve_bytes
+            stage_weights[s] + nxt[s] + pa[j] - pa[i] + max(p[i:j]) + reserve_bytes
             for s, (i, j) in enumerate(zip(cuts, cuts[1:]))
         )
     else:
@@ -325,11 +326,27 @@ def memory_vectors(costs: Sequence[LayerCost], phase: str) -> tuple[list[int], l
 def stage_bytes(
     costs: Sequence[LayerCost], partition: Partition, phase: str, reserve_bytes: int = 0
 ) -> list[int]:
-    """Peak device bytes of every stage by the memory rule of this module (prefetch = largest stage)."""
+    """Peak device bytes of every stage by the memory rule of this module (its prefetch: the
+    largest other stage, :func:`prefetch_bounds`)."""
     w, a, p = memory_vectors(costs, phase)
     spans = [(partition.bounds[s], partition.bounds[s + 1]) for s in range(partition.num_stages)]
-    prefetch = max(sum(w[i:j]) for i, j in spans)
-    return [sum(w[i:j]) + prefetch + sum(a[i:j]) + max(p[i:j]) + reserve_bytes for i, j in spans]
+    nxt = prefetch_bounds([sum(w[i:j]) for i, j in spans])
+    return [sum(w[i:j]) + nxt[s] + sum(a[i:j]) + max(p[i:j]) + reserve_bytes for s, (i, j) in enumerate(spans)]
+
+
+def prefetch_bounds(stage_weights: Sequence[int]) -> list[int]:
+    """Per stage, what its device may hold prefetched: the largest *other* stage's weights.
+
+    The next stage a device runs is another stage (or the same one again, whose weights are
+    already there), so the largest other stage bounds it for every policy. The search itself uses
+    the largest stage for all (a stage that is the largest counted twice): a sufficient check, so
+    every partition it returns also fits this one.
+    """
+    if len(stage_weights) < 2:
+        return [0] * len(stage_weights)
+    order = sorted(range(len(stage_weights)), key=stage_weights.__getitem__, reverse=True)
+    first, second = stage_weights[order[0]], stage_weights[order[1]]
+    return [second if s == order[0] else first for s in range(len(stage_weights))]
 
 
 def last_stage_bytes(
