@@ -40,7 +40,12 @@ def main() -> None:
         for name, positions in (("all tokens", lambda labels: None), ("label tokens", shipped)):
             inputs.loss_positions = positions
             try:
-                with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", num_microbatches=2)) as pipe:
+                with roundpipe.wrap(
+                    model,
+                    roundpipe.RunConfig(
+                        devices="cpu:1", num_microbatches=2, policy="roundpipe", partition=None
+                    ),
+                ) as pipe:
 
                     def step(pipe=pipe, name=name):
                         losses[name] = float(pipe.forward_backward(ids, labels=labels).loss)

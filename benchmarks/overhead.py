@@ -49,7 +49,13 @@ def main() -> None:
         opt.zero_grad()
 
     def make_pipe(sanitize: bool):
-        config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=args.microbatches, sanitize=sanitize)
+        config = roundpipe.RunConfig(
+            devices="cpu:1",
+            num_microbatches=args.microbatches,
+            sanitize=sanitize,
+            policy="roundpipe",
+            partition=None,
+        )
         pipe = roundpipe.wrap(copy.deepcopy(model), config)
         pipe.configure_optimizer(lr=1e-5)
 

@@ -36,7 +36,11 @@ def main() -> None:
     pipes = {}
     for devices in ("cpu:1", "cpu:2"):
         config = roundpipe.RunConfig(
-            devices=devices, num_microbatches=args.microbatches, policy=args.policy, sanitize=False
+            devices=devices,
+            num_microbatches=args.microbatches,
+            policy=args.policy,
+            partition=None,
+            sanitize=False,
         )
         pipes[devices] = roundpipe.wrap(copy.deepcopy(model), config)
         pipes[devices].configure_optimizer(lr=1e-5)

@@ -29,10 +29,18 @@ class RunConfig:
 
     Args:
         devices: ``"auto"``, ``"cpu:N"``, ``"cuda"``, ``"cuda:0,1"``, ``"cuda:0x2"``.
-        num_microbatches: how many slices ``forward_backward`` cuts each batch into; ``"auto"``:
-            the fewest (at least one per device, at most the batch) that keep the estimated
-            fill/drain bubble under 10% with the measured stage times, else one per device.
-        policy: dispatch policy (``"roundpipe"`` streams stages round-robin over stateless workers).
+        num_microbatches: how many slices ``forward_backward`` cuts each batch into (by sample;
+            uneven splits are fine). ``"auto"`` (default): one per device until the first batch
+            is profiled, then the count predicted fastest (at most the batch), chosen with the
+            policy and the partitions (see ``policy``).
+        policy: dispatch policy (``"roundpipe"`` streams stages round-robin over stateless
+            workers; ``known_policies()`` lists the others). ``"auto"`` (default): run as
+            roundpipe until the first batch is profiled (``Pipeline.profile``, done by the first
+            ``forward_backward``), then the policy whose step the simulator predicts fastest on the
+            measured layer times, chosen together with the "auto" partitions and microbatch count
+            once per batch shape (``roundpipe.sim.choice``); ``pipe.plan`` says what was chosen and
+            why. Any of the three given explicitly pins that part. The optimizer mode is never
+            chosen: ``sync`` (exact) unless you ask for ``async``.
         dtype: compute precision; master weights and optimizer state are always fp32 on the CPU.
         order: ``"strict"``: each worker runs its tasks in table order; ``"ready"``: the first task
             in table order whose inputs are ready (the table is a hint; irregular tables cannot
@@ -67,10 +75,13 @@ class RunConfig:
             stage inputs of about two rounds instead of the whole batch, for one weight upload per
             stage per round. At least the device count (unless it covers every microbatch); None:
             one round of all microbatches.
-        partition: layers per forward stage, e.g. ``(3, 4, 4, 3)`` (default: one layer per stage
-            for roundpipe, even stages for the others). Layers are embed, each block, the head.
-            ``"auto"``: profile the layers on the first batch (``Pipeline.profile``) and let the
-            partitioner balance measured stage times within the device capacity.
+        partition: layers per forward stage, e.g. ``(3, 4, 4, 3)``; layers are embed, each block,
+            the head. ``None``: the policy's default (one layer per stage for roundpipe, even stages
+            for the others). ``"auto"`` (default): profile the layers on the first batch and cut
+            them on the measured times within the device capacity: a policy with separate forward
+            and backward partitions (roundpipe) takes the free stage grain of the RoundPipe
+            objective (``partition/grain.py``) for the microbatch count, the others their registry
+            stage count, balanced.
         backward_partition: layers per backward stage (default: ``partition``); roundpipe allows
             it to differ (backward stages are usually smaller).
         schedule: a hand-written ``ScheduleTable`` to run instead of a policy's; its partitions and
@@ -89,8 +100,8 @@ class RunConfig:
     """
 
     devices: str = "auto"
-    num_microbatches: int | str = 1
-    policy: str = "roundpipe"
+    num_microbatches: int | str = "auto"
+    policy: str = "auto"
     dtype: str = "fp32"
     order: str = "strict"
     optimizer_mode: str = "sync"
@@ -105,7 +116,7 @@ class RunConfig:
     seed: int = 0
     policy_options: dict[str, Any] = field(default_factory=dict)
     round_size: int | None = None
-    partition: tuple[int, ...] | str | None = None
+    partition: tuple[int, ...] | str | None = "auto"
     backward_partition: tuple[int, ...] | None = None
     schedule: Any = None  # a roundpipe.schedule.ScheduleTable written by hand
     host_memory: str = "arena"
@@ -119,8 +130,10 @@ class RunConfig:
                 f"policy {self.policy!r} cannot run yet: {_NOT_EXECUTABLE[self.policy]}; "
                 f"choose one of {', '.join(known_policies())} (the simulator still models it)"
             )
-        if self.policy not in known_policies():
-            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(known_policies())}")
+        if self.policy != "auto" and self.policy not in known_policies():
+            raise ConfigError(
+                f"unknown policy {self.policy!r}; choose 'auto' or one of {', '.join(known_policies())}"
+            )
         if self.order not in ORDERS:
             raise ConfigError(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
         if self.optimizer_mode not in OPTIMIZER_MODES:
@@ -141,24 +154,40 @@ class RunConfig:
             raise ConfigError(f"copy_chunk_bytes must be a positive int, got {self.copy_chunk_bytes!r}")
         if self.device_capacity is not None and self.device_capacity <= 0:
             raise ConfigError(f"device_capacity must be a positive byte count, got {self.device_capacity!r}")
+        for name in ("partition", "backward_partition"):  # a list (from YAML, say) means the same
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.partition, str) and self.partition != "auto":
             raise ConfigError(f"partition must be layer counts per stage or 'auto', got {self.partition!r}")
-        if self.partition == "auto" and self.backward_partition is not None:
-            raise ConfigError("partition='auto' chooses the backward partition too; drop backward_partition")
+        if self.backward_partition is not None and not isinstance(self.partition, tuple):
+            raise ConfigError(
+                "backward_partition needs partition too (the forward stages, e.g. partition=(2, 3)); "
+                f"partition={self.partition!r} chooses both"
+            )
         for name in ("partition", "backward_partition"):
             sizes = getattr(self, name)
             if sizes == "auto":
                 continue
             if sizes is not None and (not sizes or any(not isinstance(n, int) or n < 1 for n in sizes)):
                 raise ConfigError(f"{name} must list a positive number of layers per stage, got {sizes!r}")
-        if self.backward_partition is not None and self.partition is None:
-            raise ConfigError("backward_partition needs partition too (the forward stages)")
-        if self.schedule is not None and self.schedule.num_microbatches != self.num_microbatches:
+        if (
+            self.schedule is not None
+            and self.num_microbatches != "auto"
+            and self.schedule.num_microbatches != self.num_microbatches
+        ):
             raise ConfigError(
                 f"the schedule is written for {self.schedule.num_microbatches} microbatches but "
                 f"num_microbatches={self.num_microbatches}; make them equal"
             )
         self._check_round_size()
+        if self.policy == "auto" and self.policy_options:
+            from roundpipe.schedule import policy_options
+
+            keys = set(self.policy_options)
+            if not any(keys <= set(policy_options(p)) for p in known_policies()):
+                raise ConfigError(
+                    f"no policy takes the options {', '.join(sorted(keys))}; name the policy they are for"
+                )
         if self.host_memory not in HOST_MEMORY_MODES:
             raise ConfigError(
                 f"unknown host_memory {self.host_memory!r}; choose one of {', '.join(HOST_MEMORY_MODES)}"
@@ -182,10 +211,12 @@ class RunConfig:
             )
         from roundpipe.schedule import policy_options
 
-        if "round_size" not in policy_options(self.policy):
+        # With policy="auto" only the policies that deal in rounds are candidates.
+        takers = [p for p in known_policies() if "round_size" in policy_options(p)]
+        if self.policy != "auto" and self.policy not in takers:
             raise ConfigError(
                 f"round_size deals microbatches in rounds, which policy {self.policy!r} does not do; "
-                "use policy='roundpipe' or drop round_size"
+                f"use policy={takers[0]!r} (or 'auto') or drop round_size"
             )
         if self.policy_options.get("round_size", r) != r:
             raise ConfigError(

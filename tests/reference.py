@@ -86,6 +86,24 @@ def assert_same_run(
         )
 
 
+def assert_exact(got: RunResult, plain: RunResult, exact: RunResult) -> None:
+    """The project's exactness rule: losses equal plain fp32 PyTorch to rtol 1e-5, and every weight
+    is no further from the float64 run (``exact``) than twice as far as plain fp32 PyTorch is."""
+    torch.testing.assert_close(
+        torch.tensor(got.losses, dtype=torch.float64),
+        torch.tensor(plain.losses, dtype=torch.float64),
+        rtol=1e-5,
+        atol=0.0,
+    )
+    assert got.weights.keys() == exact.weights.keys()
+    for name, want in exact.weights.items():
+        ours = (got.weights[name].double() - want).norm()
+        theirs = (plain.weights[name].double() - want).norm()
+        assert ours <= 2 * theirs + 1e-12 * want.norm(), (
+            f"{name}: {ours:.3g} from float64, plain fp32 {theirs:.3g}"
+        )
+
+
 def reference_train_one_step_stale(model, batch: dict, steps: int) -> RunResult:
     """Plain PyTorch with the async optimizer's delay: iteration t computes its loss and gradients on
     the weights from before update t-1 (W_{t-1}; W_0 for the first two), and AdamW applies them to

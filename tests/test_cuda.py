@@ -163,6 +163,7 @@ def test_every_policy_trains_like_plain_pytorch(policy, spec, microbatches, lora
         num_microbatches=microbatches,
         policy=policy,
         order=order,
+        partition=None,  # the policy's own default stages: the table under test
     )
     assert_same_run(got, want, **GPU_TOLERANCES)
 
@@ -188,7 +189,10 @@ def test_the_ledger_peak_bounds_what_is_really_allocated():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    with roundpipe.wrap(model, roundpipe.RunConfig(devices=devices("cuda:0"), num_microbatches=3)) as pipe:
+    config = roundpipe.RunConfig(
+        devices=devices("cuda:0"), num_microbatches=3, policy="roundpipe", partition=None
+    )
+    with roundpipe.wrap(model, config) as pipe:  # one layer per stage, as the bound below assumes
         pipe.forward_backward(
             batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"]
         )
@@ -272,7 +276,7 @@ def test_peak_memory_stays_within_two_stages_weights_and_a_working_set(big_llama
     ids = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq), generator=generator)
     workers = workers_per_gpu(spec)
     config = roundpipe.RunConfig(
-        devices=devices(spec), num_microbatches=microbatches, policy="roundpipe", dtype="bf16"
+        devices=devices(spec), num_microbatches=microbatches, policy="roundpipe", partition=None, dtype="bf16"
     )
     gc.collect()
     if gpu:

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from reference import assert_same_run, pipeline_train, reference_train, trainable_weights
+from reference import (
+    assert_exact,
+    assert_same_run,
+    pipeline_train,
+    reference_train,
+    reference_train_one_step_stale,
+    trainable_weights,
+)
 from tiny_models import FAMILIES, make_batch, make_model
 
 torch.set_num_threads(1)
 
 STEPS = 5
+# The matrix below runs roundpipe with one layer per stage, every layer recomputed in its backward
+# stage (what the tests were written for); the automatic defaults have their own cases further down.
+ROUNDPIPE = {"policy": "roundpipe", "partition": None}
 _reference_cache: dict = {}
 
 
@@ -35,7 +47,9 @@ CASES = [
 @pytest.mark.parametrize(("family", "lora", "tied", "padding", "microbatches"), CASES)
 def test_fp32_training_equals_plain_pytorch(family, lora, tied, padding, microbatches):
     model, batch, want = _reference(family, lora, tied, padding)
-    got = pipeline_train(model, batch, STEPS, devices="cpu:1", num_microbatches=microbatches, dtype="fp32")
+    got = pipeline_train(
+        model, batch, STEPS, devices="cpu:1", num_microbatches=microbatches, dtype="fp32", **ROUNDPIPE
+    )
     assert_same_run(got, want)
 
 
@@ -44,14 +58,14 @@ def test_all_linear_lora_equals_plain_pytorch(family):
     model = make_model(family, lora="all-linear")
     batch = make_batch(batch=6, padding="left")
     want = reference_train(model, batch, STEPS)
-    got = pipeline_train(model, batch, STEPS, devices="cpu:1", num_microbatches=3)
+    got = pipeline_train(model, batch, STEPS, devices="cpu:1", num_microbatches=3, **ROUNDPIPE)
     assert_same_run(got, want)
 
 
 @pytest.mark.parametrize(("devices", "microbatches"), [("cpu:2", 3), ("cpu:3", 4), ("cpu:4", 6)])
 def test_several_devices_give_the_same_training(devices, microbatches):
     model, batch, want = _reference("qwen3", None, True, "left")
-    got = pipeline_train(model, batch, STEPS, devices=devices, num_microbatches=microbatches)
+    got = pipeline_train(model, batch, STEPS, devices=devices, num_microbatches=microbatches, **ROUNDPIPE)
     assert_same_run(got, want)
 
 
@@ -69,23 +83,68 @@ def test_roundpipe_rounds_train_like_plain_pytorch(family, lora, tied, padding, 
     (3 + a short last round of 1); more cases in tests/test_rounds_runtime.py."""
     model, batch, want = _reference(family, lora, tied, padding)
     got = pipeline_train(
-        model, batch, STEPS, devices="cpu:2", num_microbatches=4, policy="roundpipe", round_size=round_size
+        model, batch, STEPS, devices="cpu:2", num_microbatches=4, round_size=round_size, **ROUNDPIPE
     )
     assert_same_run(got, want)
+
+
+# RunConfig's defaults (policy, partition and microbatch count "auto"): the first step profiles
+# the layers and the plan is chosen from the measured times; whatever it chooses trains exactly.
+AUTO_CASES = [
+    ("llama", None, False, "left", "cpu:1", "sync"),
+    ("qwen3", "default", True, "right", "cpu:2", "sync"),
+    ("gemma3_text", None, True, "left", "cpu:3", "sync"),
+    ("llama", None, False, "left", "cpu:2", "async"),
+]
+
+
+@pytest.mark.parametrize(("family", "lora", "tied", "padding", "devices", "optimizer_mode"), AUTO_CASES)
+def test_the_automatic_defaults_train_exactly(family, lora, tied, padding, devices, optimizer_mode):
+    """Several AdamW steps on the defaults against plain fp32 PyTorch and a float64 run (the
+    weights no further from float64 than twice plain fp32's distance); the first, profiling step
+    is the first loss compared."""
+    model = make_model(family, lora=lora, tied=tied)
+    batch = make_batch(batch=6, padding=padding)
+    baseline = reference_train_one_step_stale if optimizer_mode == "async" else reference_train
+    plain = baseline(model, batch, STEPS)
+    exact = baseline(copy.deepcopy(model).double(), batch, STEPS)
+    got = pipeline_train(model, batch, STEPS, devices=devices, optimizer_mode=optimizer_mode)
+    assert_exact(got, plain, exact)
+
+
+def test_the_profiling_first_step_of_the_defaults_gives_the_plain_gradients():
+    """The first forward_backward on the defaults profiles the layers (whose gradients it
+    discards), chooses the plan, and runs the batch: its gradients are plain PyTorch's."""
+    import roundpipe
+
+    model = make_model("qwen3", tied=True)
+    batch = make_batch(batch=6, padding="left")
+    ref = copy.deepcopy(model)
+    ref(**batch, use_cache=False).loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2")) as pipe:
+        pipe.forward_backward(**batch)
+        assert pipe.layer_times is not None and pipe.plan.why["policy"].startswith("auto: ")
+        got = {e.name: e.grad for e in pipe.store.entries if e.trainable}
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(
+            got[name], want[name], rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_gradient_clipping_equals_clip_grad_norm():
     model = make_model("llama")
     batch = make_batch(batch=6, padding="right")
     want = reference_train(model, batch, STEPS, max_grad_norm=0.05)
-    got = pipeline_train(model, batch, STEPS, devices="cpu:2", num_microbatches=3, max_grad_norm=0.05)
+    got = pipeline_train(
+        model, batch, STEPS, devices="cpu:2", num_microbatches=3, max_grad_norm=0.05, **ROUNDPIPE
+    )
     assert_same_run(got, want)
 
 
 def test_gradients_equal_plain_backward_before_any_step():
     """The accumulated fp32 gradients themselves, not only the weights Adam makes of them."""
-    import copy
-
     import roundpipe
 
     model = make_model("gemma2", tied=True)
@@ -93,7 +152,7 @@ def test_gradients_equal_plain_backward_before_any_step():
     ref = copy.deepcopy(model)
     ref(**batch, use_cache=False).loss.backward()
     want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
-    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=4)) as pipe:
+    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=4, **ROUNDPIPE)) as pipe:
         pipe.forward_backward(
             batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"]
         )
@@ -119,7 +178,7 @@ def test_bf16_tracks_plain_autocast(family):
     batch = make_batch(batch=6, padding="left")
     start = trainable_weights(model)
     want = reference_train(model, batch, STEPS, autocast_dtype=torch.bfloat16)
-    got = pipeline_train(model, batch, STEPS, devices="cpu:2", num_microbatches=3, dtype="bf16")
+    got = pipeline_train(model, batch, STEPS, devices="cpu:2", num_microbatches=3, dtype="bf16", **ROUNDPIPE)
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-2, atol=0.0)
     for name in want.weights:
         delta_want = want.weights[name] - start[name]
@@ -131,5 +190,5 @@ def test_fp16_with_loss_scaling_trains():
     model = make_model("llama", lora="default")
     batch = make_batch(batch=6, padding="left")
     want = reference_train(model, batch, STEPS, autocast_dtype=torch.float16)
-    got = pipeline_train(model, batch, STEPS, devices="cpu:1", num_microbatches=2, dtype="fp16")
+    got = pipeline_train(model, batch, STEPS, devices="cpu:1", num_microbatches=2, dtype="fp16", **ROUNDPIPE)
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=2e-2, atol=0.0)

@@ -56,7 +56,9 @@ def _brute_force(costs, f, b, n_dev, m, budget, reserve):
             for bb in prefixes:
                 fwd, bwd = Partition(fb + (n,)), Partition(bb + (n,))
                 if budget is not None:
-                    peaks = stage_bytes(costs, fwd, "forward", reserve) + stage_bytes(costs, bwd, "backward", reserve)
+                    peaks = stage_bytes(costs, fwd, "forward", reserve) + stage_bytes(
+                        costs, bwd, "backward", reserve
+                    )
                     if max(peaks) > budget or last_stage_bytes(costs, fwd, bwd, reserve) > budget:
                         continue
                 tf = [sum(f[i] for i in fwd.layers(s)) for s in range(fwd.num_stages - 1)]
@@ -78,7 +80,9 @@ def test_the_grain_is_optimal_for_the_objective_by_brute_force(seed):
     want = _brute_force(costs, f, b, n_dev, m, budget, reserve)
     if math.isinf(want):
         with pytest.raises(PlanError):
-            grain_choices(costs, f, b, num_devices=n_dev, microbatches=m, budget=budget, reserve_bytes=reserve)
+            grain_choices(
+                costs, f, b, num_devices=n_dev, microbatches=m, budget=budget, reserve_bytes=reserve
+            )
         return
     got = grain_choices(costs, f, b, num_devices=n_dev, microbatches=m, budget=budget, reserve_bytes=reserve)
     assert got[0].objective == pytest.approx(want, rel=1e-12)
@@ -109,7 +113,13 @@ def test_on_the_papers_times_the_grain_is_the_papers(name, stages):
     costs = model_costs(load_model_config(name), 2048, 4, dtype="fp16", head_shards=1)
     f, b = _paper_times(name, costs, hw)
     best = grain_choices(
-        costs, f, b, num_devices=8, microbatches=16, budget=hw.memory_bytes, reserve_bytes=hw.workspace_reserve_bytes
+        costs,
+        f,
+        b,
+        num_devices=8,
+        microbatches=16,
+        budget=hw.memory_bytes,
+        reserve_bytes=hw.workspace_reserve_bytes,
     )[0]
     assert best.stages == stages
     assert best.fused_start == len(costs) - 1  # the head alone: a decoder layer more would not pay
@@ -133,7 +143,9 @@ def test_microbatch_sizes_follow_the_runtimes_split():
 
 
 def test_the_simulator_takes_any_microbatch_count_up_to_the_batch():
-    s = Scenario("qwen3-1.7b", "8xrtx4090", "roundpipe", seq_len=2048, global_batch=512, microbatches=40, dtype="fp16")
+    s = Scenario(
+        "qwen3-1.7b", "8xrtx4090", "roundpipe", seq_len=2048, global_batch=512, microbatches=40, dtype="fp16"
+    )
     assert check_scenario(s)[1:] == (40, 13)
     res = run_scenario(s)
     assert res.num_microbatches == 40 and res.iteration_s > 0
@@ -163,7 +175,9 @@ def test_the_tuner_tries_counts_that_do_not_divide_the_batch():
 
 def test_a_scenario_deals_in_rounds_and_the_host_holds_less():
     # more forward and backward stages than devices: then a round holds back the next (see the policy)
-    kw = dict(model="qwen3-1.7b", seq_len=2048, global_batch=64, microbatches=64, dtype="fp16", stages=(16, 16))
+    kw = dict(
+        model="qwen3-1.7b", seq_len=2048, global_batch=64, microbatches=64, dtype="fp16", stages=(16, 16)
+    )
     whole = run_scenario(Scenario(**kw))
     rounds = run_scenario(Scenario(**kw, round_size=16))
     assert rounds.peak_host_bytes < whole.peak_host_bytes

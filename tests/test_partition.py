@@ -93,11 +93,17 @@ def test_partitioner_bottleneck_equals_brute_force_optimum(instance):
     assert result.stage_times == tuple(math.fsum(times[i:j]) for i, j in spans)
     if budget is not None:
         weights = [sum(w[i:j]) for i, j in spans]
-        searched = tuple(wt + max(weights) + sum(a[i:j]) + max(p[i:j]) + reserve for wt, (i, j) in zip(weights, spans))
-        assert max(searched) <= budget  # the search's (sufficient) rule: the largest stage as everyone's prefetch
+        searched = tuple(
+            wt + max(weights) + sum(a[i:j]) + max(p[i:j]) + reserve for wt, (i, j) in zip(weights, spans)
+        )
+        assert (
+            max(searched) <= budget
+        )  # the search's (sufficient) rule: the largest stage as everyone's prefetch
         # Reported peaks: each stage with the largest *other* stage as its prefetch (never more).
         others = [max(weights[:s] + weights[s + 1 :], default=0) for s in range(len(weights))]
-        peaks = tuple(wt + o + sum(a[i:j]) + max(p[i:j]) + reserve for wt, o, (i, j) in zip(weights, others, spans))
+        peaks = tuple(
+            wt + o + sum(a[i:j]) + max(p[i:j]) + reserve for wt, o, (i, j) in zip(weights, others, spans)
+        )
         assert result.stage_peaks == peaks and all(x <= y for x, y in zip(peaks, searched))
 
 

@@ -130,19 +130,23 @@ def test_auto_partition_profiles_plans_and_trains_exactly(policy, devices):
 def test_plan_prints_a_table_and_serialises():
     model = make_model("llama", num_layers=3)
     batch = make_batch(batch=4)
-    with roundpipe.wrap(
-        model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, partition="auto", head_shards=2)
-    ) as pipe:
+    config = roundpipe.RunConfig(
+        devices="cpu:2", policy="roundpipe", num_microbatches=2, partition="auto", head_shards=2
+    )
+    with roundpipe.wrap(model, config) as pipe:
         pipe.profile(batch["input_ids"], batch["labels"], batch["attention_mask"], steps=1)
         plan = pipe.plan
         text = plan.table()
         data = json.loads(plan.to_json())
     assert "est. ms" in text and "head.1" in text
-    kinds = [row["kind"] for row in data["stages"]]
-    assert kinds.count("F") == 2 and kinds.count("B") == 2  # roundpipe on 2 devices: one round
-    assert (
-        sum(row["num_layers"] for row in data["stages"] if row["kind"] == "F") == 6
-    )  # embed, 3 blocks, 2 head shards
+    assert data["policy"] == "roundpipe" and data["num_microbatches"] == 2
+    assert data["why"]["policy"] == data["why"]["num_microbatches"] == "given by RunConfig"
+    assert data["why"]["partition"].startswith("auto: ") and data["why"]["partition"] in text
+    forward = [row for row in data["stages"] if row["kind"] == "F"]
+    backward = [row for row in data["stages"] if row["kind"] == "B"]
+    for rows in (forward, backward):  # embed, 3 blocks, 2 head shards in each partition
+        assert sum(row["num_layers"] for row in rows) == 6
+    assert forward[-1]["layers"] == backward[-1]["layers"]  # the head stage, fused, is last in both
     assert all(row["est_s"] > 0 and row["peak_bytes"] >= row["weight_bytes"] > 0 for row in data["stages"])
 
 
@@ -150,9 +154,17 @@ def test_auto_microbatches_keeps_every_device_busy_and_trains_exactly():
     model = make_model("llama", num_layers=3)
     batch = make_batch(batch=8)
     want = reference_train(model, batch, 2)
-    got = pipeline_train(model, batch, 2, devices="cpu:2", num_microbatches="auto", partition="auto")
+    got = pipeline_train(
+        model, batch, 2, devices="cpu:2", policy="roundpipe", num_microbatches="auto", partition="auto"
+    )
     assert_same_run(got, want)
-    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:3", num_microbatches="auto")) as pipe:
+    config = roundpipe.RunConfig(devices="cpu:3", policy="roundpipe", partition=None, num_microbatches="auto")
+    with roundpipe.wrap(model, config) as pipe:
+        assert pipe.plan.num_microbatches is None  # nothing measured, no batch seen
         out = pipe.forward_backward(batch["input_ids"], labels=batch["labels"])
         assert out.num_tokens > 0
-        assert pipe.last_plan.table.num_microbatches == 3  # unprofiled: one per device
+        assert pipe.layer_times is not None  # the count alone being "auto" profiles the first batch
+        m = pipe.last_plan.table.num_microbatches
+        assert 3 <= m <= 8  # at least one per device, at most one sample each
+        assert pipe.plan.num_microbatches == m and pipe.plan.why["num_microbatches"].startswith(f"auto: {m} ")
+        assert pipe.last_plan.table.forward.num_stages == 5  # partition=None: one layer per stage

@@ -15,6 +15,7 @@ from reference import (
     EPS,
     LR,
     RunResult,
+    assert_exact,
     pipeline_train,
     reference_train,
     reference_train_one_step_stale,
@@ -30,25 +31,9 @@ from roundpipe.schedule import POLICIES
 torch.set_num_threads(1)
 
 STEPS = 4
+# The deal, the accumulators and the memory bounds below are those of one layer per stage.
+ONE_LAYER_PER_STAGE = {"policy": "roundpipe", "partition": None}
 next_start_device = POLICIES["roundpipe"].next_start_device
-
-
-def assert_exact(got: RunResult, plain: RunResult, exact: RunResult) -> None:
-    """The project's exactness rule: losses equal plain fp32 PyTorch to rtol 1e-5, and every weight
-    is no further from the float64 run than twice as far as plain fp32 PyTorch is."""
-    torch.testing.assert_close(
-        torch.tensor(got.losses, dtype=torch.float64),
-        torch.tensor(plain.losses, dtype=torch.float64),
-        rtol=1e-5,
-        atol=0.0,
-    )
-    assert got.weights.keys() == exact.weights.keys()
-    for name, want in exact.weights.items():
-        ours = (got.weights[name].double() - want).norm()
-        theirs = (plain.weights[name].double() - want).norm()
-        assert ours <= 2 * theirs + 1e-12 * want.norm(), (
-            f"{name}: {ours:.3g} from float64, plain fp32 {theirs:.3g}"
-        )
 
 
 _references: dict = {}
@@ -170,7 +155,9 @@ def peak_hand_off_bytes(round_size, *, microbatches: int, layers: int) -> tuple[
     the peak bytes of live hand-offs in the second step and those of one microbatch at one boundary."""
     model = make_model("llama", num_layers=layers)
     batch = make_batch(batch=microbatches, seq=12, padding=None)
-    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=microbatches, round_size=round_size)
+    config = roundpipe.RunConfig(
+        devices="cpu:2", num_microbatches=microbatches, round_size=round_size, **ONE_LAYER_PER_STAGE
+    )
     with roundpipe.wrap(model, config) as pipe:
         live = LiveHandOffs(pipe.backend.host_buffers, model.config.hidden_size)
         pipe.backend.host_buffers = live
@@ -227,7 +214,7 @@ def test_a_stage_dealt_to_the_same_device_every_round_keeps_one_accumulator_and_
     want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
     split = microbatches_of(batch, 6)
     need = working_set(model, split) + next_task_inputs(model, split)
-    config = roundpipe.RunConfig(devices="cpu:3", num_microbatches=6, round_size=3)
+    config = roundpipe.RunConfig(devices="cpu:3", num_microbatches=6, round_size=3, **ONE_LAYER_PER_STAGE)
     with roundpipe.wrap(model, config) as pipe:
         pipe.forward_backward(**batch)
         got = {e.name: e.grad.clone() for e in pipe.store.entries if e.trainable}
@@ -252,7 +239,7 @@ def test_the_deal_goes_on_across_steps_and_accumulating_calls():
     one the previous call's last round ended on."""
     model = make_model("llama")
     batch = make_batch(batch=5)
-    config = roundpipe.RunConfig(devices="cpu:3", num_microbatches=5, round_size=3)
+    config = roundpipe.RunConfig(devices="cpu:3", num_microbatches=5, round_size=3, **ONE_LAYER_PER_STAGE)
     with roundpipe.wrap(model, config) as pipe:
         pipe.configure_optimizer(lr=LR)
         tables = []
@@ -289,7 +276,7 @@ def test_bad_round_size_is_a_config_error(kwargs, match):
 def test_a_round_smaller_than_the_device_count_says_what_to_use():
     model = make_model("llama")
     batch = make_batch(batch=4)
-    config = roundpipe.RunConfig(devices="cpu:3", num_microbatches=4, round_size=2)
+    config = roundpipe.RunConfig(devices="cpu:3", num_microbatches=4, round_size=2, **ONE_LAYER_PER_STAGE)
     with roundpipe.wrap(model, config) as pipe, pytest.raises(ScheduleError, match="round_size >= 3"):
         pipe.forward_backward(**batch)
 

@@ -24,6 +24,10 @@ from roundpipe.errors import (
 
 torch.set_num_threads(1)
 
+# These tests are about what a worker holds and where a stage runs under roundpipe's deal of one
+# layer per stage, so they name it instead of letting the automatic choice pick a plan.
+ONE_LAYER_PER_STAGE = {"policy": "roundpipe", "partition": None}
+
 
 def _fb(pipe, batch):
     return pipe.forward_backward(
@@ -36,7 +40,9 @@ def _fb(pipe, batch):
 def test_a_worker_holds_only_the_running_layer_and_the_prefetched_one(microbatches):
     model = make_model("llama", num_layers=3)
     batch = make_batch(batch=4)
-    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", num_microbatches=microbatches)) as pipe:
+    with roundpipe.wrap(
+        model, roundpipe.RunConfig(devices="cpu:1", num_microbatches=microbatches, **ONE_LAYER_PER_STAGE)
+    ) as pipe:
         ledger = pipe.backend.devices[0].ledger
         ledger.trace = []
         _fb(pipe, batch)
@@ -76,7 +82,8 @@ def test_a_device_as_small_as_two_layers_plus_one_working_set_still_trains():
     )
     probe.close()
     with roundpipe.wrap(
-        model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, device_capacity=need)
+        model,
+        roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, device_capacity=need, **ONE_LAYER_PER_STAGE),
     ) as pipe:
         out = _fb(pipe, batch)
         assert out.loss > 0
@@ -106,7 +113,9 @@ def test_a_model_that_is_not_a_causal_lm_is_rejected():
 
 @pytest.fixture(scope="module")
 def pipe():
-    p = roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(devices="cpu:1", num_microbatches=4))
+    p = roundpipe.wrap(
+        make_model("llama"), roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, **ONE_LAYER_PER_STAGE)
+    )
     yield p
     p.close()
 
@@ -209,7 +218,9 @@ def test_an_error_inside_a_layer_reaches_the_caller_with_where_it_happened():
 
     model.model.layers[1].register_forward_hook(explode)
     batch = make_batch(batch=4)
-    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=4)) as pipe:
+    with roundpipe.wrap(
+        model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=4, **ONE_LAYER_PER_STAGE)
+    ) as pipe:
         t0 = time.monotonic()
         with pytest.raises(StageError) as info:
             _fb(pipe, batch)
@@ -267,7 +278,7 @@ def test_a_checkpoint_resumes_training_exactly():
 
     model = make_model("llama", lora="default")
     batch = make_batch(batch=4)
-    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2)
+    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, **ONE_LAYER_PER_STAGE)
 
     def train(pipe, steps):
         return [(_fb(pipe, batch).loss, pipe.step())[0] for _ in range(steps)]
@@ -300,7 +311,7 @@ def test_a_stalled_step_becomes_a_watchdog_error_naming_what_each_worker_waits_f
     model.model.layers[0].register_forward_hook(stall)
     batch = make_batch(batch=4)
     with roundpipe.wrap(
-        model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, watchdog_s=1.0)
+        model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, watchdog_s=1.0, **ONE_LAYER_PER_STAGE)
     ) as pipe:
         t0 = time.monotonic()
         with pytest.raises(WatchdogTimeout) as info:

@@ -36,7 +36,7 @@ def _train(config: dict, steps: int = 1, num_layers: int = 2):
             pipe.step()
 
 
-CONFIG = dict(devices="cpu:2", num_microbatches=2, sanitize=True)
+CONFIG = dict(devices="cpu:2", num_microbatches=2, sanitize=True, policy="roundpipe", partition=None)
 
 
 # ----------------------------------------------------------------------------- broken on purpose
@@ -160,7 +160,10 @@ def test_a_device_runs_out_of_what_is_alive_not_of_what_the_ledger_says():
         two_layers = sum(sorted(probe.store.layer_bytes)[-2:])
     with (
         roundpipe.wrap(
-            model, roundpipe.RunConfig(devices="cpu:1", device_capacity=two_layers + 20_000)
+            model,
+            roundpipe.RunConfig(
+                devices="cpu:1", device_capacity=two_layers + 20_000, policy="roundpipe", partition=None
+            ),
         ) as pipe,
         pytest.raises(roundpipe.DeviceOutOfMemory, match="cpu:0 is out of memory placing tensor") as info,
     ):
@@ -181,7 +184,9 @@ def test_what_is_alive_on_a_device_stays_within_two_stages_and_one_working_set(m
     batch = make_batch(batch=32)
     split = microbatches_of(batch, microbatches)
     need = working_set(model, split) + next_task_inputs(model, split)
-    config = roundpipe.RunConfig(devices="cpu:4", num_microbatches=microbatches, policy="roundpipe")
+    config = roundpipe.RunConfig(
+        devices="cpu:4", num_microbatches=microbatches, policy="roundpipe", partition=None
+    )  # one layer per stage
     with roundpipe.wrap(model, config) as pipe:
         pipe.configure_optimizer(lr=1e-3)
         two_stages = 2 * max(pipe.store.layer_bytes)  # one layer per stage
@@ -213,7 +218,10 @@ def test_the_watchdog_counts_what_the_devices_finish_not_what_the_hosts_issue(mo
     monkeypatch.setattr(Worker, "tasks_done", property(lambda self: 0, lambda self, v: None), raising=False)
     batch = make_batch(batch=4)
     with roundpipe.wrap(
-        model, roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, watchdog_s=1.0)
+        model,
+        roundpipe.RunConfig(
+            devices="cpu:1", num_microbatches=4, watchdog_s=1.0, policy="roundpipe", partition=None
+        ),
     ) as pipe:
         t0 = time.monotonic()
         out = pipe.forward_backward(

@@ -95,10 +95,15 @@ def test_a_run_stopped_and_resumed_is_bit_for_bit_the_uninterrupted_run(tmp_path
         assert torch.equal(want[name], got[name]), name
 
 
+# Runs compared bit for bit across device counts or processes must run the same plan, so they name
+# it: roundpipe, one layer per stage (an "auto" choice is made per device count and per profile).
+ONE_PLAN = {"policy": "roundpipe", "options": {"partition": None}}
+
+
 def test_a_run_resumes_exactly_on_a_different_device_count(tmp_path):
-    whole = Trainer(config_from_dict(_recipe(tmp_path / "a")), log=_quiet).fit()
+    whole = Trainer(config_from_dict(_recipe(tmp_path / "a", run=ONE_PLAN)), log=_quiet).fit()
     first = CheckpointManager(tmp_path / "a" / "run" / "checkpoints").list()[0]
-    one_device = _recipe(tmp_path / "b", run={"devices": "cpu:1"})
+    one_device = _recipe(tmp_path / "b", run={**ONE_PLAN, "devices": "cpu:1"})
     resumed = Trainer(config_from_dict(one_device), resume=str(first), log=_quiet).fit()
     assert resumed.train_losses == pytest.approx(whole.train_losses[3:], rel=1e-6)
     want, got = _masters(whole.checkpoint), _masters(resumed.checkpoint)
@@ -234,7 +239,7 @@ def test_sigint_writes_a_checkpoint_and_resume_auto_continues_bit_for_bit(tmp_pa
     steps = 30
     runs = {}
     for name in ("whole", "cut"):
-        recipe = _recipe(tmp_path / name, run={"max_steps": steps}, checkpoint={"every": None})
+        recipe = _recipe(tmp_path / name, run={**ONE_PLAN, "max_steps": steps}, checkpoint={"every": None})
         path = tmp_path / f"{name}.yaml"
         path.write_text(dump_recipe(config_from_dict(recipe)))
         runs[name] = path

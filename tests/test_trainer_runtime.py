@@ -82,7 +82,15 @@ def test_evaluation_between_steps_gives_the_plain_loss_and_leaves_training_uncha
     def run(evaluate: bool):
         m = copy.deepcopy(model)
         losses, evals = [], []
-        config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, optimizer_mode=optimizer_mode)
+        # Both runs are compared bit for bit, so they must run one plan: name it (the automatic
+        # choice could differ between two profiles of a noisy machine).
+        config = roundpipe.RunConfig(
+            devices="cpu:2",
+            num_microbatches=2,
+            optimizer_mode=optimizer_mode,
+            policy="roundpipe",
+            partition=None,
+        )
         with roundpipe.wrap(m, config) as pipe:
             pipe.configure_optimizer(lr=1e-2, eps=EPS)
             for _ in range(3):
@@ -156,7 +164,9 @@ def test_an_async_update_under_way_keeps_its_learning_rate(monkeypatch):
 
     def run(change_lr_early: bool):
         m = copy.deepcopy(model)
-        config = roundpipe.RunConfig(devices="cpu:1", optimizer_mode="async")
+        config = roundpipe.RunConfig(
+            devices="cpu:1", optimizer_mode="async", policy="roundpipe", partition=None, num_microbatches=1
+        )  # one plan for both runs, compared bit for bit
         with roundpipe.wrap(m, config) as pipe:
             pipe.configure_optimizer(lr=LR, eps=EPS)
             pipe.forward_backward(**batch)

@@ -8,7 +8,7 @@ fill and drain of ``N - 1`` slots at each end, so the step time is proportional 
 
     (M * S + N * (N - 1)) * t_max
 
-More stages shorten ``t_max`` (and the fill) but add slots to pad; a stage holds whole layers, so
+(``S`` rounded up to whole rounds of ``N`` deals for a step that drains; see :func:`objective`.) More stages shorten ``t_max`` (and the fill) but add slots to pad; a stage holds whole layers, so
 ``t_max`` cannot go below the slowest layer, and a stage's memory (its weights, the prefetched next
 stage, a backward stage's gradients and saved activations) must fit the device.
 
@@ -33,13 +33,21 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 
 from roundpipe.errors import PlanError
 from roundpipe.partition.cost import LayerCost
-from roundpipe.partition.partitioner import last_stage_bytes, memory_vectors, optimal_partition, stage_bytes
+from roundpipe.partition.partitioner import (
+    first_true,
+    last_stage_bytes,
+    memory_vectors,
+    optimal_partition,
+    stage_bytes,
+)
 from roundpipe.schedule.table import Partition
 
 MAX_FUSED_LAYERS = 2  # decoder layers the fused head stage may take on (more never paid in practice)
@@ -61,15 +69,28 @@ class GrainChoice:
         return self.forward.num_stages, self.backward.num_stages
 
 
-def objective(microbatches: int, num_devices: int, deals: int, t_max: float) -> float:
-    """The paper's step-time proxy ``(M * S + N * (N - 1)) * t_max``."""
-    return (microbatches * deals + num_devices * (num_devices - 1)) * t_max
+def objective(microbatches: int, num_devices: int, deals: int, t_max: float, steady: bool = False) -> float:
+    """The paper's step-time proxy ``(M * S + N * (N - 1)) * t_max``, with ``S`` counted in whole
+    rounds of the devices unless ``steady``.
+
+    A deal is indivisible: a device dealt ``ceil(S / N)`` stages runs ``ceil(S / N) * M`` slots,
+    and in a step that ends with a drain (the sync optimizer) the others wait for it, so ``S`` is
+    rounded up to a multiple of ``N``. The paper's unrounded ``M * S`` spreads the slots evenly,
+    which holds in the steady state of overlapping steps (``steady``: the async optimizer, where
+    the next step's deal fills the gap). Unrounded, the proxy picked 3 forward + 8 backward stages
+    of Qwen3-1.7B (seq 4096) on 8 GPUs: two devices ran two long deals each, 1.6x slower in the
+    simulator than the 8 + 16 stages the rounded form prefers.
+    """
+    slots = deals if steady else -(-deals // num_devices) * num_devices
+    return (microbatches * max(slots, num_devices) + num_devices * (num_devices - 1)) * t_max
 
 
 def _bottlenecks(times: Sequence[float], vectors, budget, reserve, names, what) -> list[float]:
     """``out[k]``: the optimal bottleneck of ``k`` stages over ``times`` (inf when none fits);
     stops at the stage count where the slowest single layer is reached (more cannot help).
     Cached: head shard counts and microbatch counts with the same layers share the tables."""
+    if budget is None:  # memory ignored: the table depends on the times alone
+        return list(_free_bottleneck_table(tuple(float(x) for x in times)))
     w, a, p = (tuple(int(x) for x in v) for v in vectors)
     return list(_bottleneck_table(tuple(times), w, a, p, budget, reserve, tuple(names), what))
 
@@ -99,13 +120,64 @@ def _bottleneck_table(times, w, a, p, budget, reserve, names, what) -> tuple[flo
     return tuple(out)
 
 
+@lru_cache(maxsize=256)
+def _free_bottleneck_table(times: tuple[float, ...]) -> tuple[float, ...]:
+    """``_bottleneck_table`` without memory limits, every stage count in one search.
+
+    The same test as ``optimal_partition``'s (the bottleneck is an interval sum of prefix sums; the
+    greedy cut that extends each stage while its prefix-sum difference stays within the bound gives
+    the fewest stages), but the sorted interval sums are made once and the optimal bound of ``k + 1``
+    stages is searched below that of ``k`` (it never grows), so a 100-layer table takes milliseconds
+    instead of one full partition (and its smoothing pass) per stage count.
+    """
+    n = len(times)
+    out = [math.inf] * (n + 1)
+    if n == 0:
+        return tuple(out)
+    pt = [0.0, *accumulate(float(x) for x in times)]
+    bounds = sorted({pt[j] - pt[i] for i in range(n) for j in range(i + 1, n + 1)})
+    single = max(pt[i + 1] - pt[i] for i in range(n))
+    lo = next(k for k, b in enumerate(bounds) if b >= single)
+    floor = max(times)
+
+    def fewest(bound: float, limit: int) -> int:
+        """Greedy stage count under ``bound``; ``limit + 1`` as soon as it exceeds ``limit``."""
+        i = count = 0
+        while i < n:
+            j = bisect_right(pt, pt[i] + bound, i + 1) - 1
+            while j < n and pt[j + 1] - pt[i] <= bound:  # pt[i] + bound rounds either way
+                j += 1
+            while j > i and pt[j] - pt[i] > bound:
+                j -= 1
+            count += 1
+            if j == i or count > limit:
+                return limit + 1
+            i = j
+        return count
+
+    top = len(bounds) - 1
+    for k in range(1, n + 1):
+        top = first_true(lo, top, lambda m, k=k: fewest(bounds[m], k) <= k)
+        out[k] = bounds[top]
+        if bounds[top] <= floor * (1 + 1e-12):
+            break
+    return tuple(out)
+
+
 def _partition(times, k, vectors, budget, reserve, n, ascending) -> tuple[int, ...]:
-    w, a, p = vectors
+    # Without a budget the bytes play no part in the cut: leave them out, so that microbatch
+    # counts (whose activation bytes differ) share the cached cuts.
+    w, a, p = ((), (), ()) if budget is None else (tuple(int(x) for x in v) for v in vectors)
+    return _cut(tuple(float(x) for x in times), k, w, a, p, budget, reserve, ascending) + (n,)
+
+
+@lru_cache(maxsize=1024)
+def _cut(times, k, w, a, p, budget, reserve, ascending) -> tuple[int, ...]:
     res = optimal_partition(
-        times, k, weight_bytes=w, added_bytes=a, peak_bytes=p, budget=budget, reserve_bytes=reserve,
-        ascending=ascending,
+        times, k, weight_bytes=w or None, added_bytes=a or None, peak_bytes=p or None, budget=budget,
+        reserve_bytes=reserve, ascending=ascending,
     )  # fmt: skip
-    return res.partition.bounds + (n,)  # then the fused head stage [len(times), n)
+    return res.partition.bounds  # then the fused head stage [len(times), n)
 
 
 def grain_choices(
@@ -118,10 +190,13 @@ def grain_choices(
     budget: int | None = None,
     reserve_bytes: int = 0,
     limit: int = 4,
+    steady: bool = False,
 ) -> list[GrainChoice]:
     """The best stage grains by :func:`objective`, one per slowest-deal level, at most ``limit``
-    (see the module docstring). Each level comes twice where the cuts differ: the smoothest, and
-    one with lighter early stages (a shorter fill and drain).
+    (see the module docstring). Each level comes up to three times where the cuts differ: the
+    smoothest, one with lighter early stages (a shorter fill and drain), and one packed to
+    ``t_max`` from the head down, checked with each stage's largest *other* stage as its prefetch
+    (the exact search counts the largest stage as everyone's, one stage-size conservative).
 
     ``fwd_times``/``bwd_times`` are ``layer_times``' per-layer forward and backward-stage
     (recompute + backward) seconds. ``budget=None`` ignores memory. Raises :class:`PlanError` when
@@ -140,10 +215,12 @@ def grain_choices(
     for c in range(min(head_start, n - 1), max(-1, head_start - MAX_FUSED_LAYERS - 1), -1):
         u = math.fsum(fused[c:])
         if c == 0:
-            scored.append((objective(microbatches, num_devices, 1, u), 0, 0, 0, u))
+            scored.append((objective(microbatches, num_devices, 1, u, steady), 0, 0, 0, u))
             continue
         bf = _bottlenecks(f[:c], [v[:c] for v in fwd_vec], budget, reserve_bytes, names[:c], "forward")
         bb = _bottlenecks(b[:c], [v[:c] for v in bwd_vec], budget, reserve_bytes, names[:c], "backward")
+        # Tables never grow with the stage count, so once a side is no slower than the rest, more
+        # stages on it keep t_max and only add deals: dominated on their level, not scored.
         for kf in range(1, c + 1):
             if math.isinf(bf[kf]):
                 continue
@@ -151,7 +228,11 @@ def grain_choices(
                 if math.isinf(bb[kb]):
                     continue
                 t = max(bf[kf], bb[kb], u)
-                scored.append((objective(microbatches, num_devices, kf + kb + 1, t), c, kf, kb, t))
+                scored.append((objective(microbatches, num_devices, kf + kb + 1, t, steady), c, kf, kb, t))
+                if bb[kb] <= max(bf[kf], u):
+                    break
+            if bf[kf] <= u:
+                break
     # The best pair per slowest-deal level, best levels first: the objective pads every deal to
     # t_max, so grains of other levels are the alternatives worth simulating.
     scored.sort()
@@ -161,28 +242,68 @@ def grain_choices(
     ranked = sorted(levels.values())
     out: list[GrainChoice] = []
     seen: set[tuple] = set()
-    for obj, c, kf, kb, t in ranked:
-        for ascending in (False, True):  # the smoothest cut, then lighter early stages
+    for _obj, c, kf, kb, t in ranked:
+        for variant in ("smooth", "ascending", "packed"):
             if len(out) >= limit:
                 break
             if c == 0:
                 fwd = bwd = Partition((0, n))
+            elif variant == "packed":  # stages filled to t_max from the head down, memory checked below
+                fwd, bwd = Partition(_packed(f[:c], t) + (n,)), Partition(_packed(b[:c], t) + (n,))
             else:
                 fv, bv = [v[:c] for v in fwd_vec], [v[:c] for v in bwd_vec]
+                ascending = variant == "ascending"
                 fwd = Partition(_partition(f[:c], kf, fv, budget, reserve_bytes, n, ascending))
                 bwd = Partition(_partition(b[:c], kb, bv, budget, reserve_bytes, n, ascending))
+            if budget is not None:
+                fwd = _merge_idle(fwd, f, lambda p, bwd=bwd: _fits(costs, p, bwd, budget, reserve_bytes))
+                bwd = _merge_idle(bwd, b, lambda p, fwd=fwd: _fits(costs, fwd, p, budget, reserve_bytes))
             if (fwd, bwd) in seen:
                 continue
             if budget is not None and not _fits(costs, fwd, bwd, budget, reserve_bytes):
                 continue
             seen.add((fwd, bwd))
-            out.append(GrainChoice(fwd, bwd, t, fwd.num_stages + bwd.num_stages - 1, obj, c))
+            deals = fwd.num_stages + bwd.num_stages - 1
+            out.append(
+                GrainChoice(fwd, bwd, t, deals, objective(microbatches, num_devices, deals, t, steady), c)
+            )
     if not out:
         raise PlanError(
             f"no stage grain of the {n} layers fits the per-device budget of {budget:,} bytes with the head "
             "in one fused stage; use more head shards, a smaller microbatch, or LoRA"
         )
     return out
+
+
+def _packed(times: Sequence[float], bound: float) -> tuple[int, ...]:
+    """Bounds of the fewest stages of at most ``bound`` each, filled from the last layer down (the
+    first stage takes the remainder, and a stage of no time, such as the embedding, joins it)."""
+    cuts = [len(times)]
+    acc = 0.0
+    for i in range(len(times) - 1, -1, -1):
+        if acc + times[i] > bound * (1 + 1e-12) and acc > 0:
+            cuts.append(i + 1)
+            acc = 0.0
+        acc += times[i]
+    cuts.append(0)
+    return tuple(sorted(set(cuts)))
+
+
+def _merge_idle(part: Partition, times: Sequence[float], fits) -> Partition:
+    """Merge a stage that takes no time (an embedding alone) into a neighbour before the fused head
+    stage, where ``fits`` allows it: a deal fewer for nothing. The search's memory rule counts the
+    largest stage as every stage's prefetch; the final check (each stage with the largest *other*
+    stage, ``partitioner.prefetch_bounds``) sometimes has room for it."""
+    bounds = list(part.bounds)
+    s = 0
+    while s < len(bounds) - 3:  # stages before the last (the fused head stage)
+        if math.fsum(times[bounds[s] : bounds[s + 1]]) == 0.0:
+            merged = Partition(tuple(bounds[: s + 1] + bounds[s + 2 :]))
+            if fits(merged):
+                bounds = list(merged.bounds)
+                continue
+        s += 1
+    return Partition(tuple(bounds))
 
 
 def _fits(costs, fwd: Partition, bwd: Partition, budget: int, reserve: int) -> bool:

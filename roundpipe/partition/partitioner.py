@@ -215,13 +215,7 @@ def optimal_partition(
             break
         if greedy_count(bounds[top], cap) > num_stages:
             continue
-        low = lo
-        while low < top:
-            mid = (low + top) // 2
-            if greedy_count(bounds[mid], cap) <= num_stages:
-                top = mid
-            else:
-                low = mid + 1
+        top = first_true(lo, top, lambda k, cap=cap: greedy_count(bounds[k], cap) <= num_stages)
         best_idx, best_cap = top, cap
     if best_cap is None:
         fewest = min(_exact_min_stages(c, n, allowed, p) for c in caps)
@@ -248,6 +242,18 @@ def optimal_partition(
     return PartitionResult(part, stage_times, stage_weights, peaks, prefetch)
 
 
+def first_true(low: int, high: int, ok) -> int:
+    """The smallest ``k`` in ``[low, high]`` with ``ok(k)``, for ``ok`` monotone (false then true)
+    and ``ok(high)`` true: binary search."""
+    while low < high:
+        mid = (low + high) // 2
+        if ok(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return high
+
+
 def _exact_min_stages(cap: int, n: int, allowed, p: Sequence[int]) -> int:
     """Fewest stages under weight cap ``cap`` ignoring time (greedy, not truncated); n + 1 if none."""
     i = count = 0
@@ -261,7 +267,9 @@ def _exact_min_stages(cap: int, n: int, allowed, p: Sequence[int]) -> int:
     return count
 
 
-def _smoothest(n: int, num_stages: int, bound: float, cap: int, pt, p, allowed, ascending: bool = False) -> list[int]:
+def _smoothest(
+    n: int, num_stages: int, bound: float, cap: int, pt, p, allowed, ascending: bool = False
+) -> list[int]:
     """Among partitions into ``num_stages`` allowed stages, the one with the least sum of squared
     times (``ascending``: weighted ``2 - s / num_stages`` for stage ``s``, so early stages are lighter).
 
@@ -331,7 +339,9 @@ def stage_bytes(
     w, a, p = memory_vectors(costs, phase)
     spans = [(partition.bounds[s], partition.bounds[s + 1]) for s in range(partition.num_stages)]
     nxt = prefetch_bounds([sum(w[i:j]) for i, j in spans])
-    return [sum(w[i:j]) + nxt[s] + sum(a[i:j]) + max(p[i:j]) + reserve_bytes for s, (i, j) in enumerate(spans)]
+    return [
+        sum(w[i:j]) + nxt[s] + sum(a[i:j]) + max(p[i:j]) + reserve_bytes for s, (i, j) in enumerate(spans)
+    ]
 
 
 def prefetch_bounds(stage_weights: Sequence[int]) -> list[int]:
@@ -676,7 +686,9 @@ def _plan_with_shards(
                 reserve_bytes=reserve, limit=1,
             )[0]  # fmt: skip
         except PlanError as err:
-            notes.append(f"no free stage grain fits ({err}); stage counts are multiples of the devices instead")
+            notes.append(
+                f"no free stage grain fits ({err}); stage counts are multiples of the devices instead"
+            )
     if grain is not None:
         fwd = partition_result(grain.forward, fwd_t, costs, "forward", reserve)
         bwd = partition_result(grain.backward, bwd_t, costs, "backward", reserve)

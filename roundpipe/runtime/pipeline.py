@@ -71,7 +71,7 @@ class Pipeline:
             )
             self.backend.host_buffers = self.store.host.pool  # where downloads land
             self.store_num_layers = len(self.adapter.layers)
-            self._planner = Planner(self.config, names, self.store, self.backend)
+            self._planner = Planner(self.config, self.adapter, self.store, self.backend)
             self._planner.check_capacity()
             self.random_layers = _layers_with_dropout(self.adapter)
             self.workers = [Worker(self, d) for d in self.backend.devices]
@@ -147,15 +147,15 @@ class Pipeline:
             raise PipelineStateError(
                 "call step() after each forward_backward (or pass accumulate=True to the earlier call)"
             )
+        if self._planner.needs_profile():  # something is "auto": measure the layers on this batch
+            self.profile(input_ids, labels, attention_mask, position_ids, steps=1)
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
         if loss_tokens is not None and (not isinstance(loss_tokens, int) or loss_tokens < total):
             raise InputError(
                 f"loss_tokens must be an int of at least this batch's {total} label tokens "
                 f"(the label tokens of every batch of the optimizer step), got {loss_tokens!r}"
             )
-        if self.config.partition == "auto" and self.layer_times is None:
-            self.profile(input_ids, labels, attention_mask, position_ids, steps=1)
-        plan = self._planner.flow_plan(len(microbatches))
+        plan = self._planner.flow_plan(self._planner.decide(*input_ids.shape))
         eager = self._updates.eager(accumulate, self.config.optimizer_mode)
         step = self._run(microbatches, loss_tokens or total, plan, eager)
         self.last_plan = plan
@@ -190,7 +190,8 @@ class Pipeline:
             )
         self._hostq.drain()  # an async update still reading the gradient buffers must finish
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
-        step = self._run(microbatches, total, self._planner.flow_plan(len(microbatches)), eager=False)
+        plan = self._planner.flow_plan(self._planner.decide(*input_ids.shape))
+        step = self._run(microbatches, total, plan, eager=False)
         self.store.zero_grads()
         return StepOutput(step.loss_sum / total, total)
 
@@ -240,7 +241,9 @@ class Pipeline:
         """fp32 masters and optimizer state keyed by parameter name (a checkpoint).
 
         In async mode also the compute copy the next step reads (``stale``): the weights from one
-        update before the masters, which the staleness-1 contract has that step compute on.
+        update before the masters, which the staleness-1 contract has that step compute on. With
+        an automatic choice (``"auto"`` in the config) also the profile it was made from
+        (``measured``), so a resumed run makes the same choice without profiling again.
         """
         self._hostq.drain()
         sd = {
@@ -249,6 +252,9 @@ class Pipeline:
             "updates_run": self._updates_run,
             **self._updates.state_dict(),
         }
+        measured = self._planner.measured_state()
+        if measured is not None:
+            sd["measured"] = measured
         if self.store.double_buffer:
             sd["stale"] = stale_state(self.store, self._updates_run)
         return sd
@@ -262,11 +268,14 @@ class Pipeline:
         if self.store.double_buffer and "stale" in sd:
             load_stale(self.store, sd["stale"], self._updates_run)
         self._updates.load_state_dict(sd)
+        self._planner.load_measured(sd.get("measured"))
 
     # ----------------------------------------------------------------- planning and measuring
     @property
     def plan(self) -> RuntimePlan:
-        """The partitions and per-stage estimates the next step will use (``print(pipe.plan)``)."""
+        """What the next step runs: the policy, both partitions with per-stage estimates and the
+        microbatch count, each with a line saying why (given, default, or what the automatic
+        choice predicted); ``print(pipe.plan)``, ``pipe.plan.to_json()``."""
         return self._planner.report()
 
     @property
@@ -287,8 +296,10 @@ class Pipeline:
         Runs ``steps`` forward/backward passes of this batch, one layer per task, every worker
         taking its share of the microbatches at once (so shared-machine contention is included),
         and keeps the medians as ``self.layer_times`` (the partitioner's measured costs,
-        then refreshed by a moving average during training). Weights and optimizer state are not
-        touched; the gradients it makes are discarded.
+        then refreshed by a moving average during training). The automatic choices of the config's
+        ``"auto"`` parts are made from these times (anew after every call; the first
+        ``forward_backward`` calls it when they are not measured yet). Weights and optimizer state
+        are not touched; the gradients it makes are discarded.
         """
         self._check_open()
         if self._grads_pending:
@@ -307,7 +318,7 @@ class Pipeline:
             spans += self._recorder.last_spans
         self.store.zero_grads()
         times = layer_times_from_spans(spans, self._planner.names)
-        self._planner.set_measured(times, input_ids.numel() / len(microbatches))
+        self._planner.set_measured(times, input_ids.numel() / len(microbatches), tuple(input_ids.shape))
         return dict(times)
 
     def stats(self) -> dict:
@@ -318,7 +329,7 @@ class Pipeline:
     def last_timeline(self):
         """Every labelled piece of work of the last step: a ``roundpipe.schedule.timeline.Timeline``
         (device lanes ``compute``/``h2d``/``d2h``, and the ``host`` lane as device -1)."""
-        return self._recorder.timeline(self.config.policy)
+        return self._recorder.timeline(self.last_plan.table.policy if self.last_plan else self.config.policy)
 
     # ----------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -341,13 +352,16 @@ class Pipeline:
 
     # ----------------------------------------------------------------- internals
     def _split(self, input_ids, labels, attention_mask, position_ids):
+        def count(batch: int) -> int:  # called once input_ids is known to be [batch, seq]
+            return self._planner.decide(batch, input_ids.shape[1]).num_microbatches
+
         return split_batch(
             input_ids,
             labels,
             attention_mask,
             position_ids,
             vocab_size=self.adapter.config.vocab_size,
-            microbatch_count=self._planner.microbatch_count,
+            microbatch_count=count,
         )
 
     def _run(self, microbatches, total: int, plan: FlowPlan, eager: bool) -> StepRun:

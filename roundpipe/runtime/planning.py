@@ -1,10 +1,16 @@
-"""What the runtime runs: partitions, stage and microbatch counts, and the schedule table.
+"""What the runtime runs: the policy, partitions and microbatch count of each batch, and its table.
 
 The ``Planner`` turns a ``RunConfig`` plus what is known about the model (layer weight bytes, and
-layer times once ``Pipeline.profile`` has measured them) into a ``FlowPlan``: the policy's schedule
-table with the hand-offs each task consumes and produces. Plans are cached per microbatch count and
-policy options; measuring new layer times drops the cache. ``RuntimePlan`` is the printable report
-of the partitions and per-stage estimates (``pipe.plan``).
+layer times once ``Pipeline.profile`` has measured them) into a :class:`Decision` per batch shape
+and a ``FlowPlan`` per decision: the policy's schedule table with the hand-offs each task consumes
+and produces.
+
+``RunConfig``'s defaults are ``policy="auto"``, ``partition="auto"`` and ``num_microbatches="auto"``.
+Until the first batch has been profiled an automatic part runs as the provisional plan (roundpipe,
+which executes any stage count, one layer per stage, one microbatch per device); after it the
+three are chosen together from the measured times (``roundpipe.sim.choice``), once per batch
+shape, and cached. A value the config gives pins its part. ``RuntimePlan`` is the printable report
+of what the next step runs and why (``pipe.plan``).
 
 All of it runs on the caller's thread, between steps; workers and the host thread never touch it.
 """
@@ -12,40 +18,58 @@ All of it runs on the caller's thread, between steps; workers and the host threa
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from roundpipe.config import RunConfig
+from roundpipe.config import RunConfig, known_policies
 from roundpipe.errors import ConfigError, DeviceOutOfMemory, PlanError
+from roundpipe.partition.cost import DTYPE_BYTES, LayerCost
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
 from roundpipe.runtime.store import ParameterStore
 from roundpipe.schedule import Partition
 from roundpipe.schedule.policies import POLICIES
 
-GRAIN_OPTIONS = ("virtual_stages", "waves")  # policy options that set the stages per device
+PROVISIONAL_POLICY = "roundpipe"  # runs any stage count: what "auto" runs before anything is measured
+BUDGET_SHARE = 0.9  # of a device's capacity, for the stages' estimated bytes
+GIVEN = "given by RunConfig"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a batch shape runs and why: ``why`` has one line per part (``policy``, ``partition``,
+    ``num_microbatches``). ``choice`` holds the predictions behind an automatic choice."""
+
+    policy: str
+    forward: Partition
+    backward: Partition
+    num_microbatches: int | None  # None: "auto" before any batch was seen (only in reports)
+    why: dict[str, str] = field(default_factory=dict)
+    choice: object = None  # roundpipe.sim.choice.Choice
 
 
 class Planner:
-    """Partitions, counts and the flow-plan cache of one Pipeline.
+    """Decisions, flow plans and measured costs of one Pipeline.
 
     Holds the measured layer times (``layer_times``: name -> (forward s, backward s) per microbatch
-    of the profiled size; None before ``profile``), the partitions balanced from them, and the
-    device the next roundpipe step starts on (rotated after every step).
+    of the profiled size, refreshed by a moving average during training; None before ``profile``),
+    the snapshot of them that automatic choices are made from (so training noise never changes a
+    choice), the decision per batch shape, and the device the next rotating deal starts on.
     """
 
-    def __init__(self, config: RunConfig, names: list[str], store: ParameterStore, backend):
+    def __init__(self, config: RunConfig, adapter, store: ParameterStore, backend):
         self.config = config
-        self.names = names
+        self.names = [layer.name for layer in adapter.layers]
+        self.kinds = [layer.kind for layer in adapter.layers]
+        self.model_config = adapter.config
         self.store = store
         self.device_names = tuple(d.name for d in backend.devices)
         self.capacity = backend.devices[0].memory.capacity
         self.layer_times: dict[str, tuple[float, float]] | None = None
         self.profiled_tokens = 1.0  # tokens per microbatch when ``layer_times`` was measured
+        self._measured: tuple[tuple[tuple[float, float], ...], float, tuple[int, int]] | None = None
+        self._decisions: dict[tuple[int, int], Decision] = {}
+        self._last: Decision | None = None
         self._plans: dict[tuple, FlowPlan] = {}
-        self._auto: tuple[Partition, Partition] | None = None
         self._start_device = 0
-        # What planning needs to know about the policy beyond its table: which stage counts it
-        # takes, whether forward and backward are cut apart, whether its start device rotates.
-        self._spec = POLICIES[config.policy]
 
     @property
     def num_devices(self) -> int:
@@ -61,22 +85,232 @@ class Planner:
                     self.device_names[0], f"the weights of layer {name!r}", nbytes, 0, self.capacity
                 )
 
+    def needs_profile(self) -> bool:
+        """Something is "auto" and nothing has been measured yet: profile the first batch."""
+        c = self.config
+        automatic = "auto" in (c.policy, c.partition, c.num_microbatches)
+        return automatic and c.schedule is None and self.layer_times is None
+
+    # ----------------------------------------------------------------- decisions
+    def decide(self, batch: int, seq_len: int) -> Decision:
+        """The (cached) decision for a batch of ``batch`` samples of ``seq_len`` tokens."""
+        key = (batch, seq_len)
+        decision = self._decisions.get(key)
+        if decision is None:
+            c = self.config
+            if c.schedule is not None:
+                decision = self._scheduled()
+            elif self._measured is not None and "auto" in (c.policy, c.partition, c.num_microbatches):
+                decision = self._chosen(batch, seq_len)
+            else:
+                decision = self._fixed(batch)
+            self._decisions[key] = decision
+        self._last = decision
+        return decision
+
+    def _scheduled(self) -> Decision:
+        t = self.config.schedule
+        why = dict.fromkeys(("policy", "partition", "num_microbatches"), "from RunConfig.schedule")
+        return Decision(t.policy, t.forward, t.backward, t.num_microbatches, why)
+
+    def _fixed(self, batch: int | None) -> Decision:
+        """The configured values, "auto" parts provisional (nothing measured yet)."""
+        c, d, n = self.config, self.num_devices, len(self.names)
+        waiting = "until the first batch is profiled"
+        policy = PROVISIONAL_POLICY if c.policy == "auto" else c.policy
+        why = {
+            "policy": GIVEN
+            if c.policy != "auto"
+            else f"auto: runs as {policy} (it takes any stage count) {waiting}"
+        }
+        if isinstance(c.partition, tuple):
+            forward, backward = self._given_partitions()
+            why["partition"] = GIVEN
+        else:
+            from roundpipe.sim.choice import default_partition
+
+            forward = backward = default_partition(policy, d, c.policy_options, n)
+            why["partition"] = f"the policy's default: {_default_kind(policy, forward)}" + (
+                f", {waiting}" if c.partition == "auto" else ""
+            )
+        m = c.num_microbatches
+        if m == "auto":
+            m = None if batch is None else _provisional_count(POLICIES[policy], d, batch)
+            why["num_microbatches"] = f"auto: one per device {waiting}"
+        else:
+            why["num_microbatches"] = GIVEN
+        return Decision(policy, forward, backward, m, why)
+
+    def _chosen(self, batch: int, seq_len: int) -> Decision:
+        """Choose the automatic parts from the measured times (``roundpipe.sim.choice``)."""
+        from roundpipe.sim.choice import PREDICTION, choose, speedup, stage_count
+
+        c, d = self.config, self.num_devices
+        times, tokens, _ = self._measured
+        options = dict(c.policy_options)
+        if c.round_size is not None:
+            options.setdefault("round_size", c.round_size)
+        if c.policy != "auto" and not isinstance(c.partition, tuple):
+            stage_count(c.policy, d, options, len(self.names))  # too many stages: say so as ConfigError
+        policies = [c.policy] if c.policy != "auto" else [p for p in POLICIES if p in known_policies()]
+        partition = self._given_partitions() if isinstance(c.partition, tuple) else c.partition or "default"
+        try:
+            choice = choose(
+                times, tokens, self._layer_costs, num_devices=d, batch=batch, seq_len=seq_len,
+                policies=policies, options=options, partition=partition,
+                microbatches=None if c.num_microbatches == "auto" else c.num_microbatches,
+                budget=None if self.capacity is None else int(self.capacity * BUDGET_SHARE),
+            )  # fmt: skip
+        except PlanError as err:
+            if (c.policy, c.partition) != ("auto", "auto"):
+                raise
+            # The memory estimates are conservative: run the plan that needs least, and let the
+            # devices' own accounting say if even that does not fit.
+            least = self._fixed(batch)
+            why = {
+                "policy": f"auto: runs as {least.policy}, one layer per stage: no candidate fits the "
+                f"estimated memory ({err})",
+                "partition": "auto: one layer per stage, the least a stage can hold",
+                "num_microbatches": "auto: one per device" if c.num_microbatches == "auto" else GIVEN,
+            }
+            return Decision(least.policy, least.forward, least.backward, least.num_microbatches, why)
+        best = choice.best
+        why = {}
+        if c.policy != "auto":
+            why["policy"] = GIVEN
+        else:
+            rival = choice.fastest_other(same_policy=False)
+            if rival is None:
+                why["policy"] = f"auto: {best.policy}, the only policy that can run this batch here"
+            else:
+                why["policy"] = _compared(f"auto: {best.policy}", best, rival, rival.policy, "policy") + (
+                    f" ({PREDICTION})"
+                )
+            skipped = choice.faster_unrepeatable
+            if skipped is not None:
+                why["policy"] += (
+                    f"; {skipped.policy} was predicted {speedup(skipped, best):.2f}x as fast but runs a "
+                    "stage's backward on several devices, whose gradients the host adds in arrival "
+                    f"order (not repeatable bit for bit): give policy={skipped.policy!r} to run it"
+                )
+        if isinstance(c.partition, tuple):
+            why["partition"] = GIVEN
+        elif c.partition is None:
+            why["partition"] = f"the policy's default: {_default_kind(best.policy, best.forward)}"
+        elif POLICIES[best.policy].separate_partitions:
+            why["partition"] = (
+                f"auto: {best.forward.num_stages} forward + {best.backward.num_stages} backward stages, the "
+                f"grain of the RoundPipe objective (M*S + N(N-1)) * t_max for {best.num_microbatches} "
+                "microbatches on the measured times, the best of its two best grains by prediction"
+            )
+        else:
+            stages = best.forward.num_stages
+            why["partition"] = (
+                f"auto: the policy's {stages} stage{'s' if stages > 1 else ''}, balanced on the measured times"
+            )
+        if c.num_microbatches != "auto":
+            why["num_microbatches"] = GIVEN
+        else:
+            alt = choice.fastest_other(same_policy=True)
+            head = f"auto: {best.num_microbatches} for a batch of {batch}"
+            if alt is None:
+                why["num_microbatches"] = f"{head}, the only count the policy takes"
+            else:
+                why["num_microbatches"] = _compared(head, best, alt, str(alt.num_microbatches), "count")
+        return Decision(best.policy, best.forward, best.backward, best.num_microbatches, why, choice)
+
+    def _given_partitions(self) -> tuple[Partition, Partition]:
+        c, n = self.config, len(self.names)
+        sizes = {"partition": c.partition, "backward_partition": c.backward_partition or c.partition}
+        for name, sz in sizes.items():
+            if sum(sz) != n:
+                raise ConfigError(
+                    f"{name}={tuple(sz)} covers {sum(sz)} layers but the model has {n} "
+                    f"({', '.join(self.names[:3])}, ..., {self.names[-1]})"
+                )
+        return Partition.from_sizes(sizes["partition"]), Partition.from_sizes(sizes["backward_partition"])
+
+    def _layer_costs(self, tokens: float) -> list[LayerCost]:
+        """The layers' device bytes for a microbatch of ``tokens`` tokens, for the memory checks of
+        an automatic choice: weights, fp32 gradient accumulators and hand-offs as the store and the
+        runtime hold them; a block's saved activations and working set estimated from the model
+        config by the cost model's dense-block rule (``partition/cost.py``), the head's from its
+        token chunks."""
+        cfg, store = self.model_config, self.store
+        t, b = int(tokens), DTYPE_BYTES[self.config.dtype]
+        h = int(getattr(cfg, "hidden_size", 0) or 0)
+        heads = int(getattr(cfg, "num_attention_heads", 0) or 1)
+        head_dim = int(getattr(cfg, "head_dim", 0) or (h // heads if heads else 0))
+        q, kv = heads * head_dim, int(getattr(cfg, "num_key_value_heads", 0) or heads) * head_dim
+        inter = int(getattr(cfg, "intermediate_size", 0) or 4 * h)
+        if getattr(cfg, "num_experts_per_tok", None) and getattr(cfg, "moe_intermediate_size", None):
+            inter = int(cfg.num_experts_per_tok) * int(cfg.moe_intermediate_size)
+        shards = sum(1 for k in self.kinds if k == "head")
+        vocab_rows = -(-int(getattr(cfg, "vocab_size", 0) or 0) // max(shards, 1))
+        chunk = min(self.config.head_chunk_tokens, t)
+        out = []
+        for i, (name, kind) in enumerate(zip(self.names, self.kinds)):
+            trainable = sum(
+                store.piece_bytes(p) // store.entries[p[0]].compute.element_size()
+                for p in store.trainable_pieces([i])
+            )
+            hidden = t * h * b
+            if kind == "embed":
+                act_in, saved, transient, fwd_work = t * 8, 0, hidden, hidden
+            elif kind == "block":
+                act_in = hidden
+                saved = t * b * (4 * h + (q + 2 * kv) + (q + kv) + q + 4 * inter) + t * 4 * (heads + 2)
+                transient = t * b * (2 * h + max(2 * (q + 2 * kv), 3 * inter))
+                fwd_work = t * b * (2 * h + max(2 * q + 2 * kv, 3 * inter))
+            else:  # a head (shard): one token chunk's fp32 logits and their gradient at a time
+                act_in = saved = hidden
+                transient = fwd_work = 2 * chunk * vocab_rows * 4 + hidden
+            out.append(
+                LayerCost(
+                    name,
+                    0.0,
+                    0.0,
+                    param_bytes=store.layer_bytes[i],
+                    trainable_params=trainable,
+                    act_in_bytes=act_in,
+                    work_bytes=saved + transient,
+                    kind=kind,
+                    recompute=kind != "head",
+                    saved_bytes=saved,
+                    fwd_work_bytes=fwd_work,
+                    grad_device_bytes=4 * trainable,
+                    tokens=t,
+                )  # fmt: skip
+            )
+        return out
+
     # ----------------------------------------------------------------- the plan of a step
-    def flow_plan(self, num_microbatches: int) -> FlowPlan:
-        """The (cached) flow plan of the next step: the configured table, else the policy's."""
+    def flow_plan(self, decision: Decision) -> FlowPlan:
+        """The (cached) flow plan of a decision: the configured table, else the policy's."""
+        spec = POLICIES.get(decision.policy)
         options = dict(self.config.policy_options)
-        if self._spec.rotates:
+        if spec is not None and spec.rotates:
             options.setdefault("start_device", self._start_device)
         if self.config.round_size is not None:
             options.setdefault("round_size", self.config.round_size)
-        key = (num_microbatches, tuple(sorted(options.items())))
+        key = (
+            decision.policy,
+            decision.forward.bounds,
+            decision.backward.bounds,
+            decision.num_microbatches,
+            tuple(sorted(options.items())),
+        )
         plan = self._plans.get(key)
         if plan is None:
             table = self.config.schedule
             if table is None:
-                forward, backward = self.partitions()
-                policy = POLICIES[self.config.policy]
-                table = policy(forward, backward, self.num_devices, num_microbatches, **options)
+                table = spec(
+                    decision.forward,
+                    decision.backward,
+                    self.num_devices,
+                    decision.num_microbatches,
+                    **options,
+                )
             else:
                 self._check_schedule(table)
             plan = self._plans[key] = build_flow_plan(table)
@@ -86,25 +320,58 @@ class Planner:
         """Deal the next call's first stage to the device after the one that ran the last deal
         (the last round's first backward stage), after every ``forward_backward``, accumulating
         calls included: one call's tail and the next call's head land on different workers."""
-        rotation = POLICIES[self.config.policy].next_start_device  # where the policy's deal goes on
-        if rotation is not None:
-            self._start_device = rotation(plan.table)
+        spec = POLICIES.get(plan.table.policy)
+        if spec is not None and spec.next_start_device is not None:  # where the policy's deal goes on
+            self._start_device = spec.next_start_device(plan.table)
 
     def report(self) -> RuntimePlan:
-        forward, backward = self.partitions()
-        return RuntimePlan.build(self, forward, backward)
+        """What the next step runs: the last batch shape's decision, else the profiled shape's,
+        else the provisional plan."""
+        decision = self._last
+        if decision is None:
+            if self._measured is not None:
+                decision = self.decide(*self._measured[2])
+            elif self.config.schedule is not None:
+                decision = self._scheduled()
+            else:
+                decision = self._fixed(None)
+        return RuntimePlan.build(self, decision)
 
     # ----------------------------------------------------------------- measured costs
-    def set_measured(self, layer_times: dict[str, tuple[float, float]], microbatch_tokens: float) -> None:
-        """Adopt freshly profiled layer times: partitions and plans are recomputed from them."""
-        self.layer_times = layer_times
+    def set_measured(
+        self, layer_times: dict[str, tuple[float, float]], microbatch_tokens: float, shape: tuple[int, int]
+    ) -> None:
+        """Adopt freshly profiled layer times (of a batch of ``shape`` = (samples, tokens per
+        sample)): automatic choices and plans are made anew from them."""
+        self.layer_times = dict(layer_times)
         self.profiled_tokens = microbatch_tokens
-        self._auto = None
+        self._measured = (tuple(tuple(layer_times[n]) for n in self.names), microbatch_tokens, tuple(shape))
+        self._decisions.clear()
+        self._last = None
         self._plans.clear()
+
+    def measured_state(self) -> dict | None:
+        """The profile automatic choices are made from (for checkpoints), None before one."""
+        if self._measured is None:
+            return None
+        times, tokens, shape = self._measured
+        return {
+            "layer_times": {n: list(t) for n, t in zip(self.names, times)},
+            "microbatch_tokens": tokens,
+            "shape": list(shape),
+        }
+
+    def load_measured(self, state: dict | None) -> None:
+        """Take a checkpoint's profile, so a resumed run makes the same choices without profiling
+        again (ignored when it names other layers)."""
+        if not state or set(state["layer_times"]) != set(self.names):
+            return
+        times = {n: tuple(float(x) for x in t) for n, t in state["layer_times"].items()}
+        self.set_measured(times, float(state["microbatch_tokens"]), tuple(int(x) for x in state["shape"]))
 
     def observe(self, spans, plan: FlowPlan, microbatch_tokens: float) -> None:
         """Fold a training step's compute spans into the measured times (no-op before profiling).
-        Partitions and plans already made from the times are kept."""
+        Decisions and plans already made are kept."""
         if self.layer_times is None:
             return
         from roundpipe.runtime.profiler import update_moving_average
@@ -117,121 +384,6 @@ class Planner:
             self.names,
             microbatch_scale=self.profiled_tokens / microbatch_tokens,
         )
-
-    # ----------------------------------------------------------------- counts and partitions
-    def microbatch_count(self, batch: int) -> int:
-        """``num_microbatches``, or for ``"auto"``: one per device until profiled, then the
-        partitioner's choice for the measured stage times (at most ``batch``)."""
-        m = self.config.num_microbatches
-        if m != "auto":
-            return m
-        from roundpipe.partition.partitioner import auto_microbatches
-
-        d = self.num_devices
-        if self.layer_times is None:
-            return min(batch, d)
-        forward, backward = self.partitions()
-        times = self.layer_times
-        names = self.names
-        f = [sum(times[names[i]][0] for i in forward.layers(s)) for s in range(forward.num_stages)]
-        b = [
-            sum(sum(times[names[i]]) + times[names[i]][0] for i in backward.layers(s))
-            for s in range(backward.num_stages)
-        ]
-        return max(1, min(batch, auto_microbatches(f, b, d)))
-
-    def partitions(self) -> tuple[Partition, Partition]:
-        """Forward and backward partitions: configured sizes, ``"auto"`` (balanced measured times)
-        or the default."""
-        if self.config.partition is None:
-            part = self._default_partition()
-            return part, part
-        if self.config.partition == "auto":
-            return self._auto_partitions()
-        n = len(self.names)
-        sizes = {
-            "partition": self.config.partition,
-            "backward_partition": self.config.backward_partition or self.config.partition,
-        }
-        for name, sz in sizes.items():
-            if sum(sz) != n:
-                raise ConfigError(
-                    f"{name}={tuple(sz)} covers {sum(sz)} layers but the model has {n} "
-                    f"({', '.join(self.names[:3])}, ..., {self.names[-1]})"
-                )
-        return Partition.from_sizes(sizes["partition"]), Partition.from_sizes(sizes["backward_partition"])
-
-    def _default_partition(self) -> Partition:
-        """One layer per stage for a policy that takes any stage count (roundpipe streams them),
-        else as many even stages as the policy places on the devices."""
-        n = len(self.names)
-        stages = n if self._spec.stages_per_device is None else self._stage_count()
-        return Partition.from_sizes([n // stages + (1 if i < n % stages else 0) for i in range(stages)])
-
-    def _stage_count(self) -> int:
-        """Stages the policy places on the devices: one per device for a policy that takes any
-        count (roundpipe: one round), else its default stages per device, or ``stages_per_device``
-        times the grain option it was given (interleaved's ``virtual_stages``: ``v`` per device;
-        hanayo's ``waves``: ``2 x waves``)."""
-        n, d, opts, spec = len(self.names), self.num_devices, self.config.policy_options, self._spec
-        grain = next((opts[o] for o in GRAIN_OPTIONS if opts.get(o)), None)
-        if spec.stages_per_device is None:
-            stages = d
-        elif grain:
-            stages = d * spec.stages_per_device * grain
-        else:
-            stages = spec.default_stages(d)
-        if stages > n:
-            raise ConfigError(
-                f"policy {self.config.policy!r} on {d} devices needs {stages} stages but the model has only {n} "
-                "layers; use fewer devices or the 'roundpipe' policy"
-            )
-        return stages
-
-    def _auto_partitions(self) -> tuple[Partition, Partition]:
-        """Balance measured stage times (``layer_times``) within the device capacity.
-
-        Forward stages balance forward times; backward stages balance recompute + backward times
-        (policies with ``separate_partitions``; the others need one partition for both, balancing
-        the sum). Too little memory for the policy's stage count raises the count (a policy that
-        takes any count, like roundpipe) or PlanError.
-        """
-        from roundpipe.partition.partitioner import optimal_partition
-
-        if self._auto is not None:
-            return self._auto
-        names = self.names
-        fwd = [self.layer_times[n][0] for n in names]
-        bwd = [self.layer_times[n][0] + self.layer_times[n][1] for n in names]
-        budget = None if self.capacity is None else int(self.capacity * 0.9)
-        weights = self.store.layer_bytes
-        stages = self._stage_count()
-
-        def cut(times, what):
-            s = stages
-            while True:
-                try:
-                    return optimal_partition(
-                        times,
-                        s,
-                        weight_bytes=weights,
-                        added_bytes=weights,
-                        budget=budget,
-                        names=names,
-                        what=what,
-                    ).partition
-                except PlanError as e:
-                    any_count = self._spec.stages_per_device is None
-                    if not any_count or getattr(e, "min_stages", None) is None or s >= len(times):
-                        raise
-                    s = min(len(times), max(s + 1, e.min_stages))
-
-        if self._spec.separate_partitions:
-            self._auto = (cut(fwd, "forward"), cut(bwd, "backward"))
-        else:
-            both = cut([f + b for f, b in zip(fwd, bwd)], "forward+backward")
-            self._auto = (both, both)
-        return self._auto
 
     def _check_schedule(self, table) -> None:
         """A hand-written table must fit this model and these devices, and be runnable in the
@@ -250,25 +402,60 @@ class Planner:
         validate_table(table, in_order=self.config.order == "strict")
 
 
+def _default_kind(policy: str, partition: Partition) -> str:
+    if POLICIES[policy].stages_per_device is None:
+        return "one layer per stage"
+    return f"{partition.num_stages} even stages"
+
+
+def _provisional_count(spec, num_devices: int, batch: int) -> int:
+    """One microbatch per device (at most the batch), as the policy accepts it."""
+    m = min(batch, num_devices)
+    fits = [k for k in range(m, 0, -1) if spec.accepts_microbatches(k, num_devices)]
+    return fits[0] if fits else m
+
+
+def _compared(head: str, best, rival, rival_name: str, what: str) -> str:
+    """``head`` plus how ``best`` compares with ``rival`` (the fastest alternative)."""
+    from roundpipe.sim.choice import PREFER_FEWER_WITHIN, speedup
+
+    ratio = speedup(best, rival)
+    tie = (
+        f"a tie within {PREFER_FEWER_WITHIN:.0%}: fewer microbatches, then the registry's order, then "
+        "fewer stages decide"
+    )
+    if ratio >= 1.005:
+        return f"{head}, predicted {ratio:.2f}x as fast as {rival_name}, the next-best {what}"
+    if ratio >= 1:
+        return f"{head}, predicted as fast as {rival_name}, the next-best {what} ({tie})"
+    return f"{head}, predicted within {1 / ratio - 1:.1%} of {rival_name}, the fastest {what} ({tie})"
+
+
 @dataclass(frozen=True)
 class RuntimePlan:
-    """What the runtime will run: stages of both partitions with their estimated cost.
+    """What the runtime will run: the policy, the stages of both partitions with their estimated
+    cost, the microbatch count, and why each was chosen.
 
     ``est_s`` is per microbatch from measured layer times (None before ``profile``); ``weight_bytes``
     in the run dtype; ``peak_bytes`` a worker's bound for that stage: its weights, the next stage's
-    (prefetched), and its fp32 weight-gradient accumulator.
+    (prefetched), and its fp32 weight-gradient accumulator. ``why`` has one line each for
+    ``policy``, ``partition`` and ``num_microbatches``; ``predictions`` the fastest candidates of an
+    automatic choice (policy, count, stages, predicted step seconds).
     """
 
     policy: str
     devices: tuple[str, ...]
     rows: tuple[dict, ...]
+    num_microbatches: int | None = None
+    why: dict = field(default_factory=dict)
+    predictions: tuple[dict, ...] = ()
 
     @classmethod
-    def build(cls, planner: Planner, forward: Partition, backward: Partition) -> RuntimePlan:
+    def build(cls, planner: Planner, decision: Decision) -> RuntimePlan:
         names, times, store = planner.names, planner.layer_times, planner.store
         wbytes = store.layer_bytes
         rows = []
-        for kind, part in (("F", forward), ("B", backward)):
+        for kind, part in (("F", decision.forward), ("B", decision.backward)):
             stage_w = [sum(wbytes[i] for i in part.layers(s)) for s in range(part.num_stages)]
             for s in range(part.num_stages):
                 layers = part.layers(s)
@@ -297,16 +484,36 @@ class RuntimePlan:
                         "peak_bytes": stage_w[s] + nxt + grads,
                     }
                 )
-        return cls(planner.config.policy, planner.device_names, tuple(rows))
+        ranked = decision.choice.ranked[:5] if decision.choice is not None else ()
+        return cls(
+            decision.policy,
+            planner.device_names,
+            tuple(rows),
+            decision.num_microbatches,
+            dict(decision.why),
+            tuple(c.summary() for c in ranked),
+        )
 
     def to_json(self) -> str:
         return json.dumps(
-            {"policy": self.policy, "devices": list(self.devices), "stages": list(self.rows)}, indent=2
+            {
+                "policy": self.policy,
+                "devices": list(self.devices),
+                "num_microbatches": self.num_microbatches,
+                "why": self.why,
+                "predictions": list(self.predictions),
+                "stages": list(self.rows),
+            },
+            indent=2,
         )
 
     def table(self) -> str:
-        head = f"{'stage':>6}  {'layers':<24} {'est. ms':>9} {'weights MiB':>12} {'peak MiB':>9}"
-        lines = [f"plan: policy {self.policy} on {', '.join(self.devices)}", head]
+        m = "auto" if self.num_microbatches is None else self.num_microbatches
+        lines = [
+            f"plan: policy {self.policy} on {', '.join(self.devices)}, {m} microbatch{'' if m == 1 else 'es'}",
+            *(f"  {part}: {line}" for part, line in self.why.items()),
+            f"{'stage':>6}  {'layers':<24} {'est. ms':>9} {'weights MiB':>12} {'peak MiB':>9}",
+        ]
         for r in self.rows:
             est = "-" if r["est_s"] is None else f"{r['est_s'] * 1e3:.2f}"
             lines.append(

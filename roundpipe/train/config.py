@@ -114,9 +114,14 @@ class RunSection:
     output_dir: str | None = _f(None, "Where checkpoints, metrics, plots and exports go. Default: runs/NAME.")
     devices: str = _f("auto", "`auto` (every GPU, else cpu:2), `cpu:N`, `cuda`, `cuda:0,1`.")
     policy: str = _f(
-        "roundpipe", "Dispatch policy (roundpipe, 1f1b, gpipe, ...), or `auto`: the tuner picks one."
+        "auto",
+        "Dispatch policy (roundpipe, 1f1b, gpipe, ...), or `auto`: the first batch is profiled and "
+        "the policy predicted fastest on the measured layer times runs (`RunConfig(policy='auto')`; "
+        "the log says what was chosen and why).",
     )
-    num_microbatches: int | Literal["auto"] = _f(4, "Microbatches per forward/backward, or `auto`.")
+    num_microbatches: int | Literal["auto"] = _f(
+        "auto", "Microbatches per forward/backward, or `auto`: chosen with the policy from the profile."
+    )
     dtype: Literal["fp32", "bf16", "fp16"] = _f(
         "fp32", "Compute precision; masters and optimizer state stay fp32."
     )
@@ -130,7 +135,7 @@ class RunSection:
     seed: int = _f(0, "Seed of initialisation, shuffling and dropout.")
     host_ram_check: bool = _f(True, "Refuse to start when the run needs more host RAM than is available.")
     options: dict[str, Any] = _f(
-        {}, "Further `roundpipe.RunConfig` fields (e.g. {head_shards: 4, partition: auto})."
+        {}, "Further `roundpipe.RunConfig` fields (e.g. {head_shards: 4, partition: [2, 3, 3]})."
     )
 
 

@@ -5,7 +5,8 @@ the meta device or real): fp32 masters, gradients and AdamW moments of the train
 compute copies the uploads read, and a margin for the activations and gradients handed back to
 the host. ``check_host_ram`` compares it with what ``psutil`` says is available and refuses, with
 the figures and the levers, when it will not fit. ``predict`` asks the simulator for tokens/s and
-memory, and runs the tuner when the recipe says ``policy: auto``.
+memory (and the tuner, with ``tune_policy``; a recipe's ``policy: auto`` is left to the runtime,
+which chooses from the first batch's measured layer times).
 """
 
 from __future__ import annotations

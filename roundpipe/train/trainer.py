@@ -151,6 +151,8 @@ class Trainer:
                     progress.write(_eval_line(0, result.eval))
                 for step in range(start, total_steps):
                     row = self._train_step(pipe, batches, step, total_steps)
+                    if step == start:  # what runs from now on, and why (an "auto" choice is made by now)
+                        self.log(_plan_line(pipe.plan))
                     metrics.log(row)
                     result.train_losses.append(row["loss"])
                     result.steps = step + 1
@@ -231,28 +233,30 @@ class Trainer:
         if run.host_ram_check:
             self.log(check_host_ram(need, lora=cfg.lora.enabled, dtype=run.dtype))
         devices = "cpu:2" if run.devices == "auto" and not torch.cuda.is_available() else run.devices
+        # policy / num_microbatches "auto" are the runtime's: it profiles the first batch and
+        # chooses from the measured times (logged after the first step). The forecast before it
+        # shows what the provisional policy, roundpipe, would do.
         forecast = predict(
             model,
             parse_device_spec(devices),
-            policy=run.policy,
+            policy="roundpipe" if run.policy == "auto" else run.policy,
             seq_len=cfg.data.max_length,
             batch=run.batch_size,
             microbatches=run.num_microbatches,
             lora_rank=cfg.lora.rank if cfg.lora.enabled else None,
             dtype=run.dtype,
             optimizer_mode=run.optimizer_mode,
-            tune_policy=run.policy == "auto",
+            tune_policy=False,
             fp16_accumulation=bool(run.options.get("fp16_accumulation", False)),
         )
-        self.log(forecast.text)
-        policy, microbatches = run.policy, run.num_microbatches
-        if run.policy == "auto":
-            policy = forecast.policy or "roundpipe"
-            microbatches = forecast.num_microbatches or microbatches
+        self.log(
+            forecast.text
+            + ("; policy auto: chosen after profiling the first batch" if run.policy == "auto" else "")
+        )
         return roundpipe.RunConfig(
             devices=devices,
-            policy=policy,
-            num_microbatches=microbatches,
+            policy=run.policy,
+            num_microbatches=run.num_microbatches,
             dtype=run.dtype,
             optimizer_mode=run.optimizer_mode,
             seed=run.seed,
@@ -431,6 +435,15 @@ def exact_match(model, batches, samples) -> float:
         model.train(was_training)
     answered = sum(1 for s in samples[:index] if s.prompt_len > 0)
     return hits / answered if answered else 0.0
+
+
+def _plan_line(plan) -> str:
+    parts = "; ".join(f"{part} {line}" for part, line in plan.why.items())
+    stages = sum(1 for r in plan.rows if r["kind"] == "F"), sum(1 for r in plan.rows if r["kind"] == "B")
+    return (
+        f"plan: policy {plan.policy}, {stages[0]} forward + {stages[1]} backward stages, "
+        f"{plan.num_microbatches} microbatches ({parts})"
+    )
 
 
 def _eval_line(step: int, ev: dict) -> str:
