@@ -28,7 +28,7 @@ from pathlib import Path
 
 from roundpipe.partition.cost import model_costs
 from roundpipe.partition.grain import grain_choices, objective
-from roundpipe.partition.partitioner import last_stage_bytes, optimal_partition, stage_bytes
+from roundpipe.partition.partitioner import optimal_partition, pair_peak_bytes
 from roundpipe.presets import load_hardware, load_measured_layers, load_model_config
 from roundpipe.schedule import build_table
 from roundpipe.schedule.table import Partition, ScheduleTable
@@ -149,12 +149,7 @@ def interleaved_partition(model: PaperModel, num_devices: int) -> Partition:
 
 def fits(model: PaperModel, table: ScheduleTable, budget: int, reserve: int) -> bool:
     """Every stage of ``table`` within the 4090's memory by the partitioner's rule."""
-    peaks = stage_bytes(model.costs, table.forward, "forward", reserve)
-    peaks += stage_bytes(model.costs, table.backward, "backward", reserve)
-    return (
-        max(peaks) <= budget
-        and last_stage_bytes(model.costs, table.forward, table.backward, reserve) <= budget
-    )
+    return pair_peak_bytes(model.costs, table.forward, table.backward, reserve) <= budget
 
 
 def own_plan(
@@ -232,11 +227,7 @@ def study(names: list[str] | None = None, seconds: float = REFINE_SECONDS) -> di
         fwd, bwd = paper_roundpipe_partitions(name, setting, n)
         paper_table = build_table("roundpipe", fwd, bwd, n_dev, m)
         hw = load_hardware("8xrtx4090")
-        reserve = hw.workspace_reserve_bytes
-        paper_peak = max(
-            stage_bytes(model.costs, fwd, "forward", reserve) + stage_bytes(model.costs, bwd, "backward", reserve)
-            + [last_stage_bytes(model.costs, fwd, bwd, reserve)]
-        )  # fmt: skip
+        paper_peak = pair_peak_bytes(model.costs, fwd, bwd, hw.workspace_reserve_bytes)
         for optimizer in ("sync", "async"):
             res = simulate(paper_table, model.workload, server, options(optimizer))
             record(f"roundpipe_{optimizer}_paper", paper_table, res)

@@ -43,10 +43,9 @@ from roundpipe.errors import PlanError
 from roundpipe.partition.cost import LayerCost
 from roundpipe.partition.partitioner import (
     first_true,
-    last_stage_bytes,
     memory_vectors,
     optimal_partition,
-    stage_bytes,
+    pair_peak_bytes,
 )
 from roundpipe.schedule.table import Partition
 
@@ -307,9 +306,8 @@ def _merge_idle(part: Partition, times: Sequence[float], fits) -> Partition:
 
 
 def _fits(costs, fwd: Partition, bwd: Partition, budget: int, reserve: int) -> bool:
-    """Every stage, with the largest one as its prefetch, and the fused head device fit ``budget``."""
-    peaks = stage_bytes(costs, fwd, "forward", reserve) + stage_bytes(costs, bwd, "backward", reserve)
-    return max(peaks) <= budget and last_stage_bytes(costs, fwd, bwd, reserve) <= budget
+    """Every stage and the fused head device fit ``budget``."""
+    return pair_peak_bytes(costs, fwd, bwd, reserve) <= budget
 
 
 __all__ = ["MAX_FUSED_LAYERS", "GrainChoice", "grain_choices", "objective"]

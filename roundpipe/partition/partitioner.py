@@ -344,6 +344,17 @@ def stage_bytes(
     ]
 
 
+def pair_peak_bytes(
+    costs: Sequence[LayerCost], forward: Partition, backward: Partition, reserve_bytes: int = 0
+) -> int:
+    """The fullest device of a forward and backward partition pair by this module's rule: every
+    stage (:func:`stage_bytes`) and the device running the last stages of both (:func:`last_stage_bytes`)."""
+    stages = stage_bytes(costs, forward, "forward", reserve_bytes) + stage_bytes(
+        costs, backward, "backward", reserve_bytes
+    )
+    return max(*stages, last_stage_bytes(costs, forward, backward, reserve_bytes))
+
+
 def prefetch_bounds(stage_weights: Sequence[int]) -> list[int]:
     """Per stage, what its device may hold prefetched: the largest *other* stage's weights.
 

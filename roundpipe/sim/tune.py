@@ -276,6 +276,17 @@ def _move(bounds: tuple[int, ...], stage: int, times: Sequence[float]) -> list[t
     return out
 
 
+def _moved(table: ScheduleTable, which: str, new: Partition, same: bool, options: dict, accept):
+    """``table`` rebuilt with its forward (``which == "F"``) or backward partition replaced by
+    ``new`` (both when they are one partition), or None if the policy refuses it or ``accept`` vetoes it."""
+    fwd, bwd = (new, new) if same else ((new, table.backward) if which == "F" else (table.forward, new))
+    try:
+        cand = build_table(table.policy, fwd, bwd, table.num_devices, table.num_microbatches, **options)
+    except ScheduleError:
+        return None
+    return None if accept is not None and not accept(cand) else cand
+
+
 def refine(
     prep: Prepared,
     result: SimResult,
@@ -315,17 +326,8 @@ def refine(
                 [x + y for x, y in zip(f_times, b_times)] if same else (f_times if which == "F" else b_times)
             )
             for bounds in _move(part.bounds, stage, times):
-                new = Partition(bounds)
-                fwd, bwd = (
-                    (new, new) if same else ((new, table.backward) if which == "F" else (table.forward, new))
-                )
-                try:
-                    cand_table = build_table(
-                        table.policy, fwd, bwd, table.num_devices, table.num_microbatches, **options
-                    )
-                except ScheduleError:
-                    continue
-                if accept is not None and not accept(cand_table):
+                cand_table = _moved(table, which, Partition(bounds), same, options, accept)
+                if cand_table is None:
                     continue
                 res = simulate(cand_table, work, prep.hardware, timed, notes=best.notes)
                 if res.fits and res.iteration_s < best.iteration_s * (1 - 1e-6):
@@ -375,19 +377,8 @@ def polish(
                     b[stage] += delta
                     if not b[stage - 1] < b[stage] < b[stage + 1]:
                         continue
-                    new = Partition(tuple(b))
-                    fwd, bwd = (
-                        (new, new)
-                        if same
-                        else ((new, table.backward) if which == "F" else (table.forward, new))
-                    )
-                    try:
-                        cand = build_table(
-                            table.policy, fwd, bwd, table.num_devices, table.num_microbatches, **options
-                        )
-                    except ScheduleError:
-                        continue
-                    if accept is not None and not accept(cand):
+                    cand = _moved(table, which, Partition(tuple(b)), same, options, accept)
+                    if cand is None:
                         continue
                     res = simulate(cand, work, hw, untimed, notes=best.notes)
                     if res.fits and res.iteration_s < best.iteration_s * (1 - 1e-6):
