@@ -82,7 +82,7 @@ def test_profiled_layer_times_match_wall_clock_of_the_same_layers():
     the gradient hooks that add into the fp32 accumulators), which the direct timing leaves out:
     measured at +20-40% on these small layers (hidden 256, 256 tokens per microbatch), with and
     without the sanitizer. Timings that include waits or a wrong recompute subtraction land far
-    outside. A load burst from another process can still skew one attempt: up to two attempts."""
+    outside. A load burst from another process can still skew one attempt: up to three attempts."""
     model = make_timing_llama(vocab=512, num_layers=2)
     batch = {
         k: v
@@ -91,8 +91,10 @@ def test_profiled_layer_times_match_wall_clock_of_the_same_layers():
     }
     misses = []
     # 4 microbatches of 4 samples x 2 steps: 8 timings per layer per round.
-    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", num_microbatches=4)) as pipe:
-        for _ in range(2):
+    # The plan this check was calibrated on (one layer per stage), not the auto choice.
+    config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, policy="roundpipe", partition=None)
+    with roundpipe.wrap(model, config) as pipe:
+        for _ in range(3):
             rows = _profile_vs_direct(pipe, batch, (1, 2))
             misses = [r for r in rows if not 0.9 * r[3] <= r[2] <= 1.5 * r[3]]
             if not misses:
