@@ -110,6 +110,8 @@ def test_profile_leaves_weights_and_gradients_untouched():
         times = pipe.profile(batch["input_ids"], batch["labels"], batch["attention_mask"], steps=1)
         assert set(times) == {layer.name for layer in pipe.adapter.layers}
         assert all(f > 0 and b >= 0 for f, b in times.values())
+        assert 0 < pipe.context_time < max(f for f, _ in times.values())  # measured, and small
+        assert pipe.state_dict()["measured"]["context_s"] == pipe.context_time
         assert all(float(e.grad.abs().sum()) == 0 for e in pipe.store.entries if e.trainable)
         pipe.export_to(model)
     for n, p in model.named_parameters():

@@ -231,6 +231,50 @@ def test_device_ops_follow_the_runtime_data_flow():
     assert first.produces == [("act", 1, 0), ("act", 2, 0)]  # a backward start inside, and its output
 
 
+def _context_builds(table) -> list[int]:
+    """Per device, the operations that run another microbatch than the one before them in the
+    step (what the worker builds a layer context for), counted from the shared data flow; an
+    operation with no layers to run (a forward nobody consumes) builds nothing."""
+    from roundpipe.schedule.flow import device_flows
+
+    counts = []
+    for row in device_flows(table):
+        last, n = None, 0
+        for work, tasks in row:
+            if len(work.layers) and tasks[0].microbatch != last:
+                n, last = n + 1, tasks[0].microbatch
+        counts.append(n)
+    return counts
+
+
+@pytest.mark.parametrize(("policy", "stages"), [("gpipe", 1), ("1f1b", 1), ("roundpipe", 4)])
+def test_a_context_build_is_charged_before_each_operation_on_another_microbatch(policy, stages):
+    """On one device the step is serial: it grows by ``context_s`` per microbatch switch, exactly
+    (1F1B's F and B of a microbatch follow each other and share one build; stage-major orders
+    switch at every operation)."""
+    base = uniform_workload(4, 1.0, 2.0, recompute=True)
+    cut = Partition.per_layer(4) if stages == 4 else Partition((0, 4))
+    table = build_table(policy, cut, cut, 1, 4)
+    opts = SimOptions(transfers=False, optimizer_time=False)
+    plain = simulate(table, base, load_hardware("1xcpu"), opts)
+    charged = simulate(table, replace(base, context_s=0.25), load_hardware("1xcpu"), opts)
+    (builds,) = _context_builds(table)
+    assert builds >= 4  # every microbatch at least once
+    assert charged.iteration_s == pytest.approx(plain.iteration_s + 0.25 * builds)
+    assert charged.compute_busy_s[0] == pytest.approx(plain.compute_busy_s[0] + 0.25 * builds)
+
+
+def test_a_fused_pair_on_one_microbatch_builds_its_context_once():
+    table = build_table("roundpipe", Partition((0, 2, 4)), Partition((0, 1, 3, 4)), 1, 1)
+    work = uniform_workload(4, 1.0, 2.0)
+    opts = SimOptions(transfers=False, optimizer_time=False)
+    delta = (
+        simulate(table, replace(work, context_s=1.0), load_hardware("1xcpu"), opts).iteration_s
+        - simulate(table, work, load_hardware("1xcpu"), opts).iteration_s
+    )
+    assert delta == pytest.approx(1.0)  # one microbatch: one build for the whole step
+
+
 # ------------------------------------------------------------------ optimizer modes
 
 

@@ -283,6 +283,12 @@ class Pipeline:
         """Measured (forward s, backward s) per layer and microbatch; None before ``profile``."""
         return self._planner.layer_times
 
+    @property
+    def context_time(self) -> float | None:
+        """Measured seconds a worker spends building one microbatch's layer context (inputs, masks,
+        rotary tables), what ``roundpipe.sim.Workload.context_s`` takes; None before ``profile``."""
+        return self._planner.context_s
+
     def profile(
         self,
         input_ids: torch.Tensor,
@@ -304,7 +310,11 @@ class Pipeline:
         self._check_open()
         if self._grads_pending:
             raise PipelineStateError("profile() would mix its gradients with pending ones: call step() first")
-        from roundpipe.runtime.profiler import layer_times_from_spans, profiling_table
+        from roundpipe.runtime.profiler import (
+            context_seconds_from_spans,
+            layer_times_from_spans,
+            profiling_table,
+        )
 
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
         table = profiling_table(len(self.adapter.layers), len(self.backend.devices), len(microbatches))
@@ -318,7 +328,12 @@ class Pipeline:
             spans += self._recorder.last_spans
         self.store.zero_grads()
         times = layer_times_from_spans(spans, self._planner.names)
-        self._planner.set_measured(times, input_ids.numel() / len(microbatches), tuple(input_ids.shape))
+        self._planner.set_measured(
+            times,
+            input_ids.numel() / len(microbatches),
+            tuple(input_ids.shape),
+            context_s=context_seconds_from_spans(spans),
+        )
         return dict(times)
 
     def stats(self) -> dict:

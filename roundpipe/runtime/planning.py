@@ -65,6 +65,7 @@ class Planner:
         self.capacity = backend.devices[0].memory.capacity
         self.layer_times: dict[str, tuple[float, float]] | None = None
         self.profiled_tokens = 1.0  # tokens per microbatch when ``layer_times`` was measured
+        self.context_s: float | None = None  # measured seconds per microbatch context build
         self._measured: tuple[tuple[tuple[float, float], ...], float, tuple[int, int]] | None = None
         self._decisions: dict[tuple[int, int], Decision] = {}
         self._last: Decision | None = None
@@ -339,11 +340,16 @@ class Planner:
 
     # ----------------------------------------------------------------- measured costs
     def set_measured(
-        self, layer_times: dict[str, tuple[float, float]], microbatch_tokens: float, shape: tuple[int, int]
+        self,
+        layer_times: dict[str, tuple[float, float]],
+        microbatch_tokens: float,
+        shape: tuple[int, int],
+        context_s: float = 0.0,
     ) -> None:
         """Adopt freshly profiled layer times (of a batch of ``shape`` = (samples, tokens per
-        sample)): automatic choices and plans are made anew from them."""
+        sample)) and context-build seconds: automatic choices and plans are made anew from them."""
         self.layer_times = dict(layer_times)
+        self.context_s = float(context_s)
         self.profiled_tokens = microbatch_tokens
         self._measured = (tuple(tuple(layer_times[n]) for n in self.names), microbatch_tokens, tuple(shape))
         self._decisions.clear()
@@ -359,6 +365,7 @@ class Planner:
             "layer_times": {n: list(t) for n, t in zip(self.names, times)},
             "microbatch_tokens": tokens,
             "shape": list(shape),
+            "context_s": self.context_s,
         }
 
     def load_measured(self, state: dict | None) -> None:
@@ -367,7 +374,12 @@ class Planner:
         if not state or set(state["layer_times"]) != set(self.names):
             return
         times = {n: tuple(float(x) for x in t) for n, t in state["layer_times"].items()}
-        self.set_measured(times, float(state["microbatch_tokens"]), tuple(int(x) for x in state["shape"]))
+        self.set_measured(
+            times,
+            float(state["microbatch_tokens"]),
+            tuple(int(x) for x in state["shape"]),
+            context_s=float(state.get("context_s") or 0.0),  # checkpoints before it was measured: none
+        )
 
     def observe(self, spans, plan: FlowPlan, microbatch_tokens: float) -> None:
         """Fold a training step's compute spans into the measured times (no-op before profiling).

@@ -6,7 +6,9 @@ times; a backward span recomputes the layer's forward, so the backward alone is 
 forward. Microbatch ``j`` runs on worker ``j % D``, so every worker is busy at once, as in training:
 where workers share a machine (virtual cpu devices sharing cores, copy threads and the interpreter)
 the times include that contention. Times are per microbatch of the profiled batch, in seconds, in
-the form ``roundpipe.partition.cost.layer_times(times=...)`` takes.
+the form ``roundpipe.partition.cost.layer_times(times=...)`` takes. The same spans give the time a
+worker spends building a microbatch's layer context (``context_seconds_from_spans``), which the
+simulator charges as ``Workload.context_s``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ def layer_times_from_spans(spans, names: list[str]) -> dict[str, tuple[float, fl
         b = statistics.median(bwd[i]) if bwd[i] else 0.0
         out[name] = (f, max(0.0, b - f))
     return out
+
+
+def context_seconds_from_spans(spans) -> float:
+    """Median seconds a worker spent building one microbatch's layer context (its ``ctx.*`` spans:
+    masks, rotary tables, shifted labels), 0.0 when the spans hold none."""
+    built = [
+        end - start
+        for _dev, lane, _name, kind, start, end in spans
+        if lane == "compute" and kind == "context"
+    ]
+    return statistics.median(built) if built else 0.0
 
 
 def update_moving_average(

@@ -194,7 +194,7 @@ class _OpState:
 
     __slots__ = ("dev", "label", "kind", "it", "pos", "mb", "task", "cost", "keys", "in_bytes",
                  "ctx_bytes", "dependents", "group", "ends_group", "last_of_iter", "alloc", "flush", "stash_add",
-                 "stash_drop", "deps", "host_wait", "up_wait", "lookahead_ok", "started", "scale")  # fmt: skip
+                 "stash_drop", "deps", "host_wait", "up_wait", "lookahead_ok", "started", "scale", "dur")  # fmt: skip
 
     def __init__(
         self, dev: int, work: StageWork, tasks: tuple[Task, ...], it: int, pos: int, cost: _OpCost, keys
@@ -215,6 +215,7 @@ class _OpState:
         self.lookahead_ok = pos == 0  # the operation before it on the device has started
         self.started = -1.0
         self.scale = 1.0  # its microbatch's size over the workload's (uneven microbatches)
+        self.dur = 0.0  # seconds on the compute lane: its work, plus a context build when it needs one
 
 
 class _Link:
@@ -351,6 +352,7 @@ class _Sim:
             by_task = _task_index(table)
             scales = self.w.scales(table.num_microbatches)
             for d, (ops, row) in enumerate(zip(self.ops, plan)):
+                context_of = None  # the microbatch whose context the device holds (none at a step's start)
                 for work, tasks in row:
                     cost = costs.get(id(work))
                     if cost is None:
@@ -360,6 +362,10 @@ class _Sim:
                         keys = cost.keys[it] = tuple((it, i) for i in cost.layers)
                     st = _OpState(d, work, tasks, it, len(ops), cost, keys)
                     st.scale = scales[st.mb]
+                    st.dur = cost.dur * st.scale
+                    if cost.dur > 0 and st.mb != context_of:  # as the worker's ``_context``
+                        st.dur += self.w.context_s * st.scale
+                        context_of = st.mb
                     for t in tasks:
                         by_task[t.kind][t.stage][t.microbatch] = st
                     ops.append(st)
@@ -808,11 +814,11 @@ class _Sim:
             nxt = ops[i + 1]
             nxt.lookahead_ok = True
             self._check_inputs(nxt)
-        self._at(self.now + cost.dur * st.scale, _COMPUTE_END, st)
+        self._at(self.now + st.dur, _COMPUTE_END, st)
 
     def _compute_end(self, st: _OpState) -> None:
         d, cost, now, scale = st.dev, st.cost, self.now, st.scale
-        self.busy[d] += cost.dur * scale
+        self.busy[d] += st.dur
         if now > self.iter_end[st.it]:
             self.iter_end[st.it] = now
         if cost.dur > 0 and self.spans is not None:

@@ -62,6 +62,11 @@ class Workload:
     # (the size the layer numbers are for); a microbatch's times and activation bytes scale with it.
     microbatch_sizes: tuple[int, ...] = ()
     micro_batch_size: int = 1
+    # Seconds a device spends building one microbatch's layer context (inputs, masks, rotary
+    # tables) before the first of its operations that runs another microbatch than the one before.
+    # On CUDA a few small kernels (the cost model leaves it 0); on the cpu backend measured by
+    # ``Pipeline.profile`` (``Pipeline.context_time``), where it is a fair share of a small layer.
+    context_s: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -86,9 +91,13 @@ def workload_from_costs(
     times: Mapping[str, tuple[float, float]] | None = None,
     efficiency: float | None = None,
     name: str = "model",
+    context_s: float = 0.0,
 ) -> Workload:
     """Per-layer times from ``layer_times`` (analytic, or ``times[name] = (forward_s, backward_s)``
-    measured for one microbatch, backward without recompute) and bytes from the cost model."""
+    measured for one microbatch, backward without recompute) and bytes from the cost model;
+    ``context_s`` as measured with ``times`` (``Workload.context_s``)."""
+    if context_s < 0:
+        raise ConfigError(f"context_s must be >= 0 seconds, got {context_s}")
     fwd, bwd_stage = layer_times(list(costs), hw, efficiency=efficiency, times=times)
     layers = []
     for c, f, bs in zip(costs, fwd, bwd_stage):
@@ -115,6 +124,7 @@ def workload_from_costs(
         host_state_bytes=int(totals["host_bytes"]),
         name=name,
         dtype=costs[0].dtype if costs else "bf16",
+        context_s=float(context_s),
     )
 
 
