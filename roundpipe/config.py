@@ -121,6 +121,7 @@ class RunConfig:
     schedule: Any = None  # a roundpipe.schedule.ScheduleTable written by hand
     host_memory: str = "arena"
     fp16_accumulation: bool = False
+    verify_model: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -198,6 +199,8 @@ class RunConfig:
             )
         if self.watchdog_s <= 0:
             raise ConfigError(f"watchdog_s must be positive, got {self.watchdog_s!r}")
+        if not isinstance(self.verify_model, bool):
+            raise ConfigError(f"verify_model must be True or False, got {self.verify_model!r}")
 
     def _check_round_size(self) -> None:
         """A positive int, for a policy that deals in rounds, not given twice. Whether it covers

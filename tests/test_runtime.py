@@ -107,7 +107,7 @@ def test_a_model_that_is_not_a_causal_lm_is_rejected():
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
     )
-    with pytest.raises(UnsupportedModel, match="llama"):
+    with pytest.raises(UnsupportedModel, match="LlamaModel has no LM head"):
         roundpipe.wrap(transformers.LlamaModel(config), roundpipe.RunConfig(devices="cpu:1"))
 
 

@@ -1,9 +1,11 @@
 """HF causal LM -> list of layers (``embed``, ``layers.i``, ``head``) for the pipeline runtime.
 
-``adapt_model(model, head_shards=k)`` cuts the head + loss into ``k`` vocabulary shards
-``head.0 .. head.{k-1}`` instead (exact; see ``head_shards.py``). ``adapt_model(model)`` accepts a supported ``*ForCausalLM`` (optionally inside a peft wrapper) and
-returns a ``ModelAdapter``; see ``base.py`` for the contract and ``families.py`` for what is
-supported and how to add a family.
+``adapt_model(model)`` accepts any HF causal LM whose base model runs embed -> attention decoder
+layers -> norm (optionally inside a peft wrapper): ``discover.py`` finds its parts and facts,
+``views.py`` runs its own code between them, ``verify.py`` proves the layers against the model's
+forward at wrap time. ``adapt_model(model, head_shards=k)`` cuts the head + loss into ``k``
+vocabulary shards ``head.0 .. head.{k-1}`` (exact; see ``head_shards.py``). ``base.py`` is the
+contract; ``families.py`` what discovery cannot know; ``docs/models.md`` the families covered.
 """
 
 from __future__ import annotations
@@ -14,10 +16,7 @@ from roundpipe.models.families import FamilySpec, register_family, supported_fam
 from roundpipe.models.head import chunked_lm_loss
 from roundpipe.models.head_shards import vocab_ranges
 
-SUPPORTED_FAMILIES: tuple[str, ...] = supported_families()
-
 __all__ = [
-    "SUPPORTED_FAMILIES",
     "DecoderOnlyAdapter",
     "FamilySpec",
     "Layer",

@@ -26,16 +26,36 @@ from torch import nn
 
 from roundpipe.errors import ConfigError, InputError, UnsupportedModel
 from roundpipe.models.base import Layer, LayerContext, MicrobatchInputs, ModelAdapter
-from roundpipe.models.families import FAMILIES, SLIDING, FamilySpec, supported_families
+from roundpipe.models.discover import ModelLayout, discover_layout, how_to_add, text_config
+from roundpipe.models.families import FAMILIES, GENERIC_CHECKS, SLIDING, FamilySpec
 from roundpipe.models.head import chunked_lm_loss, shift_labels
 from roundpipe.models.head_shards import head_tensors, vocab_ranges, vocab_shard_forward
+from roundpipe.models.views import ViewLogits, embedding_view, logits_view
 
 
 class EmbedLayer(Layer):
-    """``input_ids`` [b, T] -> hidden [b, T, H]. The module may scale (Gemma's ``embed_scale``)."""
+    """``input_ids`` [b, T] -> hidden [b, T, H]: what the first decoder layer receives.
+
+    ``view=False``: ``module`` is the model's input embedding, called on the ids (it may scale
+    inside, as Gemma's does). ``view=True``: the family adds something between the embedding and
+    the first layer (a normaliser, a multiplier, a position table), so ``module`` is the base model's
+    embedding view (``views.embedding_view``) and its own forward runs.
+    """
+
+    def __init__(self, name: str, index: int, module: nn.Module, *, view: bool = False):
+        super().__init__(name, index, "embed", module)
+        self.view = view
 
     def forward(self, module: nn.Module, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        return module(x)
+        if not self.view:
+            return module(x)
+        out = module(
+            input_ids=x,
+            attention_mask=ctx.inputs.attention_mask,
+            position_ids=ctx.inputs.position_ids,
+            use_cache=False,
+        )
+        return out.last_hidden_state
 
 
 class BlockLayer(Layer):
@@ -55,7 +75,7 @@ class BlockLayer(Layer):
         # HF's base-model decorator forwards config.is_causal to the layers when the config sets it.
         if getattr(self.config, "is_causal", None) is not None:
             extra["is_causal"] = self.config.is_causal
-        return module(
+        out = module(
             x,
             attention_mask=ctx.masks[self.attention_type],
             position_embeddings=ctx.position_embeddings[self.attention_type],
@@ -64,14 +84,16 @@ class BlockLayer(Layer):
             use_cache=False,
             **extra,
         )
+        return out[0] if isinstance(out, tuple) else out  # older layers return (hidden, ...)
 
 
 class HeadLayer(Layer):
     """Final norm + LM head + loss: hidden [b, T, H] -> 0-dim fp32 sum of token cross-entropies.
 
-    ``module`` is ``nn.ModuleDict({"norm": ..., "lm_head": ...})`` holding the model's own modules.
-    The norm runs under ordinary autograd; the head and the loss run in token chunks of
-    ``ctx.head_chunk_tokens`` (see ``head.chunked_lm_loss``).
+    ``module`` is ``nn.ModuleDict({"norm": ..., "lm_head": ...})`` holding the model's own modules
+    (``lm_head`` is the model's LM head, or a ``views.ViewLogits`` around it when the family
+    transforms its logits). The norm runs under ordinary autograd; the head and the loss run in
+    token chunks of ``ctx.head_chunk_tokens`` (see ``head.chunked_lm_loss``).
     """
 
     def __init__(self, name: str, index: int, module: nn.Module, *, config: Any, softcapping: bool):
@@ -166,46 +188,63 @@ class HeadShardLayer(Layer):
 
 
 class DecoderOnlyAdapter(ModelAdapter):
-    """A supported HF ``*ForCausalLM`` seen as ``[embed, layers.0, ..., layers.{L-1}, head]``.
+    """A HF causal LM seen as ``[embed, layers.0, ..., layers.{L-1}, head]``.
 
     Attributes:
         model: the HF causal LM (unwrapped from peft); owns every parameter.
-        config: ``model.config``.
-        family: the HF ``model_type`` (a key of ``families.FAMILIES``).
-        spec: the family's ``FamilySpec``.
+        config: the config that sizes the decoder (``model.config``, or its text config).
+        family: the HF ``model_type``.
+        layout: where the parts are and how they run (``discover.ModelLayout``).
+        spec: the family's registered ``FamilySpec`` (None: nothing registered; discovery decides).
         head_shards: how many layers the head + loss is cut into (1: one ``head`` layer).
         layers: embed (index 0), one block per decoder layer, then ``head`` (``head_shards=1``) or
             ``head.0 .. head.{k-1}`` (vocabulary shards, ``HeadShardLayer``).
-        context_module: ``nn.ModuleDict({"rotary_emb": <the model's rotary module>})``; buffers only.
+        context_module: ``nn.ModuleDict({"rotary_emb": <the model's rotary module>})`` (empty when
+            the family has none); buffers only.
     """
 
-    def __init__(self, model: nn.Module, spec: FamilySpec, head_shards: int = 1):
+    def __init__(
+        self, model: nn.Module, layout: ModelLayout, spec: FamilySpec | None = None, head_shards: int = 1
+    ):
         self.model = model
-        self.config = model.config
-        self.family = spec.model_type
+        self.config = text_config(model.config)
+        self.family = getattr(self.config, "model_type", None) or getattr(model.config, "model_type", "")
+        self.layout = layout
         self.spec = spec
         self.head_shards = head_shards
-        base = model.model
-        blocks = list(base.layers)[: self.config.num_hidden_layers]
-        self.layers: list[Layer] = [EmbedLayer("embed", 0, "embed", base.embed_tokens)]
-        for i, block in enumerate(blocks):
-            attention_type = spec.mask_type(self.config, i)
-            self.layers.append(
-                BlockLayer(f"layers.{i}", i + 1, block, attention_type=attention_type, config=self.config)
-            )
-        if head_shards == 1:
-            head = nn.ModuleDict({"norm": base.norm, "lm_head": model.lm_head})
-            self.layers.append(
-                HeadLayer(
-                    "head", len(self.layers), head, config=self.config, softcapping=spec.logit_softcapping
-                )
+        base = getattr(model, layout.base)
+        blocks = list(getattr(base, layout.layers))[: self.config.num_hidden_layers]
+        if layout.embedding == "view":
+            embed = EmbedLayer(
+                "embed", 0, embedding_view(base, layout.layers, layout.norm, layout.rotary), view=True
             )
         else:
-            ranges = vocab_ranges(head_tensors(model.lm_head).vocab, head_shards)
-            for j, vocab_range in enumerate(ranges):
-                parts = (
-                    {"norm": base.norm, "lm_head": model.lm_head} if j == 0 else {"lm_head": model.lm_head}
+            embed = EmbedLayer("embed", 0, getattr(base, layout.embed))
+        self.layers: list[Layer] = [embed]
+        for i, block in enumerate(blocks):
+            self.layers.append(
+                BlockLayer(
+                    f"layers.{i}", i + 1, block, attention_type=layout.attention_types[i], config=self.config
                 )
+            )
+        norm, lm_head = getattr(base, layout.norm), getattr(model, layout.head)
+        softcapping = layout.logits == "softcap"
+        if layout.logits == "custom":
+            lm_head = ViewLogits(logits_view(model, layout.base))
+        if head_shards == 1:
+            head = nn.ModuleDict({"norm": norm, "lm_head": lm_head})
+            self.layers.append(
+                HeadLayer("head", len(self.layers), head, config=self.config, softcapping=softcapping)
+            )
+        else:
+            if layout.logits == "custom":
+                raise UnsupportedModel(
+                    f"{type(model).__name__} transforms its logits in its own forward (a scaling the "
+                    f"vocabulary shards do not apply); use head_shards=1"
+                )
+            ranges = vocab_ranges(head_tensors(lm_head).vocab, head_shards)
+            for j, vocab_range in enumerate(ranges):
+                parts = {"norm": norm, "lm_head": lm_head} if j == 0 else {"lm_head": lm_head}
                 self.layers.append(
                     HeadShardLayer(
                         f"head.{j}",
@@ -215,13 +254,12 @@ class DecoderOnlyAdapter(ModelAdapter):
                         num_shards=head_shards,
                         vocab_range=vocab_range,
                         config=self.config,
-                        softcapping=spec.logit_softcapping,
+                        softcapping=softcapping,
                     )
                 )
-        self.attention_types = sorted(
-            {layer.attention_type for layer in self.layers if isinstance(layer, BlockLayer)}
-        )
-        self.context_module = nn.ModuleDict({"rotary_emb": base.rotary_emb})
+        self.attention_types = sorted(set(layout.attention_types))
+        rotary = {} if layout.rotary is None else {"rotary_emb": getattr(base, layout.rotary)}
+        self.context_module = nn.ModuleDict(rotary)
 
     def build_context(
         self, context_module: nn.Module, inputs: MicrobatchInputs, dtype: torch.dtype
@@ -254,8 +292,10 @@ class DecoderOnlyAdapter(ModelAdapter):
             t: (create_sliding_window_causal_mask if t == SLIDING else create_causal_mask)(**mask_kwargs)
             for t in self.attention_types
         }
-        rotary = context_module["rotary_emb"]
-        if self.spec.rotary_per_layer_type:
+        rotary = dict(context_module.items()).get("rotary_emb")
+        if rotary is None:  # positions are the layers' own business (or a table in the embedding)
+            position_embeddings = {t: None for t in self.attention_types}
+        elif self.layout.rotary_per_layer_type:
             position_embeddings = {t: rotary(dummy_embeds, position_ids, t) for t in self.attention_types}
         else:
             table = rotary(dummy_embeds, position_ids)
@@ -289,15 +329,6 @@ def _check_inputs(inputs: MicrobatchInputs) -> None:
             f"position_ids has shape {tuple(pos.shape)}; it must be [batch, seq] or [1, seq] with "
             f"seq = {ids.shape[1]}"
         )
-
-
-def _how_to_add() -> str:
-    return (
-        f"roundpipe supports decoder-only causal LMs of these families (config.model_type): "
-        f"{', '.join(supported_families())}. To add a family whose forward follows the same "
-        f"embed -> decoder layers -> norm -> lm_head pattern, add a FamilySpec entry in "
-        f"roundpipe/models/families.py (or call roundpipe.models.families.register_family)."
-    )
 
 
 def _unwrap_peft(model: Any) -> Any:
@@ -342,32 +373,24 @@ def adapt_model(model: nn.Module, head_shards: int = 1) -> ModelAdapter:
         raise ConfigError(f"head_shards must be a positive int (1: one head layer), got {head_shards!r}")
     causal_lm = _unwrap_peft(model)
     config = getattr(causal_lm, "config", None)
-    model_type = getattr(config, "model_type", None)
-    spec = FAMILIES.get(model_type) if isinstance(model_type, str) else None
-    if not isinstance(causal_lm, nn.Module) or spec is None:
+    kind = type(causal_lm).__name__
+    if not isinstance(causal_lm, nn.Module) or config is None:
+        raise UnsupportedModel(f"{kind} is not a Hugging Face model (no config). {how_to_add()}")
+    if (
+        not callable(getattr(causal_lm, "get_output_embeddings", None))
+        or causal_lm.get_output_embeddings() is None
+    ):
         raise UnsupportedModel(
-            f"{type(causal_lm).__name__} (model_type={model_type!r}) is not supported. {_how_to_add()}"
+            f"{kind} has no LM head: roundpipe trains causal LMs (decoder + LM head + loss). Load the "
+            f"model with AutoModelForCausalLM instead. {how_to_add()}"
         )
-    import transformers
-
-    expected = getattr(transformers, spec.causal_lm_class)
-    if not isinstance(causal_lm, expected):
-        raise UnsupportedModel(
-            f"{type(causal_lm).__name__} is a {model_type} model but not a {spec.causal_lm_class}: roundpipe "
-            f"trains causal LMs (decoder + LM head + loss). Load the model with "
-            f"AutoModelForCausalLM (or {spec.causal_lm_class}) instead. {_how_to_add()}"
-        )
-    if spec.check_config is not None:
-        problem = spec.check_config(config)
+    model_type = getattr(text_config(config), "model_type", None) or getattr(config, "model_type", None)
+    spec = FAMILIES.get(model_type)
+    for check in (*GENERIC_CHECKS, *([spec.check_config] if spec is not None and spec.check_config else [])):
+        problem = check(text_config(config))
         if problem is not None:
-            raise UnsupportedModel(f"{type(causal_lm).__name__}: {problem}.")
-    base = getattr(causal_lm, "model", None)
-    missing = [
-        name for name in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, name)
-    ] + ([] if hasattr(causal_lm, "lm_head") else ["lm_head"])
-    if missing:
-        raise UnsupportedModel(
-            f"{type(causal_lm).__name__} lacks {', '.join(missing)}, so it does not follow the "
-            f"{model_type} layout this adapter expects. {_how_to_add()}"
-        )
-    return DecoderOnlyAdapter(causal_lm, spec, head_shards)
+            raise UnsupportedModel(f"{kind}: {problem}.")
+    layout = discover_layout(causal_lm)
+    if spec is not None:
+        layout = spec.adjust(layout, text_config(config))
+    return DecoderOnlyAdapter(causal_lm, layout, spec, head_shards)

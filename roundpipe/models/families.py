@@ -1,69 +1,37 @@
-"""Which HF causal LMs the generic adapter supports, and the few ways they differ.
+"""What discovery cannot find out from a model: the few registered facts, and the settings refused.
 
-All supported families share one skeleton (``model.model.embed_tokens`` -> ``model.model.layers``
--> ``model.model.norm`` -> ``model.lm_head``, rotary tables from ``model.model.rotary_emb``); what
-differs is small and declared here, one ``FamilySpec`` per HF ``config.model_type``:
+Any HF causal LM is discovered (``discover.py``): its parts, the mask each layer gets, whether its
+embedding and logits need the model's own forward. The wrap-time check (``verify.py``) then proves
+the layers reproduce the model's forward. What is left for this module:
 
-- which attention mask each decoder layer gets (``mask_layout``),
-- whether the rotary embedding has one table per attention type (gemma3),
-- whether the logits are softcapped before the loss (gemma2, gemma3),
-- which config settings change HF's forward in ways the layers cannot reproduce (``check_config``).
-
-To support a new family, read its ``modeling_*.py``: if its base model's forward is the skeleton
-above (embed, position ids, masks, rotary, ``layer(hidden, attention_mask=..., position_embeddings=...,
-position_ids=..., ...)`` returning a tensor, norm, lm_head, ``ForCausalLMLoss``), add a ``FamilySpec``
-with ``register_family`` (or to ``_BUILTIN`` below) and a tiny config to ``tests/tiny_models.py``.
+- :data:`GENERIC_CHECKS`: config settings that change HF's training forward in a way the layers do
+  not reproduce, for every family (a router auxiliary loss, bidirectional attention);
+- :class:`FamilySpec`: per ``config.model_type``, a check of its own and an ``adjust`` of the
+  discovered layout, registered with :func:`register_family` where a family's behaviour differs
+  from what discovery reads. None is built in today: discovery covers every family the coverage
+  report (``docs/models.md``) lists as supported.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any
 
-FULL = "full_attention"
-SLIDING = "sliding_attention"
+from roundpipe.models.discover import FULL, SLIDING, ModelLayout
 
-MaskLayout = Literal["causal", "sliding_if_set", "layer_types"]
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    """How one HF model family maps onto the generic decoder-only adapter.
-
-    Attributes:
-        model_type: the HF ``config.model_type`` (e.g. ``"llama"``, ``"gemma3_text"``).
-        causal_lm_class: the name of the ``transformers`` class the model must be an instance of
-            (e.g. ``"LlamaForCausalLM"``); looked up lazily so importing roundpipe stays cheap.
-        mask_layout: ``"causal"``: every layer gets ``create_causal_mask`` (llama).
-            ``"sliding_if_set"``: every layer gets the sliding-window mask iff ``config.sliding_window``
-            is not None, else the causal one (mistral, phi3, qwen3_moe).
-            ``"layer_types"``: layer ``i`` gets the mask of ``config.layer_types[i]`` (qwen2, qwen3,
-            gemma2, gemma3).
-        rotary_per_layer_type: the rotary module is called as ``rotary_emb(x, position_ids,
-            layer_type)`` once per attention type (gemma3) instead of once for all layers.
-        logit_softcapping: apply ``config.final_logit_softcapping`` (when set) to the logits.
-        check_config: returns a message naming the setting to change when the config asks for
-            behaviour the layer-by-layer run would not reproduce exactly, else None.
-    """
-
-    model_type: str
-    causal_lm_class: str
-    mask_layout: MaskLayout = "causal"
-    rotary_per_layer_type: bool = False
-    logit_softcapping: bool = False
-    check_config: Callable[[Any], str | None] | None = None
-
-    def mask_type(self, config: Any, layer_index: int) -> str:
-        """The attention type (key of ``LayerContext.masks``) decoder layer ``layer_index`` uses."""
-        if self.mask_layout == "layer_types":
-            return config.layer_types[layer_index]
-        if self.mask_layout == "sliding_if_set" and getattr(config, "sliding_window", None) is not None:
-            return SLIDING
-        return FULL
+__all__ = [
+    "FAMILIES",
+    "FULL",
+    "GENERIC_CHECKS",
+    "SLIDING",
+    "FamilySpec",
+    "register_family",
+    "supported_families",
+]
 
 
-def _check_qwen3_moe(config: Any) -> str | None:
+def _router_aux_loss(config: Any) -> str | None:
     if getattr(config, "output_router_logits", False):
         return (
             "config.output_router_logits=True adds the router load-balancing loss to the LM loss, which "
@@ -72,43 +40,54 @@ def _check_qwen3_moe(config: Any) -> str | None:
     return None
 
 
-def _check_gemma3(config: Any) -> str | None:
+def _bidirectional(config: Any) -> str | None:
     if getattr(config, "use_bidirectional_attention", False):
         return (
-            "config.use_bidirectional_attention=True (an encoder-style Gemma3) is not supported; "
-            "use a causal Gemma3 (use_bidirectional_attention=False)"
+            "config.use_bidirectional_attention=True (an encoder-style model) is not supported; use a "
+            "causal model (use_bidirectional_attention=False)"
         )
     return None
 
 
-_BUILTIN = (
-    FamilySpec("llama", "LlamaForCausalLM", mask_layout="causal"),
-    FamilySpec("qwen2", "Qwen2ForCausalLM", mask_layout="layer_types"),
-    FamilySpec("qwen3", "Qwen3ForCausalLM", mask_layout="layer_types"),
-    FamilySpec(
-        "qwen3_moe", "Qwen3MoeForCausalLM", mask_layout="sliding_if_set", check_config=_check_qwen3_moe
-    ),
-    FamilySpec("mistral", "MistralForCausalLM", mask_layout="sliding_if_set"),
-    FamilySpec("phi3", "Phi3ForCausalLM", mask_layout="sliding_if_set"),
-    FamilySpec("gemma2", "Gemma2ForCausalLM", mask_layout="layer_types", logit_softcapping=True),
-    FamilySpec(
-        "gemma3_text",
-        "Gemma3ForCausalLM",
-        mask_layout="layer_types",
-        rotary_per_layer_type=True,
-        logit_softcapping=True,
-        check_config=_check_gemma3,
-    ),
-)
+GENERIC_CHECKS: tuple[Callable[[Any], str | None], ...] = (_router_aux_loss, _bidirectional)
 
-FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in _BUILTIN}
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What to add to discovery for one HF family.
+
+    Attributes:
+        model_type: the HF ``config.model_type`` (e.g. ``"llama"``, ``"gemma3_text"``).
+        check_config: returns a message naming the setting to change when the config asks for
+            behaviour the layers would not reproduce exactly, else None.
+        attention_types: per decoder layer, the mask type to use instead of the discovered one
+            (a function of the config), or None to keep discovery's.
+        logits: ``"plain"``, ``"softcap"`` or ``"custom"`` instead of the discovered kind, or None.
+    """
+
+    model_type: str
+    check_config: Callable[[Any], str | None] | None = None
+    attention_types: Callable[[Any], tuple[str, ...]] | None = None
+    logits: str | None = None
+
+    def adjust(self, layout: ModelLayout, config: Any = None) -> ModelLayout:
+        """``layout`` with this spec's overrides applied."""
+        changes: dict[str, Any] = {}
+        if self.attention_types is not None and config is not None:
+            changes["attention_types"] = tuple(self.attention_types(config))
+        if self.logits is not None:
+            changes["logits"] = self.logits
+        return replace(layout, **changes) if changes else layout
+
+
+FAMILIES: dict[str, FamilySpec] = {}
 
 
 def register_family(spec: FamilySpec) -> None:
-    """Add (or replace) the spec of ``spec.model_type``; see the module docstring for when it fits."""
+    """Add (or replace) the spec of ``spec.model_type``."""
     FAMILIES[spec.model_type] = spec
 
 
 def supported_families() -> tuple[str, ...]:
-    """The ``config.model_type`` values the adapter accepts, in registration order."""
+    """The ``config.model_type`` values with a registered spec (any other discovers itself)."""
     return tuple(FAMILIES)

@@ -23,6 +23,7 @@ from roundpipe.backend import MemoryLedger, make_backend
 from roundpipe.config import RunConfig
 from roundpipe.errors import InputError, PipelineStateError
 from roundpipe.models import adapt_model
+from roundpipe.models.verify import verify_model
 from roundpipe.optim import LayerwiseAdamW, OptimizerConfig
 from roundpipe.runtime.exchange import Exchange
 from roundpipe.runtime.executor import Executor
@@ -56,6 +57,9 @@ class Pipeline:
     def __init__(self, model: nn.Module, config: RunConfig | None = None, weights: Weights | None = None):
         self.config = config or RunConfig()
         self.adapter = adapt_model(model, head_shards=self.config.head_shards)
+        self.verified = verify_model(
+            model, self.adapter, full=self.config.verify_model, head_shards=self.config.head_shards
+        )
         self.backend = make_backend(self.config.devices, self.config.device_capacity, self.config.sanitize)
         if self.config.fp16_accumulation:
             self.backend.use_fp16_accumulation()

@@ -1,0 +1,199 @@
+"""The wrap-time proof: the adapter's layers against the HF model's own forward, on a short probe.
+
+:func:`verify_adapter` runs two sequences of eight tokens (one left-padded, some labels -100)
+through the model's own ``forward`` (LoRA and other injected adapters included) with every decoder
+layer's input and output recorded, then runs each of the adapter's layers on the same input:
+the embedding on the token ids, decoder layer ``i`` on what HF gave layer ``i``, the head on the
+last layer's output. The first layer whose output differs beyond round-off of the model's dtype
+(at the tokens that are not padding) is named in an :class:`UnsupportedModel`; so is a loss that
+differs. Dropout is off for the probe (eval mode, restored after) and no gradient is taken.
+
+:func:`verify_model` decides what is probed: the model itself, or, when it is large (more than
+:data:`VERIFY_MAX_PARAMS` parameters), still on the meta device, or ``RunConfig(verify_model=False)``
+asks, a tiny model of the same config class (``tiny.tiny_config``) with the same peft adapter
+attached: the same code path at a small size.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from roundpipe.errors import UnsupportedModel
+from roundpipe.models.base import MicrobatchInputs, ModelAdapter, loss_positions
+from roundpipe.models.views import same_within
+
+VERIFY_MAX_PARAMS = 1_000_000_000  # above this the probe runs on a tiny model of the same class
+PROBE_TOKENS = 8
+PAD = 2  # left padding of the first probe sequence
+
+
+def _probe_batch(vocab: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(1, max(2, vocab - 1), (2, PROBE_TOKENS), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :PAD] = 0
+    labels = ids.clone()
+    labels[0, :PAD] = -100
+    labels[1, 3] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _record(blocks: list[nn.Module]) -> tuple[list, list, list]:
+    """Hooks recording each block's hidden input and output; returns (inputs, outputs, handles)."""
+    inputs: list = [None] * len(blocks)
+    outputs: list = [None] * len(blocks)
+    handles = []
+    for i, block in enumerate(blocks):
+
+        def pre(module, args, kwargs, i=i):
+            inputs[i] = args[0] if args else kwargs.get("hidden_states")
+
+        def post(module, args, kwargs, out, i=i):
+            outputs[i] = out[0] if isinstance(out, tuple) else out
+
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post, with_kwargs=True))
+    return inputs, outputs, handles
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def verify_adapter(adapter: ModelAdapter, *, what: str = "the model") -> None:
+    """Raise UnsupportedModel when ``adapter``'s layers do not reproduce its model's forward
+    (module docstring). ``what`` names the probed model in the message."""
+    model = adapter.model
+    config = adapter.config
+    batch = _probe_batch(int(config.vocab_size))
+    blocks = [layer.module for layer in adapter.layers if layer.kind == "block"]
+    dtype = _dtype(model)
+    was = model.training
+    model.eval()
+    inputs, outputs, handles = _record(blocks)
+    try:
+        with torch.no_grad():
+            try:
+                ref = model(**batch, use_cache=False)
+            except Exception as err:
+                raise UnsupportedModel(
+                    f"{type(model).__name__}: its own forward failed on the wrap-time probe "
+                    f"({type(err).__name__}: {err}), so roundpipe cannot check its layers against it"
+                ) from err
+            _compare(adapter, batch, inputs, outputs, ref.loss, dtype, what)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was)
+
+
+def _compare(adapter, batch, inputs, outputs, ref_loss, dtype, what) -> None:
+    ids, labels = batch["input_ids"], batch["labels"]
+    keep = batch["attention_mask"].bool()
+    micro = MicrobatchInputs(ids, batch["attention_mask"], None, labels, loss_positions(labels))
+    ctx = adapter.build_context(adapter.context_module, micro, dtype)
+    layers = adapter.layers
+    blocks = [layer for layer in layers if layer.kind == "block"]
+    if any(t is None for t in (*inputs, *outputs)):
+        missing = [b.name for b, t in zip(blocks, inputs) if t is None]
+        raise UnsupportedModel(
+            f"{type(adapter.model).__name__}: its forward did not run decoder layers {missing} on the "
+            f"probe; roundpipe runs every layer once, in order"
+        )
+    got = layers[0].forward(layers[0].module, ids, ctx)
+    _check(adapter, layers[0], got, inputs[0], keep, dtype, what, "")
+    for i, block in enumerate(blocks):
+        got = block.forward(block.module, inputs[i], ctx)
+        _check(adapter, block, got, outputs[i], keep, dtype, what, "")
+        if i + 1 < len(blocks):  # what the forward does between two layers, the layers must not miss
+            _check(
+                adapter,
+                block,
+                outputs[i],
+                inputs[i + 1],
+                keep,
+                dtype,
+                what,
+                f" (what {blocks[i + 1].name} receives)",
+            )
+    if ref_loss is None:
+        raise UnsupportedModel(
+            f"{type(adapter.model).__name__}: its forward returned no loss for labels; roundpipe trains causal LMs"
+        )
+    x = outputs[-1]
+    for layer in layers[len(blocks) + 1 :]:
+        x = layer.forward(layer.module, x, ctx)
+    loss = x / (ctx.shift_labels != -100).sum()
+    ok, diff, tol = same_within(
+        loss.reshape(1), ref_loss.float().reshape(1), torch.float32 if dtype == torch.float64 else dtype
+    )
+    if not ok:
+        raise UnsupportedModel(_diverged(adapter, layers[-1], diff, tol, what, (), (), loss=True))
+
+
+def _check(adapter, layer, got, want, keep, dtype, what, where) -> None:
+    ok, diff, tol = same_within(got[keep], want[keep], dtype) if got.shape == want.shape else (False, 0, 0)
+    if not ok:
+        raise UnsupportedModel(_diverged(adapter, layer, diff, tol, what, got.shape, want.shape, where=where))
+
+
+def _diverged(adapter, layer, diff, tol, what, got_shape, want_shape, loss=False, where="") -> str:
+    kind = type(adapter.model).__name__
+    module = type(layer.module).__name__
+    if loss:
+        found = f"the loss of the head ({layer.name}) differs from the model's own loss by {diff:.3g} (round-off allows {tol:.3g})"
+    elif got_shape != want_shape:
+        found = f"layer {layer.name} ({module}) gives shape {tuple(got_shape)} where the model's forward has {tuple(want_shape)}"
+    else:
+        found = (
+            f"layer {layer.name} ({module}) is the first whose output differs from the model's own forward{where}: by "
+            f"{diff:.3g} (max abs; round-off allows {tol:.3g})"
+        )
+    return (
+        f"{kind}: checked against {what} on a probe of 2 x {PROBE_TOKENS} tokens, {found}. The "
+        f"layer-by-layer run does not reproduce this family's forward; register what differs with "
+        f"roundpipe.models.register_family (roundpipe/models/families.py), or report the family"
+    )
+
+
+def _has_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def _tiny_twin(wrapped: Any, causal_lm: nn.Module) -> nn.Module:
+    """A tiny model of ``causal_lm``'s config class, with the same peft adapter as ``wrapped``."""
+    from roundpipe.models.tiny import tiny_config
+
+    tiny = tiny_config(causal_lm.config)
+    torch.manual_seed(0)
+    model = type(causal_lm)(tiny).to(torch.float32)
+    peft_config = getattr(wrapped, "peft_config", None)
+    if peft_config:
+        import peft
+
+        name = getattr(wrapped, "active_adapter", "default")
+        model = peft.get_peft_model(model, copy.deepcopy(peft_config[name]))
+    return model
+
+
+def verify_model(wrapped: Any, adapter: ModelAdapter, *, full: bool = True, head_shards: int = 1) -> str:
+    """Check ``adapter`` (of ``wrapped``, the user's model, peft or not) at wrap time; returns what
+    was probed (``"model"`` or ``"tiny model"``). ``full=False`` (``RunConfig(verify_model=False)``)
+    probes the tiny model only. Raises UnsupportedModel as :func:`verify_adapter`."""
+    model = adapter.model
+    big = sum(p.numel() for p in model.parameters()) > VERIFY_MAX_PARAMS
+    if full and not big and not _has_meta(model):
+        verify_adapter(adapter)
+        return "model"
+    from roundpipe.models.adapter import adapt_model
+
+    twin = _tiny_twin(wrapped, model)
+    verify_adapter(
+        adapt_model(twin, head_shards=head_shards),
+        what=f"a tiny {type(model).__name__} of the same config class",
+    )
+    return "tiny model"
