@@ -139,13 +139,36 @@ def test_verify_model_false_probes_a_tiny_model_of_the_same_class():
         assert pipe.verified == "model"
 
 
-def test_recurrent_layer_types_are_refused_by_name():
+def _tiny(model_type: str, seed: int = 0):
     import transformers
 
-    config = transformers.Qwen3NextConfig(
-        **_SIZES, layer_types=["linear_attention", "full_attention"], head_dim=8, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(UnsupportedModel, match=r"linear_attention"):
-        adapt_model(model)
+    from roundpipe.models.tiny import tiny_config
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_config(transformers.CONFIG_MAPPING[model_type]())
+    )
+    return model.train()
+
+
+@pytest.mark.parametrize("model_type", ["olmo_hybrid", "lfm2", "mamba"])
+def test_linear_attention_and_state_space_layers_train_exactly(model_type):
+    """Training runs whole sequences through every layer, so no recurrent state crosses a
+    microbatch: hybrids (OLMo-hybrid: linear attention + attention; LFM2: short convolutions +
+    attention) and a pure state-space model (Mamba) train exactly like plain PyTorch."""
+    model = _tiny(model_type)
+    batch = make_batch(batch=4, padding="left", vocab=int(model.config.vocab_size))
+    plain = reference_train(model, batch, 3)
+    exact = reference_train(copy.deepcopy(model).double(), batch, 3)
+    got = pipeline_train(
+        model, batch, 3, devices="cpu:2", num_microbatches=2, policy="roundpipe", partition=None
+    )
+    assert_exact(got, plain, exact)
+
+
+def test_layers_handed_values_computed_from_the_hidden_states_are_refused_by_argument():
+    """Zamba hands each layer the original embeddings as well: the context, built on zeros, cannot."""
+    with pytest.raises(
+        UnsupportedModel, match=r"computes decoder layer 0's argument .* from the hidden states"
+    ):
+        adapt_model(_tiny("zamba"))

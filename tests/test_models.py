@@ -176,11 +176,11 @@ def test_layers_hold_the_models_own_modules(tied, lora):
     assert [layer.name for layer in adapter.layers] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
     assert [layer.index for layer in adapter.layers] == list(range(5))
     assert [layer.kind for layer in adapter.layers] == ["embed", "block", "block", "block", "head"]
-    assert adapter.layers[0].module is model.model.embed_tokens
+    assert adapter.layers[0].module is model.model.embed_tokens  # llama adds nothing: no view
     assert all(adapter.layers[i + 1].module is block for i, block in enumerate(model.model.layers))
     assert adapter.layers[-1].module["norm"] is model.model.norm
     assert adapter.layers[-1].module["lm_head"] is model.lm_head
-    assert adapter.context_module["rotary_emb"] is model.model.rotary_emb
+    assert adapter.context_module["layers"].view.rotary_emb is model.model.rotary_emb
     assert not list(adapter.context_module.parameters())
     in_layers = {id(p) for layer in adapter.layers for p in layer.module.parameters()}
     assert in_layers == {id(p) for p in model.parameters()}
@@ -222,13 +222,21 @@ def test_layers_only_read_the_module_they_are_given(family, lora):
         torch.testing.assert_close(grad, names[name], rtol=1e-4, atol=1e-6)
 
 
+def _per_type(adapter, ctx, key: str) -> dict[str, list]:
+    """What the context hands each attention type's layers under ``key``, by discovered type."""
+    out: dict[str, list] = {}
+    for layer in adapter.layers:
+        if layer.kind == "block":
+            out.setdefault(layer.attention_type, []).append(ctx.layer_inputs[layer.index - 1][1][key])
+    return out
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_context_builds_one_mask_per_attention_type_used(family):
+def test_context_hands_each_attention_type_its_own_mask(family):
     adapter = adapt_model(make_model(family))
     batch = make_batch(padding="left")
     ctx = adapter.build_context(adapter.context_module, _inputs(batch), torch.float32)
-    used = {layer.attention_type for layer in adapter.layers if layer.kind == "block"}
-    assert set(ctx.masks) == used == set(ctx.position_embeddings)
+    masks = _per_type(adapter, ctx, "attention_mask")
     expected = {
         "llama": {"full_attention"},
         "qwen3": {"full_attention"},
@@ -236,10 +244,12 @@ def test_context_builds_one_mask_per_attention_type_used(family):
         "phi3": {"full_attention"},
         "mistral": {"sliding_attention"},
     }.get(family, {"full_attention", "sliding_attention"})
-    assert used == expected
-    if used == {"full_attention", "sliding_attention"}:
+    assert set(masks) == expected
+    for same_type in masks.values():  # one mask per type, shared by its layers (as in HF)
+        assert all(m is same_type[0] for m in same_type)
+    if set(masks) == {"full_attention", "sliding_attention"}:
         # The window (4) is shorter than the sequence (12), so the two masks really differ.
-        assert not torch.equal(ctx.masks["full_attention"], ctx.masks["sliding_attention"])
+        assert not torch.equal(masks["full_attention"][0], masks["sliding_attention"][0])
     torch.testing.assert_close(ctx.position_ids, torch.arange(12)[None])
     expected_labels = torch.cat([batch["labels"][:, 1:], torch.full((6, 1), -100)], dim=1)
     assert torch.equal(ctx.shift_labels, expected_labels)
@@ -248,16 +258,18 @@ def test_context_builds_one_mask_per_attention_type_used(family):
 def test_gemma3_gets_one_rotary_table_per_attention_type():
     adapter = adapt_model(make_model("gemma3_text"))
     ctx = adapter.build_context(adapter.context_module, _inputs(make_batch()), torch.float32)
-    full_cos, _ = ctx.position_embeddings["full_attention"]
-    sliding_cos, _ = ctx.position_embeddings["sliding_attention"]
+    tables = _per_type(adapter, ctx, "position_embeddings")
+    full_cos, _ = tables["full_attention"][0]
+    sliding_cos, _ = tables["sliding_attention"][0]
     assert not torch.allclose(full_cos, sliding_cos)
 
 
 def test_context_follows_the_run_dtype():
     adapter = adapt_model(make_model("gemma2"))  # eager attention: additive float masks
     ctx = adapter.build_context(adapter.context_module, _inputs(make_batch()), torch.bfloat16)
-    assert all(mask.dtype == torch.bfloat16 for mask in ctx.masks.values())
-    assert all(cos.dtype == torch.bfloat16 for cos, _ in ctx.position_embeddings.values())
+    assert all(m[0].dtype == torch.bfloat16 for m in _per_type(adapter, ctx, "attention_mask").values())
+    tables = _per_type(adapter, ctx, "position_embeddings").values()
+    assert all(cos.dtype == torch.bfloat16 for (cos, _), *_ in tables)
 
 
 def test_context_rejects_mismatched_inputs():

@@ -27,10 +27,10 @@ from torch import nn
 from roundpipe.errors import ConfigError, InputError, UnsupportedModel
 from roundpipe.models.base import Layer, LayerContext, MicrobatchInputs, ModelAdapter
 from roundpipe.models.discover import ModelLayout, discover_layout, how_to_add, text_config
-from roundpipe.models.families import FAMILIES, GENERIC_CHECKS, SLIDING, FamilySpec
+from roundpipe.models.families import FAMILIES, GENERIC_CHECKS, FamilySpec
 from roundpipe.models.head import chunked_lm_loss, shift_labels
 from roundpipe.models.head_shards import head_tensors, vocab_ranges, vocab_shard_forward
-from roundpipe.models.views import ViewLogits, embedding_view, logits_view
+from roundpipe.models.views import ViewLogits, context_view, embedding_view, logits_view, run_to_first_layer
 
 
 class EmbedLayer(Layer):
@@ -49,20 +49,20 @@ class EmbedLayer(Layer):
     def forward(self, module: nn.Module, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         if not self.view:
             return module(x)
-        out = module(
+        return run_to_first_layer(
+            module,
             input_ids=x,
             attention_mask=ctx.inputs.attention_mask,
             position_ids=ctx.inputs.position_ids,
-            use_cache=False,
         )
-        return out.last_hidden_state
 
 
 class BlockLayer(Layer):
     """One HF decoder layer: hidden [b, T, H] -> hidden [b, T, H].
 
-    ``attention_type`` selects the mask and rotary table in the context (``"full_attention"`` or
-    ``"sliding_attention"``); the sliding window itself is configured inside the HF module.
+    Called with the arguments the base model's own forward passes it, as recorded for this
+    microbatch by the context view (``LayerContext.layer_inputs``); ``attention_type`` (the mask
+    discovery saw it get) is what the cost model reads.
     """
 
     def __init__(self, name: str, index: int, module: nn.Module, *, attention_type: str, config: Any):
@@ -71,19 +71,8 @@ class BlockLayer(Layer):
         self.config = config
 
     def forward(self, module: nn.Module, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        extra: dict[str, Any] = {}
-        # HF's base-model decorator forwards config.is_causal to the layers when the config sets it.
-        if getattr(self.config, "is_causal", None) is not None:
-            extra["is_causal"] = self.config.is_causal
-        out = module(
-            x,
-            attention_mask=ctx.masks[self.attention_type],
-            position_embeddings=ctx.position_embeddings[self.attention_type],
-            position_ids=ctx.position_ids,
-            past_key_values=None,
-            use_cache=False,
-            **extra,
-        )
+        args, kwargs = ctx.layer_inputs[self.index - 1]
+        out = module(x, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out  # older layers return (hidden, ...)
 
 
@@ -212,12 +201,10 @@ class DecoderOnlyAdapter(ModelAdapter):
         self.layout = layout
         self.spec = spec
         self.head_shards = head_shards
-        base = getattr(model, layout.base)
+        base = model.get_submodule(layout.base)
         blocks = list(getattr(base, layout.layers))[: self.config.num_hidden_layers]
         if layout.embedding == "view":
-            embed = EmbedLayer(
-                "embed", 0, embedding_view(base, layout.layers, layout.norm, layout.rotary), view=True
-            )
+            embed = EmbedLayer("embed", 0, embedding_view(base, layout.layers, layout.rotary), view=True)
         else:
             embed = EmbedLayer("embed", 0, getattr(base, layout.embed))
         self.layers: list[Layer] = [embed]
@@ -227,7 +214,8 @@ class DecoderOnlyAdapter(ModelAdapter):
                     f"layers.{i}", i + 1, block, attention_type=layout.attention_types[i], config=self.config
                 )
             )
-        norm, lm_head = getattr(base, layout.norm), getattr(model, layout.head)
+        norm = nn.Identity() if layout.norm is None else getattr(base, layout.norm)
+        lm_head = getattr(model, layout.head)
         softcapping = layout.logits == "softcap"
         if layout.logits == "custom":
             lm_head = ViewLogits(logits_view(model, layout.base))
@@ -258,53 +246,31 @@ class DecoderOnlyAdapter(ModelAdapter):
                     )
                 )
         self.attention_types = sorted(set(layout.attention_types))
-        rotary = {} if layout.rotary is None else {"rotary_emb": getattr(base, layout.rotary)}
-        self.context_module = nn.ModuleDict(rotary)
+        self.context_module = nn.ModuleDict({"layers": context_view(base, layout.names())})
 
     def build_context(
         self, context_module: nn.Module, inputs: MicrobatchInputs, dtype: torch.dtype
     ) -> LayerContext:
-        """Masks, rotary tables, position ids and shifted labels for one microbatch on its device.
+        """Every decoder layer's arguments and the shifted labels for one microbatch on its device.
 
-        Calls the same ``transformers.masking_utils`` functions HF's forward calls, with a dummy
-        ``inputs_embeds`` of shape [b, T, 0] (they read only its batch size, length, dtype and
-        device). Masks follow ``config._attn_implementation`` (None / bool for sdpa, additive
-        ``dtype`` for eager). Only the attention types some layer uses are built.
+        Runs the base model's own forward through the context view (``views.ContextView``) with
+        ``inputs_embeds`` zeros of the microbatch's shape in ``dtype`` (masks and rotary tables
+        follow the hidden dtype, as in HF), the attention mask and the position ids: the layers get
+        exactly what HF's forward would hand them.
         """
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
         input_ids = inputs.input_ids
         _check_inputs(inputs)
         batch, seq = input_ids.shape
         device = input_ids.device
-        dummy_embeds = torch.empty(batch, seq, 0, dtype=dtype, device=device)
         position_ids = inputs.position_ids
         if position_ids is None:
             position_ids = torch.arange(seq, device=device).unsqueeze(0)
-        mask_kwargs = dict(
-            config=self.config,
-            inputs_embeds=dummy_embeds,
-            attention_mask=inputs.attention_mask,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
-        masks = {
-            t: (create_sliding_window_causal_mask if t == SLIDING else create_causal_mask)(**mask_kwargs)
-            for t in self.attention_types
-        }
-        rotary = dict(context_module.items()).get("rotary_emb")
-        if rotary is None:  # positions are the layers' own business (or a table in the embedding)
-            position_embeddings = {t: None for t in self.attention_types}
-        elif self.layout.rotary_per_layer_type:
-            position_embeddings = {t: rotary(dummy_embeds, position_ids, t) for t in self.attention_types}
-        else:
-            table = rotary(dummy_embeds, position_ids)
-            position_embeddings = {t: table for t in self.attention_types}
+        zeros = torch.zeros(batch, seq, int(self.config.hidden_size), dtype=dtype, device=device)
+        layer_inputs = context_module["layers"](zeros, inputs.attention_mask, inputs.position_ids)
         return LayerContext(
             inputs=inputs,
             position_ids=position_ids,
-            masks=masks,
-            position_embeddings=position_embeddings,
+            layer_inputs=layer_inputs,
             shift_labels=None if inputs.labels is None else shift_labels(inputs.labels),
         )
 

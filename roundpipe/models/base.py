@@ -69,15 +69,15 @@ def loss_positions(labels: torch.Tensor) -> torch.Tensor:
 class LayerContext:
     """Per-(device, microbatch) tensors every layer may need, built on the worker's device.
 
-    ``masks`` and ``position_embeddings`` are keyed by attention type (``"full_attention"``,
-    ``"sliding_attention"``); ``shift_labels`` [b, T] are the targets already shifted left (last
-    position -100), so the head needs no cross-position work.
+    ``layer_inputs[i]`` is ``(args, kwargs)`` decoder layer ``i`` is called with besides its hidden
+    states (masks, rotary tables, position ids, ... as the model's own forward builds them; shared
+    between layers where HF shares them); ``shift_labels`` [b, T] are the targets already shifted
+    left (last position -100), so the head needs no cross-position work.
     """
 
     inputs: MicrobatchInputs
     position_ids: torch.Tensor
-    masks: dict[str, Any] = field(default_factory=dict)
-    position_embeddings: dict[str, Any] = field(default_factory=dict)
+    layer_inputs: list[tuple[tuple, dict[str, Any]]] = field(default_factory=list)
     shift_labels: torch.Tensor | None = None
     head_chunk_tokens: int = 1024
 
@@ -120,7 +120,9 @@ class ModelAdapter(ABC):
 
     model: nn.Module  # the HF *ForCausalLM module (unwrapped from peft); owns all parameters
     layers: list[Layer]
-    context_module: nn.Module  # rotary embedding(s): buffers only, kept resident on every worker
+    context_module: (
+        nn.Module
+    )  # what builds each layer's arguments (rotary tables: buffers only), on every worker
 
     @abstractmethod
     def build_context(

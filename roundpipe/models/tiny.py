@@ -15,12 +15,12 @@ validators run: they re-derive whatever depends on the shrunk sizes (read-only p
 Mamba's ``layer_types`` are computed from the fields, never set) and reject an inconsistent result
 early, which surfaces as :class:`~roundpipe.errors.ConfigError`.
 
-Layers are not simply truncated: each original layer gets a signature (its entries in every
-per-layer list, its membership in every list of layer indices, whether it lies in a leading dense
-block or a trailing KV-sharing block, its per-layer override), and the first layer of each distinct
-signature is kept, so that a tiny Gemma-3 keeps one sliding and one full layer and a tiny
-DeepSeek-V3 one dense and one MoE layer. transformers is imported lazily so that importing this
-module stays cheap.
+Layers are not simply truncated: each original layer has features (its entry in every per-layer
+list, its membership in every list of layer indices, its side of a leading dense block, its
+per-layer override) and the layers kept are picked to show as many distinct features as possible,
+so a tiny Gemma-3 keeps one sliding and one full layer and a tiny DeepSeek-V3 one dense and one MoE
+layer. The few families whose structure no name rule can read are in ``_QUIRKS``, each with why.
+transformers is imported lazily, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ __all__ = ["tiny_config"]
 # Learned position tables are capped here (but never below 64, so short test batches always fit).
 _MAX_POSITIONS = 256
 _MIN_POSITIONS = 64
-# Sliding windows, attention chunks and SSM scan chunks shrink to this, below a 16-token test
-# sequence, so the windowed / chunked code path really runs.
+# Sliding windows, attention chunks, SSM scan chunks and sparse-attention top-k shrink to this,
+# below a 16-token test sequence, so the windowed / chunked / sparse code path really runs.
 _WINDOW = 8
 _SSM_STATE = 16
 
@@ -92,13 +92,12 @@ def tiny_config(config, *, hidden=64, layers=2, heads=4, kv_heads=2, experts=4, 
             f"tiny_config needs a transformers PretrainedConfig, got {type(config).__name__}; pass "
             f"model.config or AutoConfig.from_pretrained(...)."
         )
-    data = config.to_dict()
     if not _has_sizes(config):
         raise ConfigError(
             f"tiny_config found no hidden size or layer count in {type(config).__name__} (model_type "
             f"{config.model_type!r}), so there is nothing to shrink; give a causal-LM config."
         )
-    shrunk = _shrink_level(data, config, sizes, _tree_hiddens(config))
+    shrunk = _shrink_level(config.to_dict(), config, sizes, _tree_hiddens(config))
     _remap_token_ids(shrunk, sizes.vocab)
     _add_pad_token(shrunk, config)
     return _rebuild(type(config), shrunk, config)
@@ -163,6 +162,7 @@ class _Level:
     heads: int | None
     head_dim: int | None
     layers: int | None
+    max_positions: int | None
     kept: list[int]  # original indices of the layers kept, in order
     values: dict[str, Any]  # the level's original fields
     tree_hiddens: frozenset[int]
@@ -183,12 +183,12 @@ def _shrink_level(data: dict, obj, sizes: _Sizes, tree_hiddens: frozenset[int]) 
         elif key == "per_layer_config" and isinstance(value, dict):
             out[key] = _shrink_overrides(value, obj, level)
         elif key in ("rope_parameters", "rope_scaling"):
-            out[key] = value  # once the head sizes are known, in _fix_rotary
+            out[key] = value  # once the head sizes are known, in _fix_rope_dicts
         elif isinstance(value, list):
             out[key] = _shrink_list(key, value, level)
         else:
             out[key] = _shrink_scalar(key, value, level)
-    for fix in (_fix_periods, _fix_mla, _fix_ssm, _fix_expert_groups, _fix_rotary, _fix_family_quirks):
+    for fix in _FIXES:
         fix(out, level)
     _drop_read_only(out, type(obj))
     return out
@@ -226,7 +226,8 @@ def _make_level(data: dict, obj, sizes: _Sizes, tree_hiddens: frozenset[int]) ->
     head_dim = original("head_dim") or (hidden // heads if hidden and heads else None)
     layers = original("num_hidden_layers") or _layer_count_from_lists(data)
     canonical = {real: canon for canon, real in attribute_map.items()}
-    level = _Level(sizes, canonical, hidden, heads, head_dim, layers, [], data, tree_hiddens)
+    positions = original("max_position_embeddings")
+    level = _Level(sizes, canonical, hidden, heads, head_dim, layers, positions, [], data, tree_hiddens)
     level.kept = _choose_layers(data, level) if layers else []
     return level
 
@@ -356,8 +357,6 @@ def _shrink_list(key: str, value: list, level: _Level):
         return _remap_indices(value, level)
     if _LAYER_KIND_LISTS.search(key) and all(_is_scalar(v) for v in value):
         return _one_of_each(value, level.sizes.layers)
-    if key == "attention_types":
-        return value  # gpt_neo's [[kinds, repeats]], rebuilt from attention_layers in _fix_family_quirks
     return value
 
 
@@ -377,13 +376,9 @@ def _remap_indices(value: list, level: _Level) -> list[int]:
 
 
 def _one_of_each(pattern: list, size: int) -> list:
-    """A cyclic pattern (or a per-layer list of its own length) cut to ``size`` entries holding the
-    first of each distinct entry, in order."""
-    firsts = []
-    for i, v in enumerate(pattern):
-        if v not in [pattern[j] for j in firsts]:
-            firsts.append(i)
-    firsts = firsts[:size]
+    """A cyclic pattern (or a per-layer list of its own length) cut to ``size`` entries: the first
+    of each distinct entry, then the earliest others, in their original order."""
+    firsts = [i for i, v in enumerate(pattern) if v not in pattern[:i]][:size]
     firsts += [i for i in range(len(pattern)) if i not in firsts][: size - len(firsts)]
     return [pattern[i] for i in sorted(firsts)]
 
@@ -428,7 +423,12 @@ def _positions(name, value, level):
 
 
 def _original_positions(name, value, level):
-    return max(1, min(value, _MAX_POSITIONS))
+    """The pre-extension context of a long-context rope (longrope, yarn, llama3) keeps its ratio to
+    the maximum, so the tiny model still runs past it and takes the scaled path."""
+    old = level.max_positions
+    if not old or value <= 0:
+        return min(value, _MAX_POSITIONS)
+    return max(1, round(value * _positions("", old, level) / old))
 
 
 def _vocab(name, value, level):
@@ -475,11 +475,12 @@ def _heads(name, value, level):
 
 def _head_dim(name, value, level):
     """hidden / heads, or a whole multiple of it where the family's head is such a multiple
-    (zamba2's attention concatenates the embeddings to the hidden state: twice the width)."""
+    (zamba2's attention concatenates the embeddings to the hidden state: twice the width; up to
+    4x, a larger head would dominate the tiny model)."""
     if value <= 0:
         return value
     ratio = value * level.heads / level.hidden if level.hidden and level.heads else 1
-    multiple = round(ratio) if ratio >= 2 and abs(ratio - round(ratio)) < 1e-9 else 1
+    multiple = round(ratio) if 2 <= ratio <= 4 and abs(ratio - round(ratio)) < 1e-9 else 1
     return level.sizes.head_dim * multiple
 
 
@@ -576,7 +577,7 @@ _RULES = [
         (r"(key_value_heads|kv_heads|kv_n_heads|^num_query_groups|num_key_heads)$", _kv_heads),
         (r"(attention_heads|(^|_)n_heads?$|(^|_)num_heads$|_n_heads$|value_heads$|heads_per_ngram$)", _heads),
         (r"^(q_lora_rank|kv_lora_rank|o_lora_rank)$", _rank),
-        (r"^(qk_rope_head_dim|qk_nope_head_dim|qk_head_dim|v_head_dim)$", _keep),  # _fix_mla
+        (r"^(qk_rope_head_dim|qk_nope_head_dim|qk_head_dim)$", _keep),  # _fix_mla
         (r"^rotary_dim$", _rotary_dim),
         (r"head_dim$|^d_head$|^d_kv$|^dim_head$|head_size$|^kv_channels$|_d_head$|_headdim$", _head_dim),
         (
@@ -589,7 +590,7 @@ _RULES = [
         (r"(n_shared_experts|num_shared_experts)$", _shared_experts),
         (
             r"(sliding_window(_size)?|attention_window_size|^local_attention$|^window_size$|"
-            r"attention_chunk_size|keep_window_size|window_len|chunk_length|^(mamba_)?chunk_size)$",
+            r"attention_chunk_size|keep_window_size|window_len|chunk_length|^(mamba_)?chunk_size|^index_topk)$",
             _window,
         ),
         (r"(state_size|d_state)$", _ssm_state),
@@ -622,10 +623,17 @@ def _fix_periods(out: dict, level: _Level) -> None:
 
 def _fix_mla(out: dict, level: _Level) -> None:
     """Multi-head latent attention (DeepSeek-V2/V3 and kin): the query / key head is a no-rope part
-    plus a rope part, and the value head has a size of its own."""
-    if "qk_rope_head_dim" not in out:
+    plus a rope part, and the value head has a size of its own. A family whose qk_rope_head_dim is
+    only the rotated share of an ordinary head (deepseek_v4: head_dim * partial_rotary_factor)
+    keeps that relation instead."""
+    if not isinstance(out.get("qk_rope_head_dim"), int):
         return
     d = level.sizes.head_dim
+    if "qk_nope_head_dim" not in out and isinstance(out.get("head_dim"), int):
+        factor = out.get("partial_rotary_factor")
+        share = factor if isinstance(factor, float) else level.values["qk_rope_head_dim"] / level.head_dim
+        out["qk_rope_head_dim"] = max(2, 2 * round(out["head_dim"] * share / 2))
+        return
     rope = out["qk_rope_head_dim"] = d // 2 if out["qk_rope_head_dim"] else 0
     if isinstance(out.get("qk_nope_head_dim"), int):
         out["qk_nope_head_dim"] = d - rope if out["qk_nope_head_dim"] else 0
@@ -698,16 +706,24 @@ def _fix_expert_groups(out: dict, level: _Level) -> None:
             out[top_key] = max(1, min(out[top_key], out["topk_group"] * per_group))
 
 
-def _fix_rotary(out: dict, level: _Level) -> None:
-    """Keep rotary settings valid for the new head size: partial factors that rotate whole pairs,
-    mrope sections that sum to half the rotary dimension, long-rope factor lists of that length."""
-    head_dim = out.get("qk_rope_head_dim") or level.sizes.head_dim
+def _fix_partial_rotary(out: dict, level: _Level) -> None:
+    """A partial rotary factor must still rotate a whole, non-zero number of pairs of the new head."""
     factor = out.get("partial_rotary_factor")
     if isinstance(factor, float) and 0 < factor < 1:
-        out["partial_rotary_factor"] = _pair_fraction(factor, head_dim)
+        out["partial_rotary_factor"] = _pair_fraction(factor, _new_head_dim(out, level))
+
+
+def _new_head_dim(out: dict, level: _Level) -> int:
+    head_dim = out.get("head_dim")
+    return head_dim if _as_int(head_dim) else level.sizes.head_dim
+
+
+def _fix_rope_dicts(out: dict, level: _Level) -> None:
+    """Keep rope parameters valid for the new heads: partial factors that rotate whole pairs, mrope
+    sections that sum to half the rotary dimension, long-rope factor lists of that length."""
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(out.get(key), dict):
-            out[key] = _shrink_rope(out[key], head_dim, out)
+            out[key] = _shrink_rope(out[key], out, level)
 
 
 def _pair_fraction(factor: float, head_dim: int) -> float:
@@ -716,46 +732,49 @@ def _pair_fraction(factor: float, head_dim: int) -> float:
     return 2 * pairs / head_dim
 
 
-def _shrink_rope(rope: dict, head_dim: int, out: dict) -> dict:
-    """Shrink one rope dict, or each of a per-layer-type mapping of them (gemma3)."""
-    if all(isinstance(v, dict) for v in rope.values()) and rope:
-        return {k: _shrink_rope(v, head_dim, out) for k, v in rope.items()}
+def _shrink_rope(rope: dict, out: dict, level: _Level) -> dict:
+    """Shrink one rope dict, or each of a mapping of them (gemma3's per layer type)."""
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return {k: _shrink_rope(v, out, level) for k, v in rope.items()}
     rope = dict(rope)
+    head_dim = _new_head_dim(out, level)
     factor = rope.get("partial_rotary_factor")
     if isinstance(factor, float) and 0 < factor < 1:
         factor = rope["partial_rotary_factor"] = _pair_fraction(factor, head_dim)
+    elif isinstance(out.get("partial_rotary_factor"), float):
+        factor = out["partial_rotary_factor"]
     else:
-        factor = (
-            out.get("partial_rotary_factor") if isinstance(out.get("partial_rotary_factor"), float) else 1.0
-        )
-    rotary = out.get("rotary_dim") if isinstance(out.get("rotary_dim"), int) else int(head_dim * factor)
+        factor = 1.0
+    if _as_int(out.get("rotary_dim")):
+        rotary = out["rotary_dim"]
+    elif "qk_nope_head_dim" in out and _as_int(out.get("qk_rope_head_dim")):
+        rotary = out["qk_rope_head_dim"]  # MLA rotates only the rope part
+    else:
+        rotary = int(head_dim * factor)
     half = max(1, rotary // 2)
     if isinstance(rope.get("mrope_section"), list):
         rope["mrope_section"] = _split(rope["mrope_section"], half)
     for key in ("short_factor", "long_factor"):
         if isinstance(rope.get(key), list) and rope[key]:
-            rope[key] = [rope[key][round(i * len(rope[key]) / half)] for i in range(half)]
-    if isinstance(rope.get("original_max_position_embeddings"), int):
-        rope["original_max_position_embeddings"] = min(
-            rope["original_max_position_embeddings"], _MAX_POSITIONS
+            rope[key] = [rope[key][i * len(rope[key]) // half] for i in range(half)]
+    if _as_int(rope.get("max_position_embeddings")):  # ministral3 repeats it here
+        rope["max_position_embeddings"] = _positions("", rope["max_position_embeddings"], level)
+    if _as_int(rope.get("original_max_position_embeddings")):
+        rope["original_max_position_embeddings"] = _original_positions(
+            "", rope["original_max_position_embeddings"], level
         )
     return rope
 
 
 def _split(sections: list[int], total: int) -> list[int]:
-    """Rescale ``sections`` to sum to ``total``, every section at least 1 where possible."""
+    """Rescale ``sections`` to sum to ``total`` (largest remainders first; a section may become 0
+    when there are fewer pairs than sections)."""
     old = sum(sections) or 1
-    new = [max(1, s * total // old) for s in sections]
-    i = 0
-    while sum(new) != total:
-        j = i % len(new)
-        if sum(new) < total:
-            new[j] += 1
-        elif new[j] > 1:
-            new[j] -= 1
-        i += 1
-        if i > 10 * total + 10:
-            break
+    exact = [s * total / old for s in sections]
+    new = [int(x) for x in exact]
+    by_remainder = sorted(range(len(new)), key=lambda i: exact[i] - new[i], reverse=True)
+    for i in by_remainder[: total - sum(new)]:
+        new[i] += 1
     return new
 
 
@@ -792,6 +811,18 @@ def _zamba(out: dict, level: _Level) -> None:
 
 
 _QUIRKS = {"gpt_neo": _gpt_neo, "reformer": _reformer, "zamba": _zamba}
+
+
+# In order: the MLA rope share reads the partial factor, the rope dicts read the MLA dims.
+_FIXES = (
+    _fix_periods,
+    _fix_partial_rotary,
+    _fix_mla,
+    _fix_ssm,
+    _fix_expert_groups,
+    _fix_rope_dicts,
+    _fix_family_quirks,
+)
 
 
 def _drop_read_only(out: dict, cls) -> None:

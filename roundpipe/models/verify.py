@@ -72,8 +72,12 @@ def verify_adapter(adapter: ModelAdapter, *, what: str = "the model") -> None:
     batch = _probe_batch(int(config.vocab_size))
     blocks = [layer.module for layer in adapter.layers if layer.kind == "block"]
     dtype = _dtype(model)
-    was = model.training
-    model.eval()
+    # Views (the embedding, context and logits views) are modules of their own, not children of
+    # the model: each gets eval mode for the probe too, and every flag is put back after.
+    modules = [model, adapter.context_module, *(layer.module for layer in adapter.layers)]
+    flags = [(m, m.training) for top in modules for m in top.modules()]
+    for top in modules:
+        top.eval()
     inputs, outputs, handles = _record(blocks)
     try:
         with torch.no_grad():
@@ -88,7 +92,8 @@ def verify_adapter(adapter: ModelAdapter, *, what: str = "the model") -> None:
     finally:
         for h in handles:
             h.remove()
-        model.train(was)
+        for m, flag in flags:
+            m.training = flag
 
 
 def _compare(adapter, batch, inputs, outputs, ref_loss, dtype, what) -> None:
