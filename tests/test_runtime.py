@@ -216,11 +216,11 @@ def test_an_error_inside_a_layer_reaches_the_caller_with_where_it_happened():
         if len(calls) == 3:  # third microbatch through layers.1, once
             raise RuntimeError("boom")
 
-    model.model.layers[1].register_forward_hook(explode)
     batch = make_batch(batch=4)
     with roundpipe.wrap(
         model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=4, **ONE_LAYER_PER_STAGE)
     ) as pipe:
+        model.model.layers[1].register_forward_hook(explode)  # after the wrap-time probe ran it
         t0 = time.monotonic()
         with pytest.raises(StageError) as info:
             _fb(pipe, batch)
@@ -308,11 +308,11 @@ def test_a_stalled_step_becomes_a_watchdog_error_naming_what_each_worker_waits_f
             stalled.append(1)
             time.sleep(3.0)  # a hung kernel, as far as the pipeline can tell
 
-    model.model.layers[0].register_forward_hook(stall)
     batch = make_batch(batch=4)
     with roundpipe.wrap(
         model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, watchdog_s=1.0, **ONE_LAYER_PER_STAGE)
     ) as pipe:
+        model.model.layers[0].register_forward_hook(stall)  # after the wrap-time probe ran it
         t0 = time.monotonic()
         with pytest.raises(WatchdogTimeout) as info:
             _fb(pipe, batch)

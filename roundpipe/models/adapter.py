@@ -328,7 +328,8 @@ def adapt_model(model: nn.Module, head_shards: int = 1) -> ModelAdapter:
         A ``DecoderOnlyAdapter`` whose ``model`` is the unwrapped HF module.
 
     Raises:
-        ConfigError: ``head_shards`` is not an int in ``1..vocab_size``.
+        ConfigError: ``head_shards`` is not an int in ``1..vocab_size``, or a buffer of the model
+            is on the meta device (the message says how to build it).
         UnsupportedModel: the model is not a causal LM of a supported family (the message lists
             the families and how to add one), or its config asks for behaviour the layers would not
             reproduce exactly (the message names the setting to change), or ``head_shards > 1`` and
@@ -356,6 +357,12 @@ def adapt_model(model: nn.Module, head_shards: int = 1) -> ModelAdapter:
         problem = check(text_config(config))
         if problem is not None:
             raise UnsupportedModel(f"{kind}: {problem}.")
+    meta = next((n for n, b in causal_lm.named_buffers() if b.is_meta), None)
+    if meta is not None:  # parameters may wait for weights=; buffers are never stored, so must be real
+        raise ConfigError(
+            f"buffer {meta} of the model is on the meta device: build the model under "
+            f"accelerate.init_empty_weights(), which leaves buffers real, not torch.device('meta')"
+        )
     layout = discover_layout(causal_lm)
     if spec is not None:
         layout = spec.adjust(layout, text_config(config))
