@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 STAMP := .venv/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-slow lint venv clean
 
 venv: $(STAMP)
 
@@ -17,9 +17,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	# Two processes, one per core; then the tests that compare wall-clock times, alone, so that
-	# the other process's load cannot skew what they measure.
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not timing"
+	# the other process's load cannot skew what they measure. The slow tests are `make test-slow`.
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not timing and not slow"
 	$(PY) -m pytest -q -p no:cacheprovider -m timing
+
+test-slow: $(STAMP)
+	# The slow tests (marker `slow`): CI runs them after `make test`.
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "slow and not timing"
 
 LINT_PATHS := $(wildcard roundpipe tests benchmarks scripts)
 

@@ -151,6 +151,7 @@ def _tiny(model_type: str, seed: int = 0):
     return model.train()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["olmo_hybrid", "lfm2", "mamba"])
 def test_linear_attention_and_state_space_layers_train_exactly(model_type):
     """Training runs whole sequences through every layer, so no recurrent state crosses a
