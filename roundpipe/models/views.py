@@ -107,7 +107,7 @@ class StandIn(nn.Module):
         return super().__getattr__(name)
 
 
-class Silent(nn.Module):
+class Silent(StandIn):
     """Stands in for a rotary module whose tables no layer of the view uses: returns None."""
 
     def forward(self, *args: Any, **kwargs: Any) -> None:
@@ -185,7 +185,7 @@ def embedding_view(base: nn.Module, layers: str, rotary: str | None) -> nn.Modul
     first = getattr(base, layers)[0]
     replace: dict[str, nn.Module] = {layers: nn.ModuleList([StopAtFirstLayer(first)])}
     if rotary is not None:
-        replace[rotary] = Silent()
+        replace[rotary] = Silent(getattr(base, rotary))
     return without_checkpointing(module_view(base, replace))
 
 
