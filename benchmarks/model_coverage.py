@@ -6,13 +6,15 @@ parameters (``full``) and all-linear LoRA (``lora``), with roundpipe (``cpu:2``,
 the roundpipe policy, one layer per stage) and with plain PyTorch in fp32 and in float64. The
 family is ``exact`` when both runs meet the project's exactness rule (tests/reference.py:
 ``assert_exact``): every loss equals plain fp32 to rtol 1e-5, and every weight is no further from
-the float64 run than twice as far as plain fp32 is. Each family runs in a subprocess of its own
-with a time limit, so a crash, an out-of-memory kill or a hang in one cannot stop the walk.
+the float64 run than twice as far as plain fp32 is, or within 1e-4 of it elementwise (where the float64 run is not finite, the
+suite's other rule: weights equal plain fp32 to rtol 1e-4, atol 1e-6). Each family runs in a
+subprocess of its own with a time limit, so a crash, an out-of-memory kill or a hang in one cannot
+stop the walk.
 
     python benchmarks/model_coverage.py [--only llama,gpt2] [--timeout 120] [--out PATH] [--docs PATH]
 
-Writes ``benchmarks/results/model_coverage.json`` and ``docs/models.md`` (``--only`` leaves the
-docs alone unless ``--docs`` is given).
+Writes ``benchmarks/results/model_coverage.json`` and ``docs/models.md``; ``--only`` writes
+``benchmarks/results/model_coverage_only.json`` and leaves the docs alone unless ``--docs`` is given.
 """
 
 from __future__ import annotations
@@ -236,11 +238,27 @@ def run_mode(model, batch: dict, mode: str) -> dict:
         plain = reference_train(model, batch, STEPS)
     except Exception as exc:
         return {"kind": "unavailable", "detail": f"plain PyTorch failed: {_one_line(exc)}"}
+    if not _finite(plain):
+        return {"kind": "unavailable", "detail": "plain PyTorch's losses or weights are not finite"}
+    if not _finite(got):
+        return {
+            "kind": "inexact",
+            "detail": "roundpipe's losses or weights are not finite (plain PyTorch's are)",
+        }
     try:
         exact = reference_train(_float64(model), batch, STEPS)
+        why = None if _finite(exact) else "the float64 run is not finite"
     except Exception as exc:
-        return {"kind": "unavailable", "detail": f"the float64 reference failed: {_one_line(exc)}"}
+        why = f"the float64 run failed ({_one_line(exc, 80)})"
+    if why is not None:
+        return compare_fp32(got, plain, why)
     return compare(got, plain, exact)
+
+
+def _finite(run) -> bool:
+    import math
+
+    return all(math.isfinite(x) for x in run.losses) and all(w.isfinite().all() for w in run.weights.values())
 
 
 def _float64(model):
@@ -259,8 +277,12 @@ def compare(got, plain, exact) -> dict:
     loss_rel = max((abs(g - p) / max(abs(p), 1e-30) for g, p in zip(got.losses, plain.losses)), default=0.0)
     if got.weights.keys() != exact.weights.keys():
         return {"kind": "inexact", "detail": "the trained parameters differ from plain PyTorch's"}
+    from reference import EXACT_ATOL
+
     worst, worst_name = 0.0, ""
     for name, want in exact.weights.items():
+        if (got.weights[name].double() - plain.weights[name].double()).abs().max().item() <= EXACT_ATOL:
+            continue  # within the rule's elementwise allowance of plain fp32
         ours = (got.weights[name].double() - want).norm().item()
         theirs = (plain.weights[name].double() - want).norm().item()
         allowed = 2 * theirs + 1e-12 * want.norm().item()
@@ -277,11 +299,36 @@ def compare(got, plain, exact) -> dict:
     return {"kind": "inexact", "detail": detail, **stats}
 
 
+def compare_fp32(got, plain, why: str) -> dict:
+    """Where the float64 run cannot serve (several families' float64 attention turns the fully
+    masked rows of left padding into NaN), the test suite's other rule: losses equal plain fp32 to
+    rtol 1e-5 and weights to rtol 1e-4, atol 1e-6 (``assert_same_run``)."""
+    from reference import WEIGHT_ATOL
+
+    note = f"checked against plain fp32 only: {why}"
+    loss_rel = max((abs(g - p) / max(abs(p), 1e-30) for g, p in zip(got.losses, plain.losses)), default=0.0)
+    if got.weights.keys() != plain.weights.keys():
+        return {"kind": "inexact", "detail": f"the trained parameters differ from plain PyTorch's; {note}"}
+    excess, worst_name = 0.0, ""
+    for name, want in plain.weights.items():
+        over = ((got.weights[name] - want).abs() - (WEIGHT_ATOL + 1e-4 * want.abs())).max().item()
+        if over > excess:
+            excess, worst_name = over, name
+    stats = {"loss_rel": loss_rel, "weight_excess": excess, "worst_weight": worst_name}
+    if loss_rel <= 1e-5 and excess <= 0:
+        return {"kind": "exact", "detail": note, **stats}
+    if loss_rel > 1e-5:
+        detail = f"loss off plain fp32 by {loss_rel:.2g} (rtol 1e-5); {note}"
+    else:
+        detail = f"{worst_name} off plain fp32 by {excess:.2g} beyond rtol 1e-4 + atol 1e-6; {note}"
+    return {"kind": "inexact", "detail": detail, **stats}
+
+
 def outcome(full: dict, lora: dict) -> tuple[str, str]:
     """One family outcome from its two runs."""
     kinds = (full["kind"], lora["kind"])
     if kinds == ("exact", "exact"):
-        return "exact", ""
+        return "exact", "; ".join(dict.fromkeys(run["detail"] for run in (full, lora) if run["detail"]))
     if "exact" in kinds:
         other, name = (lora, "lora") if full["kind"] == "exact" else (full, "full")
         return "partial", f"{name} {other['kind']}: {other['detail']}"
@@ -451,7 +498,11 @@ steps move it by about lr whatever the round-off).
 roundpipe runs with `RunConfig(devices="cpu:2", num_microbatches=2, policy="roundpipe",
 partition=None)`; plain PyTorch runs the same steps in fp32 and in float64. A run is exact when every
 loss equals plain fp32 to rtol 1e-5 and every weight is no further from the float64 run than twice
-as far as plain fp32 is (`assert_exact` in tests/reference.py).
+as far as plain fp32 is, or within 1e-4 of plain fp32 elementwise (`assert_exact` in
+tests/reference.py). Where the float64 run is not
+finite (in several families float64 attention turns the fully masked rows of left padding into
+NaN) or fails, the run is checked against plain fp32 only, by the suite's other rule (weights to
+rtol 1e-4, atol 1e-6: `assert_same_run`), and the detail says so.
 
 Outcomes: **exact** (both runs exact); **partial** (one exact, the detail says which other failed
 and why); **refused** (roundpipe raised one of its own errors, e.g. `UnsupportedModel`: first line
@@ -468,7 +519,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated model types (default: every causal-LM family)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per family (default 120)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "model_coverage.json")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="JSON results (default benchmarks/results/model_coverage.json; with --only "
+        "model_coverage_only.json, so that a subset never overwrites the full walk the docs show)",
+    )
     ap.add_argument(
         "--docs", type=Path, help=f"markdown page (default {DOCS.relative_to(REPO)}; not with --only)"
     )
@@ -486,12 +542,13 @@ def main() -> None:
             ap.error(f"not causal-LM model types of this transformers: {', '.join(unknown)}")
     command = "python benchmarks/model_coverage.py" + "".join(f" {a}" for a in sys.argv[1:])
     rows = walk(names, args.timeout)
-    write_json(args.out, rows, command, args.timeout)
+    out = args.out or RESULTS / ("model_coverage_only.json" if args.only else "model_coverage.json")
+    write_json(out, rows, command, args.timeout)
     docs = args.docs if args.docs is not None else (None if args.only else DOCS)
     if docs is not None:
         write_docs(docs, rows, command)
     print(" ".join(f"{kind}: {n}," for kind, n in counts(rows).items()).rstrip(","))
-    print(f"wrote {args.out}" + (f" and {docs}" if docs is not None else ""))
+    print(f"wrote {out}" + (f" and {docs}" if docs is not None else ""))
 
 
 if __name__ == "__main__":

@@ -415,10 +415,12 @@ def _fill_none(name: str, level: _Level):
 
 
 def _keep(name, value, level):
+    """Left as it is here; a whole-config pass or a consistency fix sets it."""
     return value
 
 
 def _positions(name, value, level):
+    """Learned position tables stay small, yet hold a 64-token batch."""
     return max(_MIN_POSITIONS, min(value, _MAX_POSITIONS)) if value > 0 else value
 
 
@@ -432,6 +434,7 @@ def _original_positions(name, value, level):
 
 
 def _vocab(name, value, level):
+    """Every vocabulary (token, type, codebook, hashed n-gram) shrinks to the target vocabulary."""
     return min(value, level.sizes.vocab)
 
 
@@ -441,6 +444,7 @@ def _leading_count(name, value, level):
 
 
 def _trailing_count(name, value, level):
+    """How many kept layers lie in the trailing block (see _TRAILING_COUNTS)."""
     n = level.layers or 0
     return sum(i >= n - value for i in level.kept) if level.kept and value > 0 else value
 
@@ -452,10 +456,12 @@ def _end_index(name, value, level):
 
 
 def _period(name, value, level):
+    """A period no longer than the layers kept, so the periodic kind of layer still occurs."""
     return min(value, level.sizes.layers) if value > 0 else value
 
 
 def _layer_count(name, value, level):
+    """Any stack of blocks (decoder, encoder, vision tower) gets the target layer count."""
     return min(value, level.sizes.layers) if value > 0 else value
 
 
@@ -470,6 +476,7 @@ def _kv_heads(name, value, level):
 
 
 def _heads(name, value, level):
+    """Attention, linear-attention, SSM and indexer heads alike: at most the target heads."""
     return min(value, level.sizes.heads) if value > 0 else value
 
 
@@ -485,6 +492,7 @@ def _head_dim(name, value, level):
 
 
 def _rank(name, value, level):
+    """Low-rank bottlenecks stay bottlenecks: at most half the target hidden size."""
     return min(value, level.sizes.rank) if value > 0 else value
 
 
@@ -495,6 +503,8 @@ def _rotary_dim(name, value, level):
 
 
 def _intermediate(name, value, level):
+    """MLP widths: twice the hidden size, a quarter of that for an expert (there are several);
+    a 0 (no shared expert) stays 0."""
     if value <= 0:
         return value
     if re.search(r"moe|expert|shared", name):
@@ -503,30 +513,37 @@ def _intermediate(name, value, level):
 
 
 def _experts(name, value, level):
+    """At most the target number of routed experts."""
     return min(value, level.sizes.experts) if value > 0 else value
 
 
 def _top_k(name, value, level):
+    """Route to half the experts, so routing still chooses."""
     return min(value, level.sizes.top_k) if value > 0 else value
 
 
 def _shared_experts(name, value, level):
+    """One shared expert is enough to run the shared path."""
     return min(value, 1)
 
 
 def _window(name, value, level):
+    """Windows and chunks below a 16-token batch (see _WINDOW); 0 / None (no window) stays."""
     return min(value, _WINDOW) if value > 0 else value
 
 
 def _ssm_state(name, value, level):
+    """SSM state sizes: small, the scan is the same code at any size."""
     return min(value, _SSM_STATE) if value > 0 else value
 
 
 def _dt_rank(name, value, level):
+    """Mamba's time-step rank: what its "auto" gives for the new hidden size."""
     return min(value, max(1, math.ceil(level.sizes.hidden / 16))) if value > 0 else value
 
 
 def _multiple_of(name, value, level):
+    """Rounding granularities small enough not to undo the shrink."""
     return min(value, 16) if value > 0 else value
 
 
@@ -554,6 +571,10 @@ def _hidden(name, value, level):
 _RULES = [
     (re.compile(p), rule)
     for p, rule in [
+        # Layer counts and indices first: some of their names end like token indices.
+        (rf"^({'|'.join(_LEADING_COUNTS)}|moe_layer_start_index)$", _leading_count),
+        (rf"^({'|'.join(_TRAILING_COUNTS)})$", _trailing_count),
+        (r"^moe_layer_end_index$", _end_index),
         # Token ids are remapped over the whole config at once (_remap_token_ids).
         (r"_token_ids?$|_token_index$|^lang_id$|_index$|_idx$", _keep),
         (r"^original_max_position_embeddings$", _original_positions),
@@ -562,14 +583,13 @@ _RULES = [
             r"max_target_positions|max_source_positions|context_length)$",
             _positions,
         ),
+        # Rounding granularities (lfm2 rounds its MLP up to a multiple of 256, which would undo it).
         (r"divisible_by$|multiple_of$", _multiple_of),
         (r"vocab|^codebook_size$", _vocab),
-        (rf"^({'|'.join(_LEADING_COUNTS)}|moe_layer_start_index)$", _leading_count),
-        (rf"^({'|'.join(_TRAILING_COUNTS)})$", _trailing_count),
-        (r"^moe_layer_end_index$", _end_index),
+        # Periods and strides of periodic layer kinds (jamba's attention every 8th layer).
         (
             r"(_layer_period|_every_n_layers|_layer_interval|layer_interval|_sparse_step|_moe_layer_step|"
-            r"sliding_window_pattern|^layer_group_size|_layers_per_attn_res_block|^layer_offset)$",
+            r"sliding_window_pattern|^layer_group_size|_layers_per_attn_res_block)$",
             _period,
         ),
         (r"_layer_offset$", _keep),  # after the periods (_fix_periods)
@@ -585,6 +605,7 @@ _RULES = [
             r"feed_forward_size$|^n_inner$|_ffn_size$)",
             _intermediate,
         ),
+        # Routed experts (longcat's zero experts are routed too), the top-k, the shared ones.
         (r"^(num_experts|num_local_experts|n_routed_experts|moe_num_experts|zero_expert_num)$", _experts),
         (r"(experts_per_tok(en)?|^moe_k$|^moe_top_?k$|^top_k$)$", _top_k),
         (r"(n_shared_experts|num_shared_experts)$", _shared_experts),
@@ -595,10 +616,11 @@ _RULES = [
         ),
         (r"(state_size|d_state)$", _ssm_state),
         (r"(time_step_rank|dt_rank)$", _dt_rank),
-        (r"(_rank|lowrank)$", _rank),
+        (r"(_rank|lowrank)$", _rank),  # adapters and low-rank mixers (zamba2, gemma3n's laurel)
+        # Widths last: every *_dim / *_channels / *_width the rules above did not claim.
         (
             r"(hidden_size|hidden_dim|^d_model$|^n_embd$|emb_dim$|embed_dim$|embedding_dim$|embedding_size$|"
-            r"_width$|^dim$|_dim$|_channels?$|^mamba_d_ssm$)",
+            r"_width$|^dim$|_dim$|_channels?$)",
             _hidden,
         ),
         (r"(_size|_dimension)$", _other_width),
@@ -662,10 +684,9 @@ def _fix_ssm(out: dict, level: _Level) -> None:
     expand = next((out[k] for k in _SSM_EXPAND if isinstance(out.get(k), (int, float))), None)
     if heads_key is None or expand is None:
         return
-    hidden = level.sizes.hidden
-    inner = out.get("mamba_d_ssm") if isinstance(out.get("mamba_d_ssm"), int) else int(expand * hidden)
-    if "mamba_d_ssm" in out and out["mamba_d_ssm"] is not None:
-        out["mamba_d_ssm"] = inner = int(expand * hidden)
+    inner = int(expand * level.sizes.hidden)
+    if _as_int(out.get("mamba_d_ssm")):  # falcon_h1 states the inner width too
+        out["mamba_d_ssm"] = inner
     head_dim = level.sizes.head_dim
     if inner % head_dim:
         head_dim = math.gcd(inner, head_dim)
@@ -897,10 +918,12 @@ def _rebuild(cls, data: dict, original):
     try:
         tiny = cls.from_dict(data)
     except Exception as exc:  # the family's own validators: report which config and why
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # HF's validation errors introduce the reason on a line of its own ("...validator 'x':").
+        why = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else "".join(lines[:1])
         raise ConfigError(
             f"tiny_config could not shrink {cls.__name__} (model_type {original.model_type!r}): "
-            f"{type(exc).__name__}: {first[:300]}"
+            f"{type(exc).__name__}: {why[:300]}"
         ) from exc
     implementation = getattr(original, "_attn_implementation", None)
     if implementation is not None:

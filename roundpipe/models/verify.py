@@ -100,7 +100,13 @@ def _compare(adapter, batch, inputs, outputs, ref_loss, dtype, what) -> None:
     ids, labels = batch["input_ids"], batch["labels"]
     keep = batch["attention_mask"].bool()
     micro = MicrobatchInputs(ids, batch["attention_mask"], None, labels, loss_positions(labels))
-    ctx = adapter.build_context(adapter.context_module, micro, dtype)
+    try:
+        ctx = adapter.build_context(adapter.context_module, micro, dtype)
+    except Exception as err:
+        raise UnsupportedModel(
+            f"{type(adapter.model).__name__}: building the layers' arguments failed on the wrap-time probe "
+            f"({type(err).__name__}: {err})"
+        ) from err
     layers = adapter.layers
     blocks = [layer for layer in layers if layer.kind == "block"]
     if any(t is None for t in (*inputs, *outputs)):
@@ -109,10 +115,10 @@ def _compare(adapter, batch, inputs, outputs, ref_loss, dtype, what) -> None:
             f"{type(adapter.model).__name__}: its forward did not run decoder layers {missing} on the "
             f"probe; roundpipe runs every layer once, in order"
         )
-    got = layers[0].forward(layers[0].module, ids, ctx)
+    got = _run(adapter, layers[0], ids, ctx)
     _check(adapter, layers[0], got, inputs[0], keep, dtype, what, "")
     for i, block in enumerate(blocks):
-        got = block.forward(block.module, inputs[i], ctx)
+        got = _run(adapter, block, inputs[i], ctx)
         _check(adapter, block, got, outputs[i], keep, dtype, what, "")
         if i + 1 < len(blocks):  # what the forward does between two layers, the layers must not miss
             _check(
@@ -131,13 +137,27 @@ def _compare(adapter, batch, inputs, outputs, ref_loss, dtype, what) -> None:
         )
     x = outputs[-1]
     for layer in layers[len(blocks) + 1 :]:
-        x = layer.forward(layer.module, x, ctx)
+        x = _run(adapter, layer, x, ctx)
     loss = x / (ctx.shift_labels != -100).sum()
     ok, diff, tol = same_within(
         loss.reshape(1), ref_loss.float().reshape(1), torch.float32 if dtype == torch.float64 else dtype
     )
     if not ok:
         raise UnsupportedModel(_diverged(adapter, layers[-1], diff, tol, what, (), (), loss=True))
+
+
+def _run(adapter, layer, x, ctx):
+    """``layer`` on ``x``; an exception becomes the UnsupportedModel that names the layer."""
+    try:
+        return layer.forward(layer.module, x, ctx)
+    except UnsupportedModel:
+        raise
+    except Exception as err:
+        raise UnsupportedModel(
+            f"{type(adapter.model).__name__}: layer {layer.name} ({type(layer.module).__name__}) failed on the "
+            f"wrap-time probe ({type(err).__name__}: {err}); the layer-by-layer run cannot reproduce this "
+            f"family's forward. Register what differs with roundpipe.models.register_family, or report the family"
+        ) from err
 
 
 def _check(adapter, layer, got, want, keep, dtype, what, where) -> None:
