@@ -90,6 +90,8 @@ def find_parts(causal_lm: nn.Module) -> tuple[str, str, str, str | None, str | N
     kind = type(causal_lm).__name__
     config = text_config(causal_lm.config)
     base_name = getattr(causal_lm, "base_model_prefix", "") or "model"
+    if not isinstance(getattr(causal_lm, base_name, None), nn.Module):  # a text model of a multimodal
+        base_name = "model"  # family (Llama 4, Mllama) keeps its prefix but holds its base here
     base = getattr(causal_lm, base_name, None)
     if not isinstance(base, nn.Module) or base is causal_lm:
         raise UnsupportedModel(
