@@ -54,6 +54,16 @@ def _scaled_model(model_type: str, *, tied: bool, lora: bool = False, seed: int 
     return peft.get_peft_model(model, lora_config)
 
 
+def _assert_trains_exactly(model, batch) -> None:
+    """Three AdamW steps on two virtual devices against plain fp32 and float64 PyTorch."""
+    plain = reference_train(model, batch, 3)
+    exact = reference_train(copy.deepcopy(model).double(), batch, 3)
+    got = pipeline_train(
+        model, batch, 3, devices="cpu:2", num_microbatches=2, policy="roundpipe", partition=None
+    )
+    assert_exact(got, plain, exact)
+
+
 @pytest.mark.parametrize("model_type", list(SCALED))
 def test_discovery_finds_the_views_a_scaling_family_needs(model_type):
     adapter = adapt_model(_scaled_model(model_type, tied=False))
@@ -69,23 +79,13 @@ def test_scaling_families_train_exactly(model_type, tied):
     fp32 PyTorch, weights no further from float64 than twice plain fp32 is."""
     model = _scaled_model(model_type, tied=tied)
     batch = make_batch(batch=4, padding="left")
-    plain = reference_train(model, batch, 3)
-    exact = reference_train(copy.deepcopy(model).double(), batch, 3)
-    got = pipeline_train(
-        model, batch, 3, devices="cpu:2", num_microbatches=2, policy="roundpipe", partition=None
-    )
-    assert_exact(got, plain, exact)
+    _assert_trains_exactly(model, batch)
 
 
 def test_a_scaling_family_with_lora_trains_exactly():
     model = _scaled_model("granite", tied=True, lora=True)
     batch = make_batch(batch=4, padding="left")
-    plain = reference_train(model, batch, 3)
-    exact = reference_train(copy.deepcopy(model).double(), batch, 3)
-    got = pipeline_train(
-        model, batch, 3, devices="cpu:2", num_microbatches=2, policy="roundpipe", partition=None
-    )
-    assert_exact(got, plain, exact)
+    _assert_trains_exactly(model, batch)
 
 
 def _patched_forward(monkeypatch, model, change):
@@ -159,12 +159,7 @@ def test_linear_attention_and_state_space_layers_train_exactly(model_type):
     attention) and a pure state-space model (Mamba) train exactly like plain PyTorch."""
     model = _tiny(model_type)
     batch = make_batch(batch=4, padding="left", vocab=int(model.config.vocab_size))
-    plain = reference_train(model, batch, 3)
-    exact = reference_train(copy.deepcopy(model).double(), batch, 3)
-    got = pipeline_train(
-        model, batch, 3, devices="cpu:2", num_microbatches=2, policy="roundpipe", partition=None
-    )
-    assert_exact(got, plain, exact)
+    _assert_trains_exactly(model, batch)
 
 
 def test_layers_handed_values_computed_from_the_hidden_states_are_refused_by_argument():

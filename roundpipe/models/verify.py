@@ -17,6 +17,7 @@ attached: the same code path at a small size.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -24,11 +25,22 @@ from torch import nn
 
 from roundpipe.errors import UnsupportedModel
 from roundpipe.models.base import MicrobatchInputs, ModelAdapter, loss_positions
-from roundpipe.models.views import same_within
 
 VERIFY_MAX_PARAMS = 1_000_000_000  # above this the probe runs on a tiny model of the same class
 PROBE_TOKENS = 8
 PAD = 2  # left padding of the first probe sequence
+
+
+def same_within(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[bool, float, float]:
+    """(whether ``a`` matches ``b`` beyond round-off of ``dtype``, max abs difference, tolerance):
+    the tolerance scales with ``b``'s magnitude and the dtype's epsilon."""
+    if a.shape != b.shape:
+        return False, math.inf, 0.0
+    a, b = a.double(), b.double()
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+    tol = 64 * eps * (float(b.abs().max()) + 1.0)
+    diff = float((a - b).abs().max()) if a.numel() else 0.0
+    return diff <= tol, diff, tol
 
 
 def _probe_batch(vocab: int) -> dict[str, torch.Tensor]:

@@ -26,7 +26,6 @@ direct path (and the vocabulary-sharded head).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import torch
@@ -332,15 +331,3 @@ def logits_are_plain(causal_lm: nn.Module, base_name: str, head_name: str, hidde
     if cap and got.shape == want.shape and torch.equal(got, torch.tanh(want / cap) * cap):
         return "softcap"
     return "custom"
-
-
-def same_within(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[bool, float, float]:
-    """(whether ``a`` matches ``b`` beyond round-off of ``dtype``, max abs difference, tolerance):
-    the tolerance scales with ``b``'s magnitude and the dtype's epsilon."""
-    if a.shape != b.shape:
-        return False, math.inf, 0.0
-    a, b = a.double(), b.double()
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    tol = 64 * eps * (float(b.abs().max()) + 1.0)
-    diff = float((a - b).abs().max()) if a.numel() else 0.0
-    return diff <= tol, diff, tol
