@@ -303,3 +303,22 @@ def test_when_no_candidate_fits_the_estimates_auto_runs_the_least_memory_plan(mo
         pytest.raises(PlanError, match="per-device budget"),
     ):
         _fb(pipe, make_batch(batch=4))  # a policy given: the error is the user's to act on
+
+
+def test_a_plan_lists_its_chosen_candidate_even_when_slower_ones_were_preferred():
+    from roundpipe.runtime.planning import SHOWN_PREDICTIONS, shown_predictions
+    from roundpipe.sim.choice import Candidate, Choice
+
+    part = Partition.from_sizes((1, 1))
+    ranked = tuple(
+        Candidate("1f1b", 2 + i, part, part, step_s=1.0 + i / 10, repeatable=i >= SHOWN_PREDICTIONS)
+        for i in range(SHOWN_PREDICTIONS + 2)
+    )
+    chosen = ranked[SHOWN_PREDICTIONS]  # the fastest repeatable one ranks below the shown five
+    shown = shown_predictions(Choice(best=chosen, ranked=ranked))
+    assert [p["num_microbatches"] for p in shown] == [c.num_microbatches for c in ranked[:SHOWN_PREDICTIONS]] + [
+        chosen.num_microbatches
+    ]
+    shown = shown_predictions(Choice(best=ranked[1], ranked=ranked))
+    assert len(shown) == SHOWN_PREDICTIONS  # listed once when it is among the fastest
+    assert shown_predictions(None) == ()

@@ -443,6 +443,19 @@ def _compared(head: str, best, rival, rival_name: str, what: str) -> str:
     return f"{head}, predicted within {1 / ratio - 1:.1%} of {rival_name}, the fastest {what} ({tie})"
 
 
+SHOWN_PREDICTIONS = 5  # candidates a plan lists, fastest first
+
+
+def shown_predictions(choice) -> tuple[dict, ...]:
+    """The fastest candidates of an automatic choice (None: no choice was made), then the chosen
+    one if it is not among them: the tie and repeatability rules can pick a slower candidate."""
+    if choice is None:
+        return ()
+    shown = choice.ranked[:SHOWN_PREDICTIONS]
+    shown += (choice.best,) if choice.best not in shown else ()
+    return tuple(c.summary() for c in shown)
+
+
 @dataclass(frozen=True)
 class RuntimePlan:
     """What the runtime will run: the policy, the stages of both partitions with their estimated
@@ -451,8 +464,9 @@ class RuntimePlan:
     ``est_s`` is per microbatch from measured layer times (None before ``profile``); ``weight_bytes``
     in the run dtype; ``peak_bytes`` a worker's bound for that stage: its weights, the next stage's
     (prefetched), and its fp32 weight-gradient accumulator. ``why`` has one line each for
-    ``policy``, ``partition`` and ``num_microbatches``; ``predictions`` the fastest candidates of an
-    automatic choice (policy, count, stages, predicted step seconds).
+    ``policy``, ``partition`` and ``num_microbatches``; ``predictions`` the fastest five candidates of an
+    automatic choice (policy, count, stages, predicted step seconds), followed by the chosen one when
+    it is not among them (the tie rule and the repeatability rule can pick a slower candidate).
     """
 
     policy: str
@@ -496,14 +510,13 @@ class RuntimePlan:
                         "peak_bytes": stage_w[s] + nxt + grads,
                     }
                 )
-        ranked = decision.choice.ranked[:5] if decision.choice is not None else ()
         return cls(
             decision.policy,
             planner.device_names,
             tuple(rows),
             decision.num_microbatches,
             dict(decision.why),
-            tuple(c.summary() for c in ranked),
+            shown_predictions(decision.choice),
         )
 
     def to_json(self) -> str:
