@@ -139,8 +139,50 @@ def dry_run(table: ScheduleTable, *, in_order: bool = True) -> list[Task]:
     return _dry_run(table, check_tasks(table), in_order=in_order)
 
 
-def _dry_run(table: ScheduleTable, located: dict[TaskKey, tuple[int, int]], *, in_order: bool) -> list[Task]:
+def runs_forwards_first(table: ScheduleTable, *, in_order: bool = True) -> bool:
+    """Whether ``table`` still runs when no backward may start before every forward of the step
+    has run: what a loss over the whole batch's forward needs before any gradient can flow (a MoE
+    router's load-balancing loss counts every layer's expert choices over every microbatch).
+
+    In order: each device runs its row in order, and a task that is not an F waits for every F as
+    well as its dependencies; False when that stops short. Ready-first: always True for a table
+    that runs ready-first at all, since forwards depend only on forwards (every F can run before
+    any B), and the rest then runs in dependency order.
+    """
+    check_shape(table)
+    located = check_tasks(table)
     deps = _deps_of(table)
+    try:
+        _checked_run(table, located, deps, in_order=False)  # the table's own dependencies hold
+    except ScheduleError:
+        return False
+    if not in_order:
+        return True
+    rows = table.devices
+    forwards = sum(t.kind == "F" for t in table.tasks())
+    done: set[TaskKey] = set()
+    forwards_done = 0
+    head = [0] * len(rows)
+    moved = True
+    while moved:
+        moved = False
+        for d, row in enumerate(rows):
+            while head[d] < len(row):
+                t = row[head[d]]
+                if (t.kind != "F" and forwards_done < forwards) or any(k not in done for k in deps[t.key]):
+                    break
+                done.add(t.key)
+                forwards_done += t.kind == "F"
+                head[d] += 1
+                moved = True
+    return all(h == len(row) for h, row in zip(head, rows))
+
+
+def _dry_run(table: ScheduleTable, located: dict[TaskKey, tuple[int, int]], *, in_order: bool) -> list[Task]:
+    return _checked_run(table, located, _deps_of(table), in_order=in_order)
+
+
+def _checked_run(table, located, deps, *, in_order: bool) -> list[Task]:
     for key, ds in deps.items():
         absent = [k for k in ds if k not in located]
         if absent:

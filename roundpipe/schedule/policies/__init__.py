@@ -42,6 +42,9 @@ class PolicySpec:
     - ``microbatch_multiple``: ``"devices"`` when the microbatch count must be a multiple of the
       device count, else an int it must be a multiple of.
     - ``even_devices``: the device count must be even.
+    - ``forwards_first``: every forward of a step runs before its first backward, in table order
+      (``check.runs_forwards_first``): what a loss over the whole batch's forward needs, such as a
+      MoE router's load-balancing loss.
     """
 
     name: str
@@ -55,6 +58,7 @@ class PolicySpec:
     grains: tuple[int, ...] = (1,)
     microbatch_multiple: int | str = 1
     even_devices: bool = False
+    forwards_first: bool = False
     next_start_device: Callable | None = None
 
     def __call__(self, *args, **kwargs):
@@ -91,7 +95,7 @@ POLICIES: dict[str, PolicySpec] = {
             "roundpipe", roundpipe, weight_bound=False, separate_partitions=True, rotates=True,
             stages_per_device=None, exact_stages=False, grains=(), next_start_device=next_start_device,
         ),
-        PolicySpec("gpipe", gpipe),
+        PolicySpec("gpipe", gpipe, forwards_first=True),
         PolicySpec("1f1b", one_f_one_b),
         PolicySpec(
             "interleaved", interleaved, stages_per_device=1, exact_stages=False, default_grain=2,
