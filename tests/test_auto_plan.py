@@ -316,9 +316,9 @@ def test_a_plan_lists_its_chosen_candidate_even_when_slower_ones_were_preferred(
     )
     chosen = ranked[SHOWN_PREDICTIONS]  # the fastest repeatable one ranks below the shown five
     shown = shown_predictions(Choice(best=chosen, ranked=ranked))
-    assert [p["num_microbatches"] for p in shown] == [c.num_microbatches for c in ranked[:SHOWN_PREDICTIONS]] + [
-        chosen.num_microbatches
-    ]
+    assert [p["num_microbatches"] for p in shown] == [
+        c.num_microbatches for c in ranked[:SHOWN_PREDICTIONS]
+    ] + [chosen.num_microbatches]
     shown = shown_predictions(Choice(best=ranked[1], ranked=ranked))
     assert len(shown) == SHOWN_PREDICTIONS  # listed once when it is among the fastest
     assert shown_predictions(None) == ()

@@ -412,10 +412,20 @@ def test_refuses_things_that_are_not_models():
     _assert_refused(object(), "not a Hugging Face model")
 
 
-def test_refuses_qwen3_moe_with_router_aux_loss():
+def test_qwen3_moe_with_router_logits_reads_its_load_balancing_loss_from_the_model():
+    """``output_router_logits=True`` is trained with HF's auxiliary loss (tests/test_router_loss.py):
+    the expert count, top-k and coefficient are the causal LM's own, the routers found per layer."""
     model = make_model("qwen3_moe")
     model.config.output_router_logits = True
-    _assert_refused(model, "output_router_logits")
+    loss = adapt_model(model).router_loss
+    assert (loss.num_experts, loss.top_k, loss.coef) == (
+        model.num_experts,
+        model.num_experts_per_tok,
+        model.router_aux_loss_coef,
+    )
+    assert loss.routers == (("mlp.gate",),) * model.config.num_hidden_layers
+    model.config.output_router_logits = False
+    assert adapt_model(model).router_loss is None
 
 
 def test_refuses_bidirectional_gemma3():

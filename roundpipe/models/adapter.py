@@ -30,6 +30,7 @@ from roundpipe.models.discover import ModelLayout, discover_layout, how_to_add, 
 from roundpipe.models.families import FAMILIES, GENERIC_CHECKS, FamilySpec
 from roundpipe.models.head import chunked_lm_loss, shift_labels
 from roundpipe.models.head_shards import head_tensors, vocab_ranges, vocab_shard_forward
+from roundpipe.models.router_loss import capture_router_logits, find_router_loss
 from roundpipe.models.views import ViewLogits, context_view, embedding_view, logits_view, run_to_first_layer
 
 
@@ -65,14 +66,30 @@ class BlockLayer(Layer):
     discovery saw it get) is what the cost model reads.
     """
 
-    def __init__(self, name: str, index: int, module: nn.Module, *, attention_type: str, config: Any):
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        module: nn.Module,
+        *,
+        attention_type: str,
+        config: Any,
+        routers: tuple[str, ...] = (),
+        router_index: int = 0,
+    ):
         super().__init__(name, index, "block", module)
         self.attention_type = attention_type
         self.config = config
+        self.routers, self.router_index = routers, router_index  # for the load-balancing loss
 
     def forward(self, module: nn.Module, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         args, kwargs = ctx.layer_inputs[self.index - 1]
-        out = module(x, *args, **kwargs)
+        if self.routers:  # leave the router logits in ctx for the load-balancing loss
+            with capture_router_logits(module, self.routers, self.router_index) as got:
+                out = module(x, *args, **kwargs)
+            ctx.router_logits[self.index] = got
+        else:
+            out = module(x, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out  # older layers return (hidden, ...)
 
 
@@ -190,6 +207,8 @@ class DecoderOnlyAdapter(ModelAdapter):
             ``head.0 .. head.{k-1}`` (vocabulary shards, ``HeadShardLayer``).
         context_module: ``nn.ModuleDict({"rotary_emb": <the model's rotary module>})`` (empty when
             the family has none); buffers only.
+        router_loss: the MoE load-balancing loss the config asks for (``router_loss.RouterLoss``),
+            or None.
     """
 
     def __init__(
@@ -208,10 +227,18 @@ class DecoderOnlyAdapter(ModelAdapter):
         else:
             embed = EmbedLayer("embed", 0, getattr(base, layout.embed))
         self.layers: list[Layer] = [embed]
+        self.router_loss = find_router_loss(model, self.config, blocks)
+        routers = self.router_loss.routers if self.router_loss else ((),) * len(blocks)
         for i, block in enumerate(blocks):
             self.layers.append(
                 BlockLayer(
-                    f"layers.{i}", i + 1, block, attention_type=layout.attention_types[i], config=self.config
+                    f"layers.{i}",
+                    i + 1,
+                    block,
+                    attention_type=layout.attention_types[i],
+                    config=self.config,
+                    routers=routers[i],
+                    router_index=self.router_loss.index if self.router_loss else 0,
                 )
             )
         norm = nn.Identity() if layout.norm is None else getattr(base, layout.norm)

@@ -80,6 +80,9 @@ class LayerContext:
     layer_inputs: list[tuple[tuple, dict[str, Any]]] = field(default_factory=list)
     shift_labels: torch.Tensor | None = None
     head_chunk_tokens: int = 1024
+    # Router logits a block left for the load-balancing loss (``router_loss.py``), by layer index;
+    # whoever runs the layer takes them out (the runtime right after each layer).
+    router_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 class Layer(ABC):

@@ -5,7 +5,8 @@ embedding and logits need the model's own forward. The wrap-time check (``verify
 the layers reproduce the model's forward. What is left for this module:
 
 - :data:`GENERIC_CHECKS`: config settings that change HF's training forward in a way the layers do
-  not reproduce, for every family (a router auxiliary loss, bidirectional attention);
+  not reproduce, for every family (bidirectional attention; the MoE router loss is reproduced,
+  ``router_loss.py``);
 - :class:`FamilySpec`: per ``config.model_type``, a check of its own and an ``adjust`` of the
   discovered layout, registered with :func:`register_family` where a family's behaviour differs
   from what discovery reads. None is built in today: discovery covers every family the coverage
@@ -31,15 +32,6 @@ __all__ = [
 ]
 
 
-def _router_aux_loss(config: Any) -> str | None:
-    if getattr(config, "output_router_logits", False):
-        return (
-            "config.output_router_logits=True adds the router load-balancing loss to the LM loss, which "
-            "the pipelined head does not compute; set model.config.output_router_logits = False"
-        )
-    return None
-
-
 def _bidirectional(config: Any) -> str | None:
     if getattr(config, "use_bidirectional_attention", False):
         return (
@@ -49,7 +41,7 @@ def _bidirectional(config: Any) -> str | None:
     return None
 
 
-GENERIC_CHECKS: tuple[Callable[[Any], str | None], ...] = (_router_aux_loss, _bidirectional)
+GENERIC_CHECKS: tuple[Callable[[Any], str | None], ...] = (_bidirectional,)
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,10 @@ def _compare(adapter, batch, inputs, outputs, ref_loss, dtype, what) -> None:
     for layer in layers[len(blocks) + 1 :]:
         x = _run(adapter, layer, x, ctx)
     loss = x / (ctx.shift_labels != -100).sum()
+    rl = getattr(adapter, "router_loss", None)
+    if rl is not None:  # HF adds coef * aux to its loss; ours from the routers the blocks ran
+        stats = [rl.stats(g, batch["attention_mask"]) for g in ctx.router_logits.values() if g]
+        loss = loss + rl.value(torch.stack(stats).sum(0))
     ok, diff, tol = same_within(
         loss.reshape(1), ref_loss.float().reshape(1), torch.float32 if dtype == torch.float64 else dtype
     )

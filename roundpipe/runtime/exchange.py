@@ -114,6 +114,11 @@ class Exchange:
                 raise AbortedWait("abandoned waiting for a ready task")
             self._cond.wait(timeout)
 
+    def notify(self) -> None:
+        """Wake the waits of ``wait_for_change`` (something else a ready task may need arrived)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def has(self, key: tuple) -> bool:
         with self._cond:
             return key in self._entries

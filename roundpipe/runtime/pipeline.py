@@ -34,6 +34,7 @@ from roundpipe.runtime.optimizer_steps import OptimizerSteps
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
 from roundpipe.runtime.planning import Planner, RuntimePlan
 from roundpipe.runtime.report import Recorder
+from roundpipe.runtime.router_totals import RouterTotals
 from roundpipe.runtime.step import StepOutput, StepRun
 from roundpipe.runtime.store import ParameterStore, Weights
 from roundpipe.runtime.worker import Worker
@@ -161,14 +162,14 @@ class Pipeline:
             )
         plan = self._planner.flow_plan(self._planner.decide(*input_ids.shape))
         eager = self._updates.eager(accumulate, self.config.optimizer_mode)
-        step = self._run(microbatches, loss_tokens or total, plan, eager)
+        step = self._run(microbatches, loss_tokens or total, plan, eager, total)
         self.last_plan = plan
         self._planner.advance_start_device(plan)
         self._planner.observe(self._recorder.last_spans, plan, input_ids.numel() / len(microbatches))
         self._steps_run += 1
         self._grads_pending = True
         self._stepped_eagerly = eager
-        return StepOutput(step.loss_sum / total, total)
+        return StepOutput(step.loss_sum / total + _router_loss(step), total)
 
     def evaluate(
         self,
@@ -197,7 +198,7 @@ class Pipeline:
         plan = self._planner.flow_plan(self._planner.decide(*input_ids.shape))
         step = self._run(microbatches, total, plan, eager=False)
         self.store.zero_grads()
-        return StepOutput(step.loss_sum / total, total)
+        return StepOutput(step.loss_sum / total + _router_loss(step), total)
 
     def step(self) -> None:
         """Complete the optimizer update for the gradients accumulated so far, then zero them."""
@@ -329,6 +330,7 @@ class Pipeline:
             step = self._new_step(microbatches, total, plan, eager=False)
             with self._recorder.recording():
                 self._executor.run(step)
+            _router_loss(step)  # not reported: gives the statistics' download buffers back
             spans += self._recorder.last_spans
         self.store.zero_grads()
         times = layer_times_from_spans(spans, self._planner.names)
@@ -383,35 +385,59 @@ class Pipeline:
             microbatch_count=count,
         )
 
-    def _run(self, microbatches, total: int, plan: FlowPlan, eager: bool) -> StepRun:
+    def _run(
+        self, microbatches, total: int, plan: FlowPlan, eager: bool, batch_tokens: int | None = None
+    ) -> StepRun:
         """One forward and backward over the workers, on the compute copy of this optimizer step."""
         self.store.set_read_buffer(self._updates_run)
-        step = self._new_step(microbatches, total, plan, eager)
+        step = self._new_step(microbatches, total, plan, eager, batch_tokens)
         self.weight_bound = plan.table.weight_bound
         with self._recorder.recording():
             self._executor.run(step)
         return step
 
-    def _new_step(self, microbatches, total: int, plan: FlowPlan, eager: bool) -> StepRun:
+    def _new_step(
+        self, microbatches, total: int, plan: FlowPlan, eager: bool, batch_tokens: int | None = None
+    ) -> StepRun:
+        """``total``: the label tokens the gradient is divided by; ``batch_tokens``: this batch's
+        (the router loss's share of the step is theirs over ``total``)."""
         exchange = Exchange(lambda: self.backend.aborted)
-        return StepRun(
+        step = StepRun(
             self._steps_run, microbatches, total, plan, eager, exchange, self._hostq, self._updates
         )
+        loss = self.adapter.router_loss
+        if loss is not None:
+            routers = [layer.index for layer in self.adapter.layers if getattr(layer, "routers", ())]
+            expected = {(i, j) for i in routers for j in range(len(microbatches))}
+            seed = step.grad_seed * (batch_tokens or total)
+            step.router = RouterTotals(loss, expected, seed, exchange, self.store.host.pool.release)
+        return step
 
     def _check_open(self) -> None:
         if self._closed:
             raise PipelineStateError("this pipeline is closed; wrap the model again")
 
 
+def _router_loss(step: StepRun) -> float:
+    """The batch's ``coef * aux`` (0.0 without a router load-balancing loss), as HF adds it."""
+    return step.router.value() if step.router is not None else 0.0
+
+
 def _layers_with_dropout(adapter) -> set[int]:
-    """Layers whose forward draws random numbers in training mode (dropout), so recompute must replay them."""
+    """Layers whose forward draws random numbers in training mode (dropout, router jitter), so
+    recompute must replay them."""
     out = set()
-    attn_p = float(getattr(adapter.config, "attention_dropout", 0.0) or 0.0)
+    # Attention dropout, and a MoE router's jitter (Mixtral, PhiMoE: its input times uniform noise).
+    block_p = max(
+        float(getattr(adapter.config, a, 0.0) or 0.0) for a in ("attention_dropout", "router_jitter_noise")
+    )
     for layer in adapter.layers:
         mods = list(layer.module.modules())
         training = any(m.training for m in mods)
         if not training:
             continue
-        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in mods) or (layer.kind == "block" and attn_p > 0):
+        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in mods) or (
+            layer.kind == "block" and block_p > 0
+        ):
             out.add(layer.index)
     return out

@@ -25,6 +25,7 @@ class TaskFlow:
     layers_bwd: range = range(0)  # layers run with grad and backpropagated
     consumes: list[tuple] = field(default_factory=list)
     produces: list[tuple] = field(default_factory=list)  # activations left on the CPU / gradients sent down
+    first_forward: bool = False  # layers_bwd run their forward here for the first time (no F ran it)
 
     @property
     def layers(self) -> range:
@@ -39,6 +40,7 @@ class TaskFlow:
             op.work.bwd_layers,
             op.consumes,
             op.produces,
+            op.work.first_forward or (bool(op.work.bwd_layers) and not op.work.recompute),
         )
 
 
@@ -54,8 +56,9 @@ class FlowPlan:
 
 
 def build_flow_plan(table: ScheduleTable, fuse: bool = True) -> FlowPlan:
-    """``fuse=False`` (profiling) runs the head's F and B as separate tasks even when adjacent, and
-    every forward task over its whole stage.
+    """``fuse=False`` (profiling, and a loss that needs every forward before any backward) runs the
+    head's F and B as separate tasks even when adjacent, and every forward task over its whole
+    stage.
 
     Raises:
         NotImplementedError: the table has ``I`` or ``W`` tasks (a split backward).

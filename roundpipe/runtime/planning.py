@@ -71,6 +71,9 @@ class Planner:
         self._last: Decision | None = None
         self._plans: dict[tuple, FlowPlan] = {}
         self._start_device = 0
+        # The loss needs every forward of the step before any backward (a router load-balancing
+        # loss): only tables that run so (``schedule.check.runs_forwards_first``).
+        self.forwards_first = getattr(adapter, "router_loss", None) is not None
 
     @property
     def num_devices(self) -> int:
@@ -118,7 +121,7 @@ class Planner:
         """The configured values, "auto" parts provisional (nothing measured yet)."""
         c, d, n = self.config, self.num_devices, len(self.names)
         waiting = "until the first batch is profiled"
-        policy = PROVISIONAL_POLICY if c.policy == "auto" else c.policy
+        policy = self._auto_policies()[0] if c.policy == "auto" else c.policy
         why = {
             "policy": GIVEN
             if c.policy != "auto"
@@ -142,6 +145,14 @@ class Planner:
             why["num_microbatches"] = GIVEN
         return Decision(policy, forward, backward, m, why)
 
+    def _auto_policies(self) -> list[str]:
+        """The policies ``"auto"`` chooses among (the provisional one first): in strict order, a
+        loss that needs every forward first keeps to the policies whose tables run so."""
+        known = [p for p in POLICIES if p in known_policies()]
+        if self.forwards_first and self.config.order == "strict":
+            return [p for p in known if POLICIES[p].forwards_first]
+        return sorted(known, key=lambda p: p != PROVISIONAL_POLICY)  # stable: registry order after it
+
     def _chosen(self, batch: int, seq_len: int) -> Decision:
         """Choose the automatic parts from the measured times (``roundpipe.sim.choice``)."""
         from roundpipe.sim.choice import PREDICTION, choose, speedup, stage_count
@@ -153,7 +164,7 @@ class Planner:
             options.setdefault("round_size", c.round_size)
         if c.policy != "auto" and not isinstance(c.partition, tuple):
             stage_count(c.policy, d, options, len(self.names))  # too many stages: say so as ConfigError
-        policies = [c.policy] if c.policy != "auto" else [p for p in POLICIES if p in known_policies()]
+        policies = [c.policy] if c.policy != "auto" else self._auto_policies()
         partition = self._given_partitions() if isinstance(c.partition, tuple) else c.partition or "default"
         try:
             choice = choose(
@@ -314,8 +325,27 @@ class Planner:
                 )
             else:
                 self._check_schedule(table)
-            plan = self._plans[key] = build_flow_plan(table)
+            if self.forwards_first:
+                self._check_forwards_first(table)
+            # A loss over every forward: the head's F and B run apart (a fused pair would be a
+            # backward waiting for the forwards of its own kind) and every forward over its whole
+            # stage (so that no backward is the first to run a layer's forward).
+            plan = self._plans[key] = build_flow_plan(table, fuse=not self.forwards_first)
         return plan
+
+    def _check_forwards_first(self, table) -> None:
+        from roundpipe.schedule.check import runs_forwards_first
+
+        strict = self.config.order == "strict"
+        if not runs_forwards_first(table, in_order=strict):
+            fit = ", ".join(repr(p) for p in POLICIES if POLICIES[p].forwards_first)
+            raise ConfigError(
+                f"the model's router load-balancing loss counts every MoE layer's expert choices over "
+                f"the whole batch before any gradient can flow, but this {table.policy} table runs a "
+                f"backward before the step's last forward in strict order: use policy={fit} (or "
+                f"'auto'), order='ready' (any policy, run with that barrier), or set "
+                f"model.config.output_router_logits = False"
+            )
 
     def advance_start_device(self, plan: FlowPlan) -> None:
         """Deal the next call's first stage to the device after the one that ran the last deal

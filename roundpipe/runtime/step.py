@@ -59,6 +59,7 @@ class StepRun:
         self.eager = eager
         self.exchange = exchange
         self.grad_seed = updates.loss_scale() / total_tokens
+        self.router = None  # RouterTotals when the model adds a router load-balancing loss
         self.loss_sum = 0.0
         self._hostq, self._updates = hostq, updates
         store = updates.store

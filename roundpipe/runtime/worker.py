@@ -259,12 +259,28 @@ class Worker:
     def _pick_ready(self, step: StepRun, remaining: list[TaskFlow]) -> int:
         while True:
             for n, f in enumerate(remaining):
-                if all(step.exchange.has(k) for k in f.consumes):
+                if all(step.exchange.has(k) for k in f.consumes) and self._totals_ready(step, f):
                     return n
             self.status = "ready order: no task ready; waiting for " + ", ".join(
                 f"{f.task}" for f in remaining[:4]
             )
             step.exchange.wait_for_change()
+
+    # ----------------------------------------------------------------- router statistics
+    def _router_layers(self, layers: range) -> list[int]:
+        return [i for i in layers if getattr(self.pipe.adapter.layers[i], "routers", ())]
+
+    def _router_pairs(self, flow: TaskFlow) -> list[tuple[int, int]]:
+        """The (router layer, microbatch) pairs whose statistics this op computes: the forwards it
+        runs first (router_totals.py), in the order it runs them."""
+        first = list(flow.layers_fwd) + (list(flow.layers_bwd) if flow.first_forward else [])
+        return [(i, flow.task.microbatch) for i in self._router_layers(first)]
+
+    def _totals_ready(self, step: StepRun, flow: TaskFlow) -> bool:
+        """A backward over router layers is ready once every other op's statistics are put."""
+        if step.router is None or not self._router_layers(flow.layers_bwd):
+            return True
+        return step.router.ready(set(self._router_pairs(flow)))
 
     def _wait_for_the_device(self, label: str) -> None:
         """Block the host until the compute ``ISSUE_AHEAD`` tasks back has finished.
@@ -311,19 +327,21 @@ class Worker:
         produced = {key: Slot() for key in flow.produces}
         param_grads = self._accumulator(step, flow) if flow.layers_bwd else Slot()
         loss_slot = Slot()
+        stats_slot = Slot()  # the router statistics this op computes (router_totals.py)
         self.status = f"{label}: issued"
 
         def compute():
             self._compute(
-                step, flow, residents, inputs.value, ctx.value, incoming, produced, param_grads, loss_slot
-            )
+                step, flow, residents, inputs.value, ctx.value, incoming, produced, param_grads, loss_slot,
+                stats_slot,
+            )  # fmt: skip
 
         kind = "FB" if flow.fused_with else t.kind
         streams["compute"].submit(compute, (label, kind))
         computed = streams["compute"].record_event()
         self._computed.append(computed)
         streams["d2h"].wait_event(computed)
-        done = self._issue_downloads(step, flow, label, produced, loss_slot)
+        done = self._issue_downloads(step, flow, label, produced, loss_slot, stats_slot)
         self._downloaded.append(done)
         if flow.layers_bwd:
             self._acc_count += 1
@@ -357,7 +375,7 @@ class Worker:
             incoming[key] = dev_slot
         return incoming
 
-    def _issue_downloads(self, step: StepRun, flow: TaskFlow, label: str, produced, loss_slot):
+    def _issue_downloads(self, step: StepRun, flow: TaskFlow, label: str, produced, loss_slot, stats_slot):
         """Download what the compute produced (on ``d2h``, after it) into host hand-offs and put
         them in the exchange; returns the event that fires when the downloads are done."""
         dev, streams = self.device, self.streams
@@ -371,10 +389,15 @@ class Worker:
             )
             for key in produced
         }
-        host_loss = Slot()
+        host_loss, host_stats = Slot(), Slot()
 
         def download():
             try:
+                if stats_slot.value is not None:
+                    stats, stats_slot.value = stats_slot.value, None
+                    host_stats.value = dev.to_host(stats)
+                    dev.ledger.release(stats, f"router.{flow.task.microbatch}", "activations")
+                    del stats
                 for key, s in produced.items():
                     v, s.value = s.value, None
                     host_out[key].fill(dev.to_host(v))
@@ -396,6 +419,9 @@ class Worker:
             step.exchange.put(key, s, done, step.flow_plan.consumers[key])
         if flow.layers_bwd and flow.layers_bwd.stop == self.pipe.store_num_layers:
             step.on_loss(host_loss, done)
+        pairs = self._router_pairs(flow) if step.router is not None else []
+        if pairs:
+            step.router.put(pairs, host_stats, done)
         return done
 
     def _accumulator(self, step: StepRun, flow: TaskFlow) -> Slot:
@@ -456,8 +482,9 @@ class Worker:
 
     # ----------------------------------------------------------------- compute (compute stream)
     def _compute(
-        self, step, flow, residents: list[Resident], inputs, ctx, incoming, produced, param_grads, loss_slot
-    ) -> None:
+        self, step, flow, residents: list[Resident], inputs, ctx, incoming, produced, param_grads, loss_slot,
+        stats_slot,
+    ) -> None:  # fmt: skip
         dev = self.device
         t = flow.task
         layer_name = None
@@ -468,17 +495,27 @@ class Worker:
         try:
             start = flow.layers.start
             x = inputs.input_ids if start == 0 else incoming[("act", start, t.microbatch)].value
+            stats: list[torch.Tensor] = []  # router statistics, in _router_pairs order
             with torch.no_grad():
                 for i in flow.layers_fwd:
                     layer_name = self.pipe.adapter.layers[i].name
                     x = self._run_layer(step, i, weights, x, ctx, t.microbatch)
+                    got = ctx.router_logits.pop(i, None)
+                    if got:
+                        stats.append(step.router.loss.stats(got, ctx.inputs.attention_mask))
+                    del got
                     key = ("act", i + 1, t.microbatch)
                     if key in produced:
                         self._produce(produced[key], x, f"act[{i + 1}].{t.microbatch}", "d2h")
             if flow.layers_bwd:
                 layer_name = None
-                self._backward(step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot)
+                self._backward(step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot, stats)
             del x
+            if stats:
+                packed = torch.stack(stats)
+                stats.clear()
+                self._produce(stats_slot, packed, f"router.{t.microbatch}", "d2h")
+                del packed
             for key, s in incoming.items():
                 v, s.value = s.value, None
                 dev.ledger.release(v, f"{key[0]}[{key[1]}].{key[2]}", "activations")
@@ -512,7 +549,9 @@ class Worker:
                 return layer.forward(module, x, ctx)
         return layer.forward(module, x, ctx)
 
-    def _backward(self, step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot) -> None:
+    def _backward(
+        self, step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot, stats
+    ) -> None:
         pipe, dev = self.pipe, self.device
         t = flow.task
         mb = t.microbatch
@@ -532,18 +571,33 @@ class Worker:
             for p, param in zip(pieces, params)
         ]
         try:
+            routed: list = []  # router logits of this stage's layers (with their graph)
             with torch.enable_grad():
                 y = x
                 for i in r:
                     y = self._run_layer_named(step, i, weights, y, ctx, mb, t)
+                    got = ctx.router_logits.pop(i, None)
+                    if got:
+                        routed.append(got)
+                        if flow.first_forward:
+                            stats.append(step.router.loss.stats(got, ctx.inputs.attention_mask))
+                    del got
                 if r.stop == pipe.store_num_layers:
                     self._produce(loss_slot, y.detach(), f"loss.{mb}", "d2h")
                     seed = y.new_full(y.shape, step.grad_seed)  # a fill kernel: no host-to-device copy
                 else:
                     seed = incoming[("grad", r.stop, mb)].value
+                outputs, seeds = [y], [seed]
+                if routed:  # this stage's share of the load-balancing loss, on the batch's totals
+                    term = self._router_term(step, flow, routed, stats, ctx)
+                    outputs.append(term)
+                    seeds.append(term.new_full((), step.router.seed))
+                    del term
+                routed.clear()
                 wrt = ([x0] if grad_in else []) + params
                 if wrt:
-                    torch.autograd.backward([y], grad_tensors=[seed], inputs=wrt)
+                    torch.autograd.backward(outputs, grad_tensors=seeds, inputs=wrt)
+                del outputs, seeds
         finally:
             for h in hooks:
                 h.remove()
@@ -554,6 +608,22 @@ class Worker:
         for p in made:
             dev.hand_over(acc[p], self.streams["d2h_grads"])
             dev.ledger.reserve(acc[p], f"grads:{t.stage}", "grads")
+
+    def _router_term(self, step, flow, routed, stats, ctx) -> torch.Tensor:
+        """The differentiable ``coef * aux`` share of the routers in ``routed`` (compute stream):
+        the batch's totals are every other op's statistics (waited for on the host, then uploaded)
+        plus this op's own."""
+        rl = step.router.loss
+        own = set(self._router_pairs(flow))
+        self.status = f"{flow.task}: waiting for the router statistics of the batch"
+        others = step.router.totals(own, lambda: self.pipe.backend.aborted)
+        totals = self.device.to_device(others)
+        if stats:
+            totals = totals + torch.stack(stats).sum(0)
+        weights = rl.weights(totals)
+        mask = ctx.inputs.attention_mask
+        terms = [rl.term(got, mask, weights) for got in routed]
+        return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
 
     @staticmethod
     def _into(acc: dict, piece, made: list):
