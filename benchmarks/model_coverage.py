@@ -11,10 +11,14 @@ suite's other rule: weights equal plain fp32 to rtol 1e-4, atol 1e-6). Each fami
 subprocess of its own with a time limit, so a crash, an out-of-memory kill or a hang in one cannot
 stop the walk.
 
-    python benchmarks/model_coverage.py [--only llama,gpt2] [--timeout 120] [--out PATH] [--docs PATH]
+    python benchmarks/model_coverage.py [--only llama,gpt2 [--update]] [--timeout 120] [--out PATH] [--docs PATH]
 
 Writes ``benchmarks/results/model_coverage.json`` and ``docs/models.md``; ``--only`` writes
-``benchmarks/results/model_coverage_only.json`` and leaves the docs alone unless ``--docs`` is given.
+``benchmarks/results/model_coverage_only.json`` and leaves the docs alone unless ``--docs`` is given;
+``--only ... --update`` replaces those families' rows in the full walk's JSON and docs.
+
+MoE families whose forward adds a router load-balancing loss (HF's ``load_balancing_loss_func``) get
+a third run, in full with ``output_router_logits=True`` (``row["router"]``, a section of the docs).
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ STEPS = 3
 BATCH, SEQ, LEFT_PAD = 2, 16, 3
 MAX_PARAMS = 5_000_000
 ROUNDPIPE = dict(devices="cpu:2", num_microbatches=2, policy="roundpipe", partition=None, dtype="fp32")
+# MoE families whose forward adds a router load-balancing loss: a third run with it on. The loss
+# needs every forward before the first backward, so the policy is left to the automatic choice (gpipe).
+ROUTER = dict(devices="cpu:2", num_microbatches=2, dtype="fp32")
+ROUTER_COEF = 0.5  # HF's defaults (0.001-0.01) are too small for a wrong auxiliary gradient to show
 # init_lora_weights=False (random B, as tests/test_generic_families.py): with peft's default B = 0
 # every lora_B starts at zero and Adam's first steps move it by about lr whatever its gradient's
 # round-off, so plain fp32 sometimes lands unusually close to float64 and the 2x rule fails by
@@ -72,8 +80,9 @@ def families() -> list[tuple[str, str]]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
 
 
-def build_tiny(model_type: str):
-    """The family's tiny model: fp32, seed 0, deterministic. Raises NotRunnable with the reason."""
+def build_tiny(model_type: str, router_loss: bool = False):
+    """The family's tiny model: fp32, seed 0, deterministic (``router_loss``: with
+    ``output_router_logits=True`` and coefficient ``ROUTER_COEF``). Raises NotRunnable with the reason."""
     import torch
     import transformers
 
@@ -86,6 +95,8 @@ def build_tiny(model_type: str):
     try:
         model_class, tiny = _causal_lm_config(tiny_config(config))
         _make_deterministic(tiny)
+        if router_loss:
+            tiny.output_router_logits, tiny.router_aux_loss_coef = True, ROUTER_COEF
         with torch.device("meta"):
             count = sum(p.numel() for p in model_class._from_config(tiny).parameters())
         if count > MAX_PARAMS:
@@ -212,9 +223,9 @@ def _relative(name: str, prefix: str) -> str:
     return name[len(prefix) :] if prefix and name.startswith(prefix) else name
 
 
-def run_mode(model, batch: dict, mode: str) -> dict:
-    """Train ``mode`` (``full`` or ``lora``) with roundpipe and plain PyTorch; one result dict with
-    ``kind`` exact / inexact / refused / failed / unavailable and a ``detail``."""
+def run_mode(model, batch: dict, mode: str, config: dict = ROUNDPIPE) -> dict:
+    """Train ``mode`` (``full`` or ``lora``) with roundpipe (``config``) and plain PyTorch; one result
+    dict with ``kind`` exact / inexact / refused / failed / unavailable and a ``detail``."""
     import torch
     from reference import pipeline_train, reference_train
 
@@ -229,7 +240,7 @@ def run_mode(model, batch: dict, mode: str) -> dict:
         except Exception as exc:
             return {"kind": "unavailable", "detail": f"peft refused the model: {_one_line(exc)}"}
     try:
-        got = pipeline_train(model, batch, STEPS, **ROUNDPIPE)
+        got = pipeline_train(model, batch, STEPS, **config)
     except roundpipe.RoundpipeError as exc:
         return {"kind": "refused", "detail": f"{type(exc).__name__}: {_one_line(exc)}"}
     except Exception as exc:
@@ -367,7 +378,18 @@ def one_family(model_type: str) -> dict:
     row["full"] = run_mode(model, batch, "full")
     row["lora"] = run_mode(model, batch, "lora")
     row["outcome"], row["detail"] = outcome(row["full"], row["lora"])
+    if adds_router_loss(model):
+        try:
+            row["router"] = run_mode(build_tiny(model_type, router_loss=True), batch, "full", ROUTER)
+        except NotRunnable as exc:
+            row["router"] = {"kind": "unavailable", "detail": str(exc)}
     return row
+
+
+def adds_router_loss(model) -> bool:
+    """The family's forward adds a router load-balancing loss when ``output_router_logits`` is on."""
+    module = sys.modules.get(type(model).__module__)
+    return hasattr(model.config, "output_router_logits") and hasattr(module, "load_balancing_loss_func")
 
 
 def _one_line(exc: BaseException, limit: int = 200) -> str:
@@ -441,6 +463,7 @@ def write_json(path: Path, rows: list[dict], command: str, timeout: float) -> No
             "steps": STEPS,
             "batch": f"{BATCH} x {SEQ} tokens, first sequence left-padded by {LEFT_PAD}",
             "roundpipe": {k: v for k, v in ROUNDPIPE.items()},
+            "router_loss": {**ROUTER, "router_aux_loss_coef": ROUTER_COEF},
             "lora": LORA,
             "timeout_s": timeout,
         },
@@ -475,6 +498,27 @@ def write_docs(path: Path, rows: list[dict], command: str) -> None:
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     lines += ["", "## Counts", "", "| outcome | families |", "|---|---|"]
     lines += [f"| {kind} | {n} |" for kind, n in counts(rows).items()]
+    routed = [r for r in rows if "router" in r]
+    if routed:
+        exact = sum(r["router"]["kind"] == "exact" for r in routed)
+        lines += [
+            "",
+            "## Router load-balancing loss",
+            "",
+            f"The {len(routed)} families whose forward adds HF's `load_balancing_loss_func` when "
+            f"`output_router_logits=True`, trained in full once more with it on (coefficient "
+            f'{ROUTER_COEF}; `RunConfig(devices="cpu:2", num_microbatches=2)`, the automatic choice, '
+            f"which keeps to policies that run every forward first): {exact} exact.",
+            "",
+            "| model_type | outcome | detail |",
+            "|---|---|---|",
+        ]
+        lines += [
+            "| "
+            + " | ".join(_cell(c) for c in (r["model_type"], r["router"]["kind"], r["router"]["detail"]))
+            + " |"
+            for r in routed
+        ]
     lines += ["", "## How it is measured", "", HOW.strip(), "", "```", command, "```", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
@@ -528,8 +572,16 @@ def main() -> None:
     ap.add_argument(
         "--docs", type=Path, help=f"markdown page (default {DOCS.relative_to(REPO)}; not with --only)"
     )
+    ap.add_argument(
+        "--update",
+        action="store_true",
+        help="with --only: measure those families again and replace their rows in the full walk's "
+        "JSON and docs (the rest keep what the last full walk measured)",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the subprocess of one family
     args = ap.parse_args()
+    if args.update and not args.only:
+        ap.error("--update re-measures the families given with --only")
     if args.one:
         print(RESULT_MARK + json.dumps(one_family(args.one), default=str), flush=True)
         return
@@ -542,9 +594,16 @@ def main() -> None:
             ap.error(f"not causal-LM model types of this transformers: {', '.join(unknown)}")
     command = "python benchmarks/model_coverage.py" + "".join(f" {a}" for a in sys.argv[1:])
     rows = walk(names, args.timeout)
-    out = args.out or RESULTS / ("model_coverage_only.json" if args.only else "model_coverage.json")
+    if args.update:  # the full walk's rows, with these families measured again
+        full = RESULTS / "model_coverage.json"
+        previous = json.loads(full.read_text())
+        fresh = {r["model_type"]: r for r in rows}
+        rows = [fresh.get(r["model_type"], r) for r in previous["families"]]
+        command = f"{previous['command']}; then {command}"
+    whole = not args.only or args.update
+    out = args.out or RESULTS / ("model_coverage.json" if whole else "model_coverage_only.json")
     write_json(out, rows, command, args.timeout)
-    docs = args.docs if args.docs is not None else (None if args.only else DOCS)
+    docs = args.docs if args.docs is not None else (DOCS if whole else None)
     if docs is not None:
         write_docs(docs, rows, command)
     print(" ".join(f"{kind}: {n}," for kind, n in counts(rows).items()).rstrip(","))
