@@ -63,7 +63,8 @@ class DeviceOutOfMemory(RoundpipeError, MemoryError):
 
 
 class StageError(RoundpipeError, RuntimeError):
-    """A task failed on a worker. Carries where it failed; the original exception is ``__cause__``."""
+    """A task failed on a worker. Carries where it failed (``step`` is the pipeline's
+    ``forward_backward`` count); the original exception is ``__cause__``."""
 
     def __init__(
         self,
@@ -74,17 +75,20 @@ class StageError(RoundpipeError, RuntimeError):
         microbatch: int | None = None,
         device: str | None = None,
         task: str | None = None,
+        step: int | None = None,
     ):
-        self.stage, self.layer, self.microbatch, self.device, self.task = (
+        self.stage, self.layer, self.microbatch, self.device, self.task, self.step = (
             stage,
             layer,
             microbatch,
             device,
             task,
+            step,
         )
         where = ", ".join(
             f"{k}={v}"
             for k, v in (
+                ("step", step),
                 ("task", task),
                 ("stage", stage),
                 ("layer", layer),

@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -90,9 +91,11 @@ class CpuStream(Stream):
         now = "idle" if cur is None else f"{cur[0]} for {time.perf_counter() - cur[1]:.1f}s"
         return f"{self.name} {now}, {self._queue.qsize()} queued"
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """End the stream's thread once its queue is done (``timeout``: stop waiting for a closure
+        that never returns; the daemon thread then ends with the process)."""
         self._queue.put((_STOP, None))
-        self._thread.join()
+        self._thread.join(timeout)
 
     def _loop(self) -> None:
         torch.set_num_threads(1)  # one intra-op thread per worker stream (docs/design.md §4)
@@ -105,7 +108,11 @@ class CpuStream(Stream):
                 arg.clock = dict(self.clock)
                 arg.fire(self._error)
             elif self._error is not None:
-                continue  # a poisoned stream skips work until it is reset
+                # A poisoned stream skips work until it is reset, and drops the closure now: kept
+                # in ``arg`` while the loop waits for the next one, what it captured (device tensors
+                # of the failed step) would stay alive until the next step.
+                arg = None
+                continue
             elif op == "wait":
                 self.current = ("waiting for an event of another stream", time.perf_counter())
                 try:
@@ -153,6 +160,50 @@ class CpuStream(Stream):
     def synchronize_quietly(self) -> None:
         ev = self.record_event()
         ev._done.wait()
+
+
+STOP_TIMEOUT_S = 10.0  # how long close waits for a stream's running closure to return
+
+
+class PinnedBytes:
+    """Host bytes the cpu backend has handed out as page-locked (what CUDA would pin: ``pin``, a
+    download buffer, a ``register_host``-ed block) that are still alive, process-wide.
+
+    Measured, not kept by hand: a pinned tensor counts until it is garbage (a weak reference's
+    finalizer), a registered block until ``unregister_host``. ``alive`` after every pipeline is
+    closed is what a leak would leave (``tests/test_faults.py``).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tracked = 0
+        self._registered: dict[int, int] = {}  # data_ptr -> bytes
+
+    @property
+    def alive(self) -> int:
+        with self._lock:
+            return self._tracked + sum(self._registered.values())
+
+    def track(self, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        with self._lock:
+            self._tracked += n
+        weakref.finalize(t, self._untrack, n)
+
+    def _untrack(self, n: int) -> None:
+        with self._lock:
+            self._tracked -= n
+
+    def register(self, t: torch.Tensor) -> None:
+        with self._lock:
+            self._registered[t.data_ptr()] = t.numel() * t.element_size()
+
+    def unregister(self, t: torch.Tensor) -> None:
+        with self._lock:
+            self._registered.pop(t.data_ptr(), None)
+
+
+PINNED = PinnedBytes()
 
 
 class CpuDevice(Device):
@@ -217,7 +268,21 @@ class CpuBackend(Backend):
                 )
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
+        PINNED.track(t)  # CUDA copies it into a new page-locked tensor; here it stands for one
         return t
+
+    def host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        if self.host_buffers is not None:
+            return self.host_buffers.acquire(tuple(shape), dtype)
+        t = torch.empty(shape, dtype=dtype)  # pinned on CUDA
+        PINNED.track(t)
+        return t
+
+    def register_host(self, t: torch.Tensor) -> None:
+        PINNED.register(t)
+
+    def unregister_host(self, t: torch.Tensor) -> None:
+        PINNED.unregister(t)
 
     def start_recording(self) -> None:
         self._span_lock = threading.Lock()
@@ -244,4 +309,4 @@ class CpuBackend(Backend):
         self.aborted = True
         for dev in self.devices:
             for s in dev.streams.values():
-                s.stop()
+                s.stop(timeout=STOP_TIMEOUT_S)  # a closure stuck for good (a stalled worker) stays behind

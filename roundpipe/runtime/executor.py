@@ -20,7 +20,7 @@ import traceback
 
 from roundpipe.backend import Backend, MemoryLedger
 from roundpipe.backend.cpu import Aborted
-from roundpipe.errors import RoundpipeError, StageError, WatchdogTimeout
+from roundpipe.errors import PipelineStateError, RoundpipeError, StageError, WatchdogTimeout
 from roundpipe.runtime.exchange import AbortedWait
 from roundpipe.runtime.hostqueue import HostQueue
 from roundpipe.runtime.step import StepRun
@@ -43,9 +43,15 @@ class Executor:
         self.hostq = hostq
         self.host_memory = host_memory
         self.watchdog_s = watchdog_s
+        self.broken: str | None = None  # why no further step can run (see _recover)
 
     def run(self, step: StepRun) -> None:
         """Run ``step`` to completion: every stream and host job done, or raise its root error."""
+        if self.broken is not None:
+            raise PipelineStateError(
+                f"this pipeline cannot run another step: {self.broken}. Save its state (state_dict, "
+                "export_to), close it and wrap the model again"
+            )
         errors: list[BaseException] = []
 
         def worker_main(worker: Worker, flows) -> None:
@@ -79,7 +85,14 @@ class Executor:
         late = self._recover(threads)
         for e in late + errors:
             _drop_frames(e)
-        raise _root_error(timed_out, late + errors)
+        root = _root_error(timed_out, late + errors)
+        if self.broken is not None:
+            root.add_note(
+                f"this pipeline cannot run another step: {self.broken}. The last completed step's "
+                "weights and optimizer state are on the host: save them (state_dict, export_to), "
+                "close the pipeline and wrap the model again, or restart the process"
+            )
+        raise root
 
     def _watch(self, threads, errors) -> tuple[list | None, WatchdogTimeout | None]:
         """Poll until all work is done, an error is reported, or nothing progresses for too long.
@@ -117,10 +130,28 @@ class Executor:
 
     def _recover(self, threads) -> list[BaseException]:
         """After a failure: stop every wait, let threads end, and leave the pipeline reusable.
-        Returns the errors the streams and the host thread reported meanwhile."""
+        Returns the errors the streams and the host thread reported meanwhile.
+
+        Work already running cannot be stopped (a closure on the cpu backend, a kernel on a GPU):
+        if some is still running ``recovery_grace(watchdog_s)`` after the abort (a stalled worker), the pipeline
+        is marked ``broken`` and the caller gets the error then instead of waiting on it."""
         self.backend.abort()
+        grace = recovery_grace(self.watchdog_s)
+        deadline = time.monotonic() + grace
         for t in threads:
-            t.join()
+            t.join(max(0.0, deadline - time.monotonic()))
+        quiet = [s.record_event() for d in self.backend.devices for s in d.streams.values()]
+        while not all(ev.query() for ev in quiet) or any(t.is_alive() for t in threads):
+            if time.monotonic() > deadline:
+                stuck = "; ".join(
+                    f"{d.name}: " + ", ".join(st.describe() for st in d.streams.values())
+                    for d in self.backend.devices
+                )
+                self.broken = (
+                    f"work of a failed step is still running {grace:.0f}s after it was aborted ({stuck})"
+                )
+                return list(self.backend.errors)
+            time.sleep(0.005)
         late: list[BaseException] = []
         try:
             self.hostq.drain(is_aborted=lambda: True)
@@ -133,6 +164,12 @@ class Executor:
             w.device.ledger.clear()
         self.host_memory.clear()
         return late
+
+
+def recovery_grace(watchdog_s: float) -> float:
+    """Seconds a failed step's running work has to end after the abort (a stall the watchdog
+    caught may still end by itself) before the pipeline is declared broken."""
+    return max(5.0, 2.0 * watchdog_s)
 
 
 def _drop_frames(error: BaseException) -> None:

@@ -14,6 +14,7 @@ from roundpipe.errors import OptimizerError, PipelineStateError
 from roundpipe.optim import DynamicLossScaler, LayerwiseAdamW, OptimizerConfig, clip_factor
 from roundpipe.runtime.report import Recorder
 from roundpipe.runtime.store import ParameterStore
+from roundpipe.testing import faults
 
 
 class OptimizerSteps:
@@ -23,7 +24,9 @@ class OptimizerSteps:
     errors and host spans); ``recorder`` times each step on the host lane.
 
     ``last_step_skipped``: the last deferred step found non-finite gradients (fp16) and skipped;
-    ``last_grad_norm``: the unscaled gradient norm of the last clipped step.
+    ``last_grad_norm``: the unscaled gradient norm of the last clipped step; ``partial``: layer
+    groups stepped since the last update completed (``Pipeline.step`` resets it): nonzero after a
+    failure in the middle of an update, when some layers hold the new weights and some the old.
     """
 
     def __init__(self, store: ParameterStore, names: list[str], recorder: Recorder, loss_scaling: bool):
@@ -34,6 +37,7 @@ class OptimizerSteps:
         self.scaler = DynamicLossScaler() if loss_scaling else None
         self.last_step_skipped = False
         self.last_grad_norm: float | None = None
+        self.partial = 0  # groups stepped since the last complete update (see Pipeline.abandon_step)
 
     def configure(self, config: OptimizerConfig) -> None:
         self.optimizer = LayerwiseAdamW(self.store, config)
@@ -69,6 +73,8 @@ class OptimizerSteps:
         """Step one layer's group (host or caller's thread); errors name the layer."""
         name = self.names[owner]
         try:
+            faults.point("optimizer", layer=name)
+            self.partial += 1  # counted before: a failure inside may have updated part of the group
             with self.recorder.host_span(f"optim:{name}", "optim"):
                 self.optimizer.step_group(owner, factor, publish_to)
         except BaseException as e:

@@ -97,6 +97,7 @@ class Pipeline:
         capacity = self.backend.devices[0].memory.capacity
         self.weight_cache_bytes = self.config.weight_cache_bytes or (capacity // 2 if capacity else None)
         self._steps_run = 0  # forward_backward calls: with the layer and microbatch, the dropout seeds
+        self._steps_at_update = 0  # ... as the last completed step() left it (abandon_step)
         # Optimizer steps taken: every forward_backward of optimizer step k reads compute copy k % 2
         # (async mode), also when several calls accumulate into one step.
         self._updates_run = 0
@@ -211,12 +212,37 @@ class Pipeline:
             # Publish into the copy this step read: the step after next reads it, while the next
             # one computes on the other copy (staleness exactly 1).
             publish_to = self._updates_run
-            self._hostq.submit(lambda: self._updates.deferred_step(publish_to))
-        elif not self._stepped_eagerly:
-            self._updates.deferred_step()
+
+            def update():
+                self._updates.deferred_step(publish_to)
+                self._updates.partial = 0
+
+            self._hostq.submit(update)
+        else:
+            if not self._stepped_eagerly:
+                self._updates.deferred_step()
+            self._updates.partial = 0
         self._updates_run += 1
         self._grads_pending = False
         self._stepped_eagerly = False
+        self._steps_at_update = self._steps_run
+
+    def abandon_step(self) -> bool:
+        """After a failure: drop what the unfinished optimizer step left (accumulated gradients, the
+        calls counted since the last ``step()``) so that the pipeline is exactly as the last completed
+        step left it, and return True; or return False, leaving everything, when part of the update
+        has already been applied (an eager update that failed half-way, a failed async update):
+        then no consistent state is left to save or continue from."""
+        self._check_open()
+        with contextlib.suppress(BaseException):
+            self._hostq.drain()  # a failed async update surfaces here: it is judged by `partial`
+        if self._updates.partial:
+            return False
+        self.store.zero_grads()
+        self._steps_run = self._steps_at_update
+        self._grads_pending = False
+        self._stepped_eagerly = False
+        return True
 
     def zero_grad(self) -> None:
         self.store.zero_grads()
@@ -268,7 +294,7 @@ class Pipeline:
         masters = sd["masters"]
         self._hostq.drain()
         load_masters(self.store, masters)
-        self._steps_run = sd.get("steps_run", 0)
+        self._steps_run = self._steps_at_update = sd.get("steps_run", 0)
         self._updates_run = sd.get("updates_run", self._steps_run)
         if self.store.double_buffer and "stale" in sd:
             load_stale(self.store, sd["stale"], self._updates_run)

@@ -74,7 +74,10 @@ class WeightResidency:
             self._release(i)
 
     def reset(self) -> None:
-        """Forget every layer after a failed step (the backend has been drained and reset)."""
+        """Forget every layer after a failed step (the backend has been drained and reset). The
+        slots are emptied too: the failed step's closures, kept by its traceback, still hold them."""
+        for r in self.layers.values():
+            r.slot.value = None
         self.layers.clear()
 
     def _beyond_budget(self, keep: set[int], evict: list[int], remaining: list[TaskFlow]) -> list[int]:

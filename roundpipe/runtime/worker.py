@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 from roundpipe.backend import Device
-from roundpipe.errors import RoundpipeError, StageError
+from roundpipe.errors import DeviceOutOfMemory, RoundpipeError, StageError
 from roundpipe.models.base import MicrobatchInputs
 from roundpipe.runtime.exchange import HandOff, Slot
 from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.residency import Resident, WeightResidency
+from roundpipe.testing import faults
 
 if TYPE_CHECKING:
     from roundpipe.runtime.pipeline import Pipeline
@@ -89,6 +90,7 @@ class Worker:
         self._shells: dict[int, list[tuple[nn.Module, nn.Module, str, bool, int]]] = {}
         self._context_module: Slot | None = None
         self._ctx: tuple | None = None  # (microbatch, inputs slot, context slot, ledger-held slot)
+        self._slots: list[Slot] = []  # what the current step's tasks fill
         self.status = "idle"
         self.tasks_done = 0
         self._computed: list = []  # compute-done event of each issued task, in issue order
@@ -98,10 +100,24 @@ class Worker:
         return sum(1 for ev in self._computed if ev.query())
 
     def reset(self) -> None:
-        """Forget all device state after a failed step (the backend has been drained and reset)."""
+        """Forget all device state after a failed step (the backend has been drained and reset).
+
+        Every slot the step's tasks filled is emptied as well: the error's traceback keeps the
+        failed closures' frames, and through them what the closures captured, for as long as the
+        caller keeps the error; emptied slots hold no device tensor.
+        """
         self.weights.reset()
+        for slot in self._slots:
+            slot.value = None
+        self._slots = []
+        if self._ctx is not None:
+            for slot in self._ctx[1:]:
+                slot.value = None
         self._ctx = None
+        if self._context_module is not None:
+            self._context_module.value = None
         self._context_module = None
+        self._acc = None
         self.status = "idle"
 
     def release_all(self) -> None:
@@ -187,6 +203,7 @@ class Worker:
             for t in (getattr(step.microbatches[mb], f.name) for f in dataclasses.fields(MicrobatchInputs))
         ]
         inputs, ctx, held = Slot(), Slot(), Slot([])  # held: what the ledger books for them
+        self._slots += [inputs, ctx, held]
         compute, h2d = self.streams["compute"], self.streams["h2d"]
 
         def upload():
@@ -239,6 +256,7 @@ class Worker:
         a hint, readiness decides), so an order that would deadlock strictly still completes.
         """
         remaining = list(flows)
+        self._slots: list[Slot] = []  # what this step's tasks fill (emptied by reset after a failure)
         self._computed = []
         self._downloaded: list = []  # downloads-done event of each issued task
         self._grads_downloaded: list = []  # downloads-done event of each flushed accumulator
@@ -328,6 +346,8 @@ class Worker:
         param_grads = self._accumulator(step, flow) if flow.layers_bwd else Slot()
         loss_slot = Slot()
         stats_slot = Slot()  # the router statistics this op computes (router_totals.py)
+        self._slots += [*incoming.values(), *produced.values(), param_grads, loss_slot, stats_slot]
+        self._slots += [r.slot for r in residents]
         self.status = f"{label}: issued"
 
         def compute():
@@ -364,7 +384,14 @@ class Worker:
                 streams["h2d"].wait_event(event)
             what = f"{key[0]}[{key[1]}].{key[2]}"
 
-            def up(host_slot=host_slot, dev_slot=dev_slot, what=what):
+            def up(host_slot=host_slot, dev_slot=dev_slot, what=what, mb=key[2]):
+                try:
+                    faults.point("upload", step=step.index, device=dev.name)
+                except BaseException as e:
+                    raise StageError(
+                        f"upload of {what} for {label} failed: {e}", task=label, microbatch=mb,
+                        device=dev.name, step=step.index,
+                    ) from e  # fmt: skip
                 t = dev.to_device(host_slot.value)
                 dev.hand_over(t, streams["compute"])
                 dev.ledger.reserve(t, what, "activations")
@@ -393,6 +420,7 @@ class Worker:
 
         def download():
             try:
+                faults.point("download", step=step.index, device=dev.name)
                 if stats_slot.value is not None:
                     stats, stats_slot.value = stats_slot.value, None
                     host_stats.value = dev.to_host(stats)
@@ -411,7 +439,10 @@ class Worker:
             except RoundpipeError:
                 raise
             except BaseException as e:
-                raise StageError(f"download after {label} failed: {e}", task=label, device=dev.name) from e
+                raise StageError(
+                    f"download after {label} failed: {e}", task=label, microbatch=flow.task.microbatch,
+                    device=dev.name, step=step.index,
+                ) from e  # fmt: skip
 
         streams["d2h"].submit(download, (f"out:{label}", "download"))
         done = streams["d2h"].record_event()
@@ -520,6 +551,15 @@ class Worker:
                 v, s.value = s.value, None
                 dev.ledger.release(v, f"{key[0]}[{key[1]}].{key[2]}", "activations")
                 del v
+        except DeviceOutOfMemory as e:  # say which task of which step ran out, and on what plan
+            if getattr(e, "task", None) is None:
+                e.task, e.layer, e.microbatch, e.step = str(t), layer_name, t.microbatch, step.index
+                e.add_note(
+                    f"while running {t} (layer {layer_name}, microbatch {t.microbatch}) of step "
+                    f"{step.index} under the {step.flow_plan.table.policy} plan of "
+                    f"{step.flow_plan.table.num_microbatches} microbatches; see pipe.plan"
+                )
+            raise
         except RoundpipeError:
             raise
         except BaseException as e:
@@ -531,6 +571,7 @@ class Worker:
                 layer=layer_name,
                 microbatch=t.microbatch,
                 device=dev.name,
+                step=step.index,
             ) from e
         finally:
             self._unbind(flow.layers)
@@ -543,6 +584,7 @@ class Worker:
 
     def _run_layer(self, step, i: int, weights, x, ctx, mb: int):
         layer = self.pipe.adapter.layers[i]
+        faults.point("forward", step=step.index, layer=layer.name, microbatch=mb, device=self.device.name)
         module = self._bound_modules(i, weights)
         if i in self.pipe.random_layers:
             with self.device.seeded(_seed(self.pipe.config.seed, step.index, i, mb)):
@@ -595,6 +637,10 @@ class Worker:
                     del term
                 routed.clear()
                 wrt = ([x0] if grad_in else []) + params
+                faults.point(
+                    "backward", step=step.index, layer=pipe.adapter.layers[r.start].name, microbatch=mb,
+                    device=dev.name,
+                )  # fmt: skip
                 if wrt:
                     torch.autograd.backward(outputs, grad_tensors=seeds, inputs=wrt)
                 del outputs, seeds
@@ -653,6 +699,7 @@ class Worker:
                 layer=self.pipe.adapter.layers[i].name,
                 microbatch=mb,
                 device=self.device.name,
+                step=step.index,
             ) from e
 
 

@@ -1,0 +1,1 @@
+"""Tools for testing roundpipe's behaviour under failure (``faults``): off unless enabled."""
