@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from roundpipe.errors import CheckpointError, ConfigError
+from roundpipe.testing import faults
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -411,6 +412,7 @@ class CheckpointManager:
         shard_names = _shard_names(len(groups))
         for shard_name, group in zip(shard_names, groups):
             _write_shard(tmp / shard_name, group)
+        faults.point("checkpoint", step=step)  # half-written: the reliability tests fail or kill here
         state_doc = {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -515,6 +517,11 @@ class CheckpointManager:
         """
         complete = self.list()
         return complete[-1] if complete else None
+
+    def latest_step(self) -> int | None:
+        """The step of :meth:`latest`, or None if there is no complete checkpoint."""
+        path = self.latest()
+        return None if path is None else int(_CHECKPOINT_NAME.match(path.name).group(1))
 
     def resolve(self, resume: str) -> Path | None:
         """Turn a ``--resume`` argument into a checkpoint directory.

@@ -1,8 +1,9 @@
 """``roundpipe train RECIPE.yaml [--set group.key=value ...] [--resume auto|PATH]``.
 
 Reads the recipe (``roundpipe.train.recipe``), runs ``Trainer.fit`` and exits 0 when the run
-completed, 130 when a signal stopped it after writing a checkpoint, 2 on a recipe or data error
-(the message says what to change).
+completed, 130 when a signal stopped it after writing a checkpoint, 2 on a recipe, data or setting
+error (the message says what to change), 1 when the run failed (one line here; the traceback, and
+whether a checkpoint of the last completed step was written, in the run's ``train.log``).
 """
 
 from __future__ import annotations
@@ -36,17 +37,25 @@ def main(argv: list[str] | None = None) -> None:
         help="continue from the newest checkpoint of the run (auto: start afresh if there is none) or from PATH",
     )
     args = ap.parse_args(argv)
-    from roundpipe.errors import RoundpipeError
+    from roundpipe.errors import ConfigError, InputError
 
     try:
+        from roundpipe.testing import faults
         from roundpipe.train.recipe import load_recipe
-        from roundpipe.train.trainer import Trainer
+        from roundpipe.train.trainer import LOG_FILE, Trainer
 
+        faults.from_environment()  # ROUNDPIPE_FAULTS: only the reliability tests set it
         config = load_recipe(args.recipe, args.overrides)
-        result = Trainer(config, resume=args.resume).fit()
-    except RoundpipeError as err:
+        trainer = Trainer(config, resume=args.resume)
+        result = trainer.fit()
+    except (ConfigError, InputError) as err:  # the recipe, the data or a setting: say what to change
         print(f"roundpipe train: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Exception as err:  # the run failed: one line here, the traceback in the run's log
+        first = str(err).splitlines()[0] if str(err) else ""
+        where = f" (traceback in {trainer.run_dir / LOG_FILE})" if "trainer" in locals() else ""
+        print(f"roundpipe train: failed: {type(err).__name__}: {first}{where}", file=sys.stderr)
+        sys.exit(1)
     if result.interrupted:
         sys.exit(130)
     summary = f"done: {result.steps} steps in {result.elapsed_s:.0f} s"

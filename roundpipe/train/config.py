@@ -179,6 +179,11 @@ class CheckpointConfig:
     keep_last: int = _f(2, "Keep this many newest checkpoints; older ones are deleted.")
     on_signal: bool = _f(True, "On SIGINT / SIGTERM finish the current step, write a checkpoint and stop.")
     at_end: bool = _f(True, "Write a checkpoint when the run completes.")
+    on_error: bool = _f(
+        True,
+        "When a step fails, write a checkpoint of the last completed step if the failure left it intact "
+        "(it did not come half-way through an optimizer update), then stop with the error.",
+    )
     export: Literal["auto", "adapter", "merged", "both", "none"] = _f(
         "auto",
         "What to export at the end: adapter (peft format), merged (save_pretrained safetensors), "

@@ -30,6 +30,8 @@ from roundpipe.errors import CheckpointError, DataError
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.lr_schedule import lr_at
 
+LOG_FILE = "train.log"  # in the run directory: every line the run printed, and a failure's traceback
+
 
 @dataclass
 class TrainResult:
@@ -78,8 +80,14 @@ class Trainer:
         config.check()
         self.config = config
         self.resume = resume
-        self.log = log
+        self._print = log
         self.run_dir = Path(config.output_dir)
+
+    def log(self, line: str) -> None:
+        """Print ``line`` and append it to the run's log file (``train.log``, once the run dir exists)."""
+        self._print(line)
+        if self.run_dir.is_dir():
+            self._log_file(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}")
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> TrainResult:
@@ -150,7 +158,12 @@ class Trainer:
                     result.eval = self._evaluate(pipe, model, splits.eval, tokenizer, 0, metrics)
                     progress.write(_eval_line(0, result.eval))
                 for step in range(start, total_steps):
-                    row = self._train_step(pipe, batches, step, total_steps)
+                    before = self._position(batches)  # where this step starts, should it fail
+                    try:
+                        row = self._train_step(pipe, batches, step, total_steps)
+                    except Exception as err:
+                        self._failed(err, manager, step, pipe, before, result)
+                        raise
                     if step == start:  # what runs from now on, and why (an "auto" choice is made by now)
                         self.log(_plan_line(pipe.plan))
                     metrics.log(row)
@@ -171,6 +184,10 @@ class Trainer:
                         result.interrupted = True
                         self.log(f"stopped at step {step + 1} of {total_steps}; resume with --resume auto")
                         break
+            except Exception as err:  # outside a step too (a checkpoint write, an evaluation)
+                if not getattr(err, "_roundpipe_logged", False):
+                    self._log_failure(err, f"the run failed after step {result.steps}")
+                raise
             finally:
                 progress.close()
                 stop.restore()
@@ -264,9 +281,12 @@ class Trainer:
         )
 
     def _train_step(self, pipe, batches, step: int, total_steps: int) -> dict:
+        from roundpipe.testing import faults
+
         cfg = self.config
         lr = lr_at(step, total_steps, cfg.optim.lr, cfg.schedule)
         pipe.set_lr(lr)
+        faults.point("data", step=step + 1)
         micro = [batches.next() for _ in range(cfg.run.grad_accum)]
         label_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
         t0 = time.perf_counter()
@@ -336,15 +356,52 @@ class Trainer:
         except Exception as e:  # a picture must not fail the run
             self.log(f"timeline not drawn: {e}")
 
-    def _save(self, manager, step: int, pipe, batches) -> Path:
-        from roundpipe.train.recipe import dump_recipe
-
-        state = {
-            "step": step,
-            "pipeline": pipe.state_dict(),
+    @staticmethod
+    def _position(batches) -> dict:
+        """The data position and host RNG states: what a checkpoint needs besides the pipeline."""
+        return {
             "data": batches.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
+
+    def _failed(self, err: Exception, manager, step: int, pipe, before: dict, result) -> None:
+        """Step ``step + 1`` raised ``err``: log it in full, and checkpoint the last completed step
+        (``step``) when the failure left it intact (``Pipeline.abandon_step``) and none holds it yet."""
+        self._log_failure(err, f"step {step + 1} failed")
+        if not self.config.checkpoint.on_error:
+            return
+        if not pipe.abandon_step():
+            self.log(
+                f"no checkpoint written: step {step + 1} failed half-way through its optimizer update "
+                "(some layers hold the new weights, some the old); resume from the last checkpoint"
+            )
+            return
+        if manager.latest_step() == step:
+            self.log(f"checkpoint of step {step} already written; resume with --resume auto")
+            return
+        try:
+            result.checkpoint = self._save(manager, step, pipe, None, position=before)
+            self.log(f"wrote a checkpoint of step {step}, the last completed one; resume with --resume auto")
+        except Exception as save_err:  # the error that stopped the run stays the one raised
+            self.log(f"could not write a checkpoint after the failure: {type(save_err).__name__}: {save_err}")
+
+    def _log_failure(self, err: Exception, what: str) -> None:
+        """One line of what failed, and the full traceback in the log file (once per error)."""
+        import traceback
+
+        self.log(f"{what}: {type(err).__name__}: {err}")
+        self._log_file("".join(traceback.format_exception(err)))
+        err._roundpipe_logged = True
+
+    def _log_file(self, text: str) -> None:
+        with contextlib.suppress(OSError), open(self.run_dir / LOG_FILE, "a", encoding="utf-8") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+
+    def _save(self, manager, step: int, pipe, batches, position: dict | None = None) -> Path:
+        from roundpipe.train.recipe import dump_recipe
+
+        position = position or self._position(batches)
+        state = {"step": step, "pipeline": pipe.state_dict(), **position}
         path = manager.save(step, state, extra_files={"config.yaml": dump_recipe(self.config).encode()})
         self.log(f"checkpoint: {path}")
         return path
