@@ -38,6 +38,7 @@ def _same(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_a_failed_step_is_logged_checkpointed_at_the_last_completed_step_and_resumed_exactly(tmp_path):
     """Step 5's second forward_backward fails in a layer: the error reaches the caller, train.log
     has the traceback, a checkpoint of step 4 is written (the failure came before any update), and
@@ -60,6 +61,7 @@ def test_a_failed_step_is_logged_checkpointed_at_the_last_completed_step_and_res
     _same(_final(run), _final(Path(clean.output_dir)))
 
 
+@pytest.mark.slow
 def test_a_failure_half_way_through_an_update_writes_no_checkpoint_and_says_why(tmp_path):
     """An eager update (no clipping) that fails in the middle leaves some layers updated: no state
     is consistent, so none is saved, and the log says to resume from the last checkpoint."""
