@@ -88,7 +88,9 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        redo = {True: "yes", False: "NO", None: "not redone: part of the update was applied"}[r["redone_exactly"]]
+        redo = {True: "yes", False: "NO", None: "not redone: part of the update was applied"}[
+            r["redone_exactly"]
+        ]
         when = "-" if r["median_s"] is None else f"{r['median_s'] * 1e3:.0f} ms"
         lines.append(f"| {r['fault']} | {r['point']} | {r['kind']} | {r['surfaced']} | {when} | {redo} |")
     (out / "fault_table.md").write_text(f"`{command}`\n\n" + "\n".join(lines) + "\n")
