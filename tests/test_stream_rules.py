@@ -229,3 +229,33 @@ def test_the_watchdog_counts_what_the_devices_finish_not_what_the_hosts_issue(mo
         )
         assert time.monotonic() - t0 > 1.0  # the step did outlast the watchdog's limit
     assert out.loss > 0
+
+
+def test_copy_byte_counts_are_exact_when_copy_streams_count_at_once():
+    """Two copy streams of one device count their bytes at the same time (h2d and h2d_weights; d2h
+    and d2h_grads): an unlocked ``+=`` from two threads loses updates (it did under CI's load)."""
+    import sys
+    import threading
+
+    from roundpipe.backend.cpu import CpuBackend
+
+    backend = CpuBackend(1, sanitize=False)
+    dev, t = backend.devices[0], torch.zeros(3)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+
+        def count():
+            for _ in range(50_000):
+                dev.count_in(t)
+                dev.count_out(t)
+
+        threads = [threading.Thread(target=count) for _ in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+        backend.close()
+    assert dev.bytes_in == dev.bytes_out == 2 * 50_000 * 12

@@ -185,8 +185,21 @@ class Device(ABC):
         self.torch_device = torch_device
         self.ledger = MemoryLedger(name, ledger_watcher)
         self.streams: dict[str, Stream] = {}
-        self.bytes_in = 0  # host -> device bytes copied (counted by to_device)
+        self.bytes_in = 0  # host -> device bytes copied (counted by to_device, copy_in)
         self.bytes_out = 0  # device -> host bytes copied (counted by to_host)
+        # Several copy streams count at once (h2d and h2d_weights, d2h and d2h_grads): an unlocked
+        # ``+=`` from two threads loses updates.
+        self._copied_lock = threading.Lock()
+
+    def count_in(self, t: torch.Tensor) -> None:
+        """Count ``t``'s bytes as copied host -> device (thread-safe)."""
+        with self._copied_lock:
+            self.bytes_in += t.numel() * t.element_size()
+
+    def count_out(self, t: torch.Tensor) -> None:
+        """Count ``t``'s bytes as copied device -> host (thread-safe)."""
+        with self._copied_lock:
+            self.bytes_out += t.numel() * t.element_size()
 
     @abstractmethod
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -202,7 +215,7 @@ class Device(ABC):
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy a host (pinned) tensor into a device tensor or a slice of one (inside an h2d closure)."""
-        self.bytes_in += src.numel() * src.element_size()
+        self.count_in(src)
         dst.copy_(src, non_blocking=True)
 
     @abstractmethod

@@ -214,13 +214,13 @@ class CpuDevice(Device):
         self.streams = {n: CpuStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        self.bytes_in += host.numel() * host.element_size()
+        self.count_in(host)
         out = torch.empty(host.shape, dtype=dtype or host.dtype)  # device memory: the sanitizer sees it
         out.copy_(host)
         return out
 
     def to_host(self, dev: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        self.bytes_out += dev.numel() * dev.element_size()
+        self.count_out(dev)
         with host_allocation():
             out = self.backend.host_empty(dev.shape, dtype or dev.dtype)
         out.copy_(dev)

@@ -121,12 +121,12 @@ class CudaDevice(Device):
         self.streams = {n: CudaStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        self.bytes_in += host.numel() * host.element_size()
+        self.count_in(host)
         out = host.to(self.torch_device, non_blocking=True)
         return out if dtype is None or dtype == out.dtype else out.to(dtype)
 
     def to_host(self, dev: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        self.bytes_out += dev.numel() * dev.element_size()
+        self.count_out(dev)
         src = dev if dtype is None or dtype == dev.dtype else dev.to(dtype)
         out = self.backend.host_empty(src.shape, src.dtype)
         out.copy_(src, non_blocking=True)
