@@ -2,7 +2,7 @@
 step redone after ``abandon_step`` ends exactly where a run without the fault ends.
 
 The faults and their expected errors are ``tests/test_faults.py``'s ``CASES`` (a tiny Llama on
-``cpu:2``, 1F1B, two microbatches, deferred updates, ``watchdog_s=1``); each is injected into the
+``cpu:2``, 1F1B, two microbatches, deferred updates, ``watchdog_s=1`` for the stall); each is injected into the
 second of three steps, five times (the median time is reported).
 
     python benchmarks/fault_table.py [--repeats 5]
@@ -42,7 +42,7 @@ def measure(case: str, repeats: int) -> dict:
     for _ in range(repeats):
         injected = copy.copy(fault)
         injected.fired, injected.step = 0, None if fault.where == "optimizer" else 1
-        with _pipe(model, watchdog_s=1.0) as pipe:
+        with _pipe(model, watchdog_s=1.0 if fault.kind == "stall" else 300.0) as pipe:
             _train(pipe, batch, 1)
             with faults.injected(injected):
                 t0 = time.perf_counter()

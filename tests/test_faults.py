@@ -85,7 +85,9 @@ def test_a_fault_surfaces_with_where_it_happened_and_the_step_is_redone_exactly(
     fault, error, where = CASES[case]
     fault.step = 1  # the second forward_backward (the optimizer point has no step: it is the second)
     fault.fired = 0
-    with _pipe(model, watchdog_s=1.0) as pipe:
+    # A 1 s watchdog only where the stall is the fault: elsewhere a loaded machine's slow task would
+    # trip it first (CI did).
+    with _pipe(model, watchdog_s=1.0 if fault.kind == "stall" else 300.0) as pipe:
         _train(pipe, batch, 1)
         plan = [fault] if fault.where != "optimizer" else [Fault("optimizer", layer=fault.layer)]
         with faults.injected(*plan) as active:
@@ -102,8 +104,8 @@ def test_a_fault_surfaces_with_where_it_happened_and_the_step_is_redone_exactly(
         if isinstance(err, DeviceOutOfMemory):
             assert err.step == 1 and "plan" in "".join(err.__notes__)
         if isinstance(err, WatchdogTimeout):  # after watchdog_s (1 s) of no progress; the stalled work
-            # ends within the recovery's wait (watchdog_s more), so the pipeline goes on
-            assert 1.0 < surfaced_s < 3.0 and "no progress" in str(err), (surfaced_s, str(err))
+            # ends within the recovery's grace (5 s), so the pipeline goes on
+            assert 1.0 < surfaced_s < 6.5 and "no progress" in str(err), (surfaced_s, str(err))
         assert pipe.abandon_step() is (fault.where != "optimizer")
         if fault.where == "optimizer":
             return  # half an update applied: nothing consistent to redo (the trainer's job to say so)
@@ -179,7 +181,7 @@ def test_nothing_leaks_over_50_open_train_close_cycles_and_20_failures(model, ba
         assert all(d.memory.in_use == 0 for d in devices)
         del pipe, devices
     assert _alive() == before
-    with _pipe(model, watchdog_s=1.0) as pipe:
+    with _pipe(model) as pipe:
         kinds = [Fault("forward", layer="layers.1"), Fault("upload"), Fault("download"), Fault("backward")]
         kinds += [Fault("forward", kind="oom")]
         for i in range(20):
