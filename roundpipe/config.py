@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +24,11 @@ def known_policies() -> list[str]:
     from roundpipe.schedule.policies import POLICIES
 
     return sorted(p for p in POLICIES if p not in _NOT_EXECUTABLE)
+
+
+def _positive_finite(value: Any) -> bool:
+    """A number above 0 and below infinity (False for NaN, a string, None, ...)."""
+    return isinstance(value, numbers.Real) and math.isfinite(value) and value > 0
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,11 @@ class RunConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if not isinstance(self.policy, str):  # before the dict lookups below, which need a hashable
+            raise ConfigError(
+                f"policy must be a name, got {type(self.policy).__name__} {self.policy!r}; choose 'auto' "
+                f"or one of {', '.join(known_policies())}"
+            )
         if self.policy in _NOT_EXECUTABLE:
             raise ConfigError(
                 f"policy {self.policy!r} cannot run yet: {_NOT_EXECUTABLE[self.policy]}; "
@@ -153,8 +166,14 @@ class RunConfig:
             raise ConfigError(f"head_shards must be a positive int, got {self.head_shards!r}")
         if not isinstance(self.copy_chunk_bytes, int) or self.copy_chunk_bytes < 1:
             raise ConfigError(f"copy_chunk_bytes must be a positive int, got {self.copy_chunk_bytes!r}")
-        if self.device_capacity is not None and self.device_capacity <= 0:
+        if self.device_capacity is not None and not _positive_finite(self.device_capacity):
             raise ConfigError(f"device_capacity must be a positive byte count, got {self.device_capacity!r}")
+        if self.weight_cache_bytes is not None and not (
+            _positive_finite(self.weight_cache_bytes) or self.weight_cache_bytes == 0
+        ):
+            raise ConfigError(
+                f"weight_cache_bytes must be a byte count (0 or more) or None, got {self.weight_cache_bytes!r}"
+            )
         for name in ("partition", "backward_partition"):  # a list (from YAML, say) means the same
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -167,10 +186,29 @@ class RunConfig:
             )
         for name in ("partition", "backward_partition"):
             sizes = getattr(self, name)
-            if sizes == "auto":
+            if isinstance(sizes, str) and sizes == "auto":
                 continue
-            if sizes is not None and (not sizes or any(not isinstance(n, int) or n < 1 for n in sizes)):
+            if sizes is not None and (
+                not isinstance(sizes, tuple)
+                or not sizes
+                or any(not isinstance(n, int) or n < 1 for n in sizes)
+            ):
                 raise ConfigError(f"{name} must list a positive number of layers per stage, got {sizes!r}")
+        if self.schedule is not None:
+            from roundpipe.schedule.table import ScheduleTable
+
+            if not isinstance(self.schedule, ScheduleTable):
+                raise ConfigError(
+                    f"schedule must be a roundpipe.schedule.ScheduleTable (ScheduleTable.from_text, "
+                    f"build_table), got {type(self.schedule).__name__}"
+                )
+        if not isinstance(self.policy_options, Mapping) or not all(
+            isinstance(k, str) for k in self.policy_options
+        ):
+            raise ConfigError(
+                f"policy_options must be a dict of option names to values (e.g. {{'virtual_stages': 2}}), "
+                f"got {self.policy_options!r}"
+            )
         if (
             self.schedule is not None
             and self.num_microbatches != "auto"
@@ -197,8 +235,8 @@ class RunConfig:
             raise ConfigError(
                 f"fp16_accumulation needs dtype='fp16', not {self.dtype!r}; set both or neither"
             )
-        if self.watchdog_s <= 0:
-            raise ConfigError(f"watchdog_s must be positive, got {self.watchdog_s!r}")
+        if not isinstance(self.watchdog_s, numbers.Real) or not self.watchdog_s > 0:  # also refuses NaN
+            raise ConfigError(f"watchdog_s must be a positive number of seconds, got {self.watchdog_s!r}")
         if not isinstance(self.verify_model, bool):
             raise ConfigError(f"verify_model must be True or False, got {self.verify_model!r}")
 

@@ -53,6 +53,11 @@ def split_batch(
             f"{getattr(input_ids, 'shape', type(input_ids).__name__)} {getattr(input_ids, 'dtype', '')}"
         )
     batch, seq = input_ids.shape
+    if batch == 0 or seq == 0:
+        raise InputError(
+            f"input_ids is empty (shape {tuple(input_ids.shape)}): a batch needs at least one sample "
+            "of at least two tokens"
+        )
     if labels is None:
         raise InputError("labels are required for training (use -100 for positions without a target)")
     for name, t in (("labels", labels), ("attention_mask", attention_mask)):
@@ -61,9 +66,23 @@ def split_batch(
                 f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(getattr(t, 'shape', ()))}"
             )
     if position_ids is not None and (
-        position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch)
+        not torch.is_tensor(position_ids)
+        or position_ids.dim() != 2
+        or position_ids.shape[1] != seq
+        or position_ids.shape[0] not in (1, batch)
     ):
-        raise InputError(f"position_ids must be [batch or 1, {seq}], got {tuple(position_ids.shape)}")
+        raise InputError(
+            f"position_ids must be a tensor of shape [batch or 1, {seq}], got "
+            f"{tuple(getattr(position_ids, 'shape', ())) or type(position_ids).__name__}"
+        )
+    for name, t in (
+        ("input_ids", input_ids),
+        ("labels", labels),
+        ("attention_mask", attention_mask),
+        ("position_ids", position_ids),
+    ):
+        if t is not None and t.is_meta:
+            raise InputError(f"{name} is a meta tensor, which holds no values: pass a tensor with data")
     m = microbatch_count(batch)
     if m > batch:
         raise InputError(

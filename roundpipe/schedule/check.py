@@ -19,7 +19,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from roundpipe.errors import ScheduleError
-from roundpipe.schedule.deps import TASK_KINDS, TaskKey, dependencies, required_tasks
+from roundpipe.schedule.deps import TASK_KINDS, TaskKey, dependencies
 
 if TYPE_CHECKING:
     from roundpipe.schedule.table import ScheduleTable, Task
@@ -38,6 +38,20 @@ def _listing(keys: list) -> str:
 
 def check_shape(table: ScheduleTable) -> None:
     """Counts and partitions make sense on their own."""
+    from roundpipe.schedule.table import Partition
+
+    for name in ("forward", "backward"):
+        part = getattr(table, name)
+        if not isinstance(part, Partition):
+            raise ScheduleError(
+                f"the {name} partition must be a Partition (e.g. Partition.from_sizes([2, 3])), got {part!r}"
+            )
+    rows = table.devices
+    if not isinstance(rows, (tuple, list)) or not all(isinstance(row, (tuple, list)) for row in rows):
+        raise ScheduleError(
+            f"a schedule table's devices must be one list of tasks per device, got {type(rows).__name__} "
+            f"{str(rows)[:80]}"
+        )
     if table.num_devices < 1:
         raise ScheduleError("a schedule table needs at least one device row")
     if not isinstance(table.num_microbatches, int) or table.num_microbatches < 1:
@@ -54,10 +68,22 @@ def check_tasks(table: ScheduleTable) -> dict[TaskKey, tuple[int, int]]:
 
     Returns where each task sits: ``TaskKey -> (device, position)``.
     """
+    from roundpipe.schedule.table import Task
+
     fwd, bwd, m = table.forward, table.backward, table.num_microbatches
     seen: dict[TaskKey, tuple[int, int]] = {}
     for d, row in enumerate(table.devices):
         for i, t in enumerate(row):
+            if not isinstance(t, Task):
+                raise ScheduleError(
+                    f"{_where(d, i)}: {t!r} is not a Task; write Task('F', stage, microbatch, device) or "
+                    f"Task.parse('F0.1', device)"
+                )
+            bad = [f for f in ("stage", "microbatch", "device") if not isinstance(getattr(t, f), int)]
+            if bad:
+                raise ScheduleError(
+                    f"{_where(d, i)}: task {t!r}: {' and '.join(bad)} must be int; e.g. Task('F', 0, 1, {d})"
+                )
             if t.kind not in TASK_KINDS:
                 raise ScheduleError(
                     f"{_where(d, i)}: task {t} has unknown kind {t.kind!r}; kinds are F, B, I, W"
@@ -95,15 +121,39 @@ def check_complete(table: ScheduleTable, located: dict[TaskKey, tuple[int, int]]
                 f"the table splits the backward into I and W but also has B tasks ({_listing(unsplit)}); "
                 f"split every backward task or none"
             )
-    needed = required_tasks(table.forward, table.backward, table.num_microbatches, split_backward=split)
-    missing = [k for k in needed if k not in located]
-    if missing:
+    # Every located task is in range and of the right kinds (check_tasks and the split check above),
+    # so the missing ones are the difference in counts, found without listing every required task:
+    # a table that claims 10**9 microbatches is refused at once instead of built up in memory.
+    m, kinds = table.num_microbatches, (2 if split else 1)
+    count = (table.forward.num_stages + kinds * table.backward.num_stages) * m
+    if len(located) < count:
+        missing = []
+        for k in _required(table.forward, table.backward, m, split):
+            if k not in located:
+                missing.append(k)
+                if len(missing) == _SHOW:
+                    break
         rule = (
             "every forward stage needs F and every backward stage needs "
             + ("I and W" if split else "B")
             + " for each microbatch"
         )
-        raise ScheduleError(f"{len(missing)} required task(s) missing: {_listing(missing)} ({rule})")
+        shown = ", ".join(str(k) for k in missing)
+        more = count - len(located) - len(missing)
+        shown += f", ... ({more} more)" if more else ""
+        raise ScheduleError(f"{count - len(located)} required task(s) missing: {shown} ({rule})")
+
+
+def _required(forward, backward, num_microbatches: int, split: bool):
+    """``required_tasks``, in its order, one at a time."""
+    for s in range(forward.num_stages):
+        for j in range(num_microbatches):
+            yield TaskKey("F", s, j)
+    kinds = ("I", "W") if split else ("B",)
+    for s in range(backward.num_stages):
+        for j in range(num_microbatches):
+            for k in kinds:
+                yield TaskKey(k, s, j)
 
 
 def validate_table(table: ScheduleTable, *, in_order: bool = True) -> None:

@@ -23,6 +23,7 @@ Pure Python: no torch import here (the simulator and tuner run without it).
 from __future__ import annotations
 
 import json
+import numbers
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -55,6 +56,8 @@ class Task:
 
     @classmethod
     def parse(cls, text: str, device: int = 0) -> Task:
+        if not isinstance(text, str):
+            raise ScheduleError(f"cannot parse task {text!r}: expected a string such as 'F3.1'")
         m = _TASK_RE.match(text.strip())
         if not m:
             raise ScheduleError(f"cannot parse task {text!r}: expected e.g. 'F3.1' (kind, stage, microbatch)")
@@ -69,14 +72,29 @@ class Partition:
 
     def __post_init__(self):
         b = self.bounds
+        if isinstance(b, (list, range)):  # the same bounds; a tuple keeps the partition hashable
+            b = tuple(b)
+            object.__setattr__(self, "bounds", b)
+        if not isinstance(b, tuple) or not all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in b
+        ):
+            raise ScheduleError(f"partition bounds must be a tuple of layer indices (ints), got {b!r}")
         if len(b) < 2 or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):
-            raise ValueError(f"partition bounds must rise strictly from 0, got {b}")
+            raise ScheduleError(
+                f"partition bounds must rise strictly from 0, got {b}; e.g. (0, 2, 5) cuts 5 layers "
+                f"into stages of 2 and 3"
+            )
 
     @classmethod
     def from_sizes(cls, sizes: list[int] | tuple[int, ...]) -> Partition:
         bounds = [0]
-        for s in sizes:
-            bounds.append(bounds[-1] + int(s))
+        try:
+            for s in sizes:
+                bounds.append(bounds[-1] + int(s))
+        except (TypeError, ValueError, OverflowError):
+            raise ScheduleError(
+                f"stage sizes must be layer counts (ints), e.g. [2, 3], got {sizes!r}"
+            ) from None
         return cls(tuple(bounds))
 
     @classmethod
@@ -101,7 +119,7 @@ class Partition:
         for s in range(self.num_stages):
             if layer < self.bounds[s + 1]:
                 return s
-        raise ValueError(f"layer {layer} is outside a partition of {self.num_layers} layers")
+        raise ScheduleError(f"layer {layer} is outside a partition of {self.num_layers} layers")
 
 
 @dataclass(frozen=True)
@@ -196,12 +214,15 @@ class ScheduleTable:
         policy: str = "custom",
     ) -> ScheduleTable:
         """Parse rows like ``d0: F0.0 F0.1 B0.0``. Does not validate."""
+        if not isinstance(text, str):
+            raise ScheduleError(f"a schedule table's text is a string of rows 'd0: F0.0 ...', got {text!r}")
         rows: dict[int, tuple[Task, ...]] = {}
         for line in text.strip().splitlines():
             if not line.strip():
                 continue
             head, _, body = line.partition(":")
-            if not head.strip().startswith("d") or not head.strip()[1:].isdigit():
+            # isdecimal, not isdigit: int() refuses digits such as "³" that isdigit accepts
+            if not head.strip().startswith("d") or not head.strip()[1:].isdecimal():
                 raise ScheduleError(f"bad row {line!r}: expected 'd<index>: F0.0 F0.1 ...'")
             d = int(head.strip()[1:])
             if d in rows:
@@ -248,7 +269,7 @@ class ScheduleTable:
             raise ScheduleError(f"schedule table JSON lacks the field {e.args[0]!r}") from e
         except ScheduleError:
             raise
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:  # OverflowError: int(Infinity)
             raise ScheduleError(f"malformed schedule table JSON: {e}") from e
         return cls(rows, forward, backward, num_microbatches, policy, options)
 
@@ -257,8 +278,10 @@ class ScheduleTable:
         """Parse ``to_json`` output. Does not validate."""
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
             raise ScheduleError(f"schedule table JSON does not parse: {e}") from e
+        except RecursionError:
+            raise ScheduleError("schedule table JSON does not parse: it is nested too deeply") from None
         return cls.from_dict(data)
 
 

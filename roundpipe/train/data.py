@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from roundpipe.errors import CheckpointError, DataError
@@ -36,6 +37,15 @@ GROUP_WINDOW = 50  # group_by_length sorts windows of this many batches
 EXAMPLES_PER_REASON = 3  # places named per skip reason in the report
 
 _FILE_TYPES = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+# Arrow's JSON reader takes at most 64 levels of nesting (deeper fails), and it crashes the process
+# (a stack overflow, no exception) on some thousands: files nested deeper than this are refused first
+# (``_check_json``, which also refuses the null records that crash it).
+MAX_JSON_DEPTH = 100
+_JSON_STRING = re.compile(rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"')
+_BRACKET_STEP = np.zeros(256, dtype=np.int8)  # byte -> change of the nesting depth
+_BRACKET_STEP[[ord("["), ord("{")]], _BRACKET_STEP[[ord("]"), ord("}")]] = 1, -1
+_NULL_AT_LINE_START = re.compile(rb"^[ \t\r]*null", re.MULTILINE)
+_NULL_FIRST_ITEM = re.compile(rb"\s*\[\s*null")
 
 
 @dataclass(frozen=True)
@@ -159,6 +169,55 @@ def _check_utf8(path: str) -> None:
             carry = data[cut:]
 
 
+def _check_json(path: str) -> None:
+    """Refuse, naming the line, the JSON that Arrow's JSON reader (under ``datasets``) crashes the
+    whole process on instead of raising: values nested thousands deep (a stack overflow), and a
+    record that is ``null`` (a block of JSON Lines that starts with one; a list of objects whose
+    first item is one). Nesting beyond ``MAX_JSON_DEPTH`` is refused, deeper than any reader takes."""
+    depth, lines_before, carry = 0, 0, b""
+    first, null_first, has_object = True, False, False
+    with open(path, "rb") as file:
+        while True:
+            chunk = file.read(1 << 24)
+            if first:
+                chunk = chunk.removeprefix(b"\xef\xbb\xbf")  # a BOM, which the reader drops
+                first, null_first = False, bool(_NULL_FIRST_ITEM.match(chunk))
+            data = carry + chunk
+            # A JSON string never holds a raw newline, so cutting after one never splits a string.
+            cut = len(data) if not chunk else data.rfind(b"\n") + 1
+            # Brackets inside strings do not nest: drop the strings (the newlines stay where they were).
+            part = _JSON_STRING.sub(b'""', data[:cut])
+            steps = _BRACKET_STEP[np.frombuffer(part, dtype=np.uint8)]
+            levels = np.cumsum(steps, dtype=np.int64) + depth  # the depth after each byte
+            if levels.size and levels.max() > MAX_JSON_DEPTH:
+                line = lines_before + part.count(b"\n", 0, int(levels.argmax())) + 1
+                raise DataError(
+                    f"{path} line {line}: the JSON nests more than {MAX_JSON_DEPTH} arrays or objects "
+                    f"deep, which the JSON reader cannot take; flatten the record (a sample needs "
+                    f"at most a list of messages)"
+                )
+            for null in _NULL_AT_LINE_START.finditer(part):
+                at = null.end() - len(b"null")
+                if levels[at] == 0:  # a record of its own, not a value inside one
+                    line = lines_before + part.count(b"\n", 0, at) + 1
+                    raise DataError(
+                        f"{path} line {line}: a record is null, not a JSON object; delete the line "
+                        f'(each record is an object such as {{"text": "..."}})'
+                    )
+            has_object = has_object or b"{" in part
+            if levels.size:
+                depth = int(levels[-1])
+            if not chunk:
+                break
+            lines_before += data[:cut].count(b"\n")
+            carry = data[cut:]
+    if null_first and has_object:
+        raise DataError(
+            f"{path}: the first record of the list is null, not a JSON object; delete it "
+            f'(each record is an object such as {{"text": "..."}})'
+        )
+
+
 @contextlib.contextmanager
 def _quiet_datasets():
     """Silence the datasets library's progress bars and error logs (our DataError says it)."""
@@ -205,6 +264,8 @@ def read_records(
         raise DataError(f"{path} is empty: it holds no records")
     if kind != "parquet":
         _check_utf8(path)
+    if kind in ("json", "jsonl"):
+        _check_json(path)
 
     with _quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="roundpipe-data-") as cache:
         # The cache lives only while the file is read: nothing lands in ~/.cache.
@@ -286,7 +347,7 @@ def _messages(record: dict, name: str) -> list[dict]:
     if isinstance(value, str):  # a CSV cell, or a JSON string holding the list
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply for the parser
             raise _Skip(f"field {name!r} is not a list of messages") from None
     if not isinstance(value, list) or not value:
         raise _Skip(f"field {name!r} is not a list of messages")

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import re
 import sys
 import textwrap
@@ -33,6 +34,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from roundpipe.config import RunConfig
 from roundpipe.errors import RecipeError
 from roundpipe.train.config import REQUIRED, TrainConfig
 
@@ -40,6 +42,11 @@ __all__ = ["config_from_dict", "dump_recipe", "help_epilog", "load_recipe", "ref
 
 # PyYAML follows YAML 1.1, which reads `1e-4` (no dot) as a string; a float field accepts it.
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+# Deeper values are refused: no field needs them, and the checks and messages recurse into them.
+_MAX_DEPTH = 100
+# What PyYAML's constructors raise on a tagged value they cannot build (`!!int abc`, `!!int ""`,
+# `!!bool abc`, `!!timestamp x`, an int of more than 4300 digits), besides YAMLError.
+_CONSTRUCT_ERRORS = (ValueError, TypeError, AttributeError, OverflowError, LookupError)
 
 
 @dataclass
@@ -196,12 +203,23 @@ def _value_text(value: Any, limit: int = 60) -> str:
                 plain = False
         text = value if plain else json.dumps(value)
     elif isinstance(value, (list, tuple)):
-        text = "[" + ", ".join(_value_text(v, limit=10**9) for v in value) + "]"
+        text = _joined("[", (_value_text(v, limit) for v in value), "]", limit)
     elif isinstance(value, Mapping):
-        text = "{" + ", ".join(f"{k}: {_value_text(v, limit=10**9)}" for k, v in value.items()) + "}"
+        text = _joined("{", (f"{k}: {_value_text(v, limit)}" for k, v in value.items()), "}", limit)
     else:
         text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _joined(opening: str, parts, closing: str, limit: int) -> str:
+    """``opening + ", ".join(parts) + closing``, stopping once it is longer than ``limit`` (the caller
+    cuts it there), so that a value sharing its parts many times over (YAML aliases) stays cheap."""
+    text = opening
+    for i, part in enumerate(parts):
+        text += (", " if i else "") + part
+        if len(text) > limit:
+            return text
+    return text + closing
 
 
 def _kind(value: Any) -> str:
@@ -266,13 +284,40 @@ def _read_yaml(path: Path) -> dict[str, dict[str, _Given]]:
         raise RecipeError(f"recipe file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"cannot read the recipe {path}: {exc}") from None
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)  # refuses control characters before it parses anything
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        raise RecipeError(
+            f"{path}:{line}: invalid YAML: unacceptable character #x{exc.character:04x} (control "
+            f"characters are not allowed); delete it, or write it as an escape in a double-quoted string"
+        ) from None
     try:
         return _read_root(loader, path)
     except yaml.YAMLError as exc:
         raise RecipeError(_yaml_problem(exc, str(path))) from None
+    except RecursionError:
+        raise RecipeError(
+            f"{path}: invalid YAML: nested too deeply for the parser; no recipe key takes a value "
+            f"nested more than {_MAX_DEPTH} levels"
+        ) from None
     finally:
         loader.dispose()
+
+
+def _construct(loader: yaml.SafeLoader, node: yaml.Node, where: str) -> Any:
+    """The Python value of ``node``; RecipeError where PyYAML's constructor fails with a bare
+    exception (a tag it cannot apply: ``!!int abc``, ``!!timestamp 2020-13-01``)."""
+    try:
+        return loader.construct_document(node)
+    except _CONSTRUCT_ERRORS as exc:
+        shown = ""
+        if isinstance(node, yaml.ScalarNode):
+            text = node.value if len(node.value) <= 40 else node.value[:37] + "..."
+            shown = f" {node.tag.rsplit(':', 1)[-1]} {text!r}"
+        raise RecipeError(
+            f"{where}: invalid YAML: cannot read the value{shown} ({exc}); fix the value or drop its !!tag"
+        ) from None
 
 
 def _yaml_problem(exc: yaml.YAMLError, source: str) -> str:
@@ -300,7 +345,9 @@ def _read_root(loader: yaml.SafeLoader, path: Path) -> dict[str, dict[str, _Give
         loader.flatten_mapping(node)  # merged keys come first, so the ones written here win
         seen: dict[str, yaml.Node] = {}
         for key_node, value_node in node.value:
-            key = loader.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else None
+            key = (
+                _construct(loader, key_node, at(key_node)) if isinstance(key_node, yaml.ScalarNode) else None
+            )
             if not isinstance(key, str):
                 raise RecipeError(f"{at(key_node)}: the keys of {what} must be names, got {key_node.value!r}")
             if key in seen and id(key_node) in own and id(seen[key]) in own:
@@ -310,7 +357,12 @@ def _read_root(loader: yaml.SafeLoader, path: Path) -> dict[str, dict[str, _Give
             seen[key] = key_node
             yield key, key_node, value_node
 
-    root = loader.get_single_node()
+    try:
+        root = loader.get_single_node()
+    except _CONSTRUCT_ERRORS as exc:  # the scanner's own int(): `%YAML 1.<5000 digits>`
+        raise RecipeError(
+            f"{path}:{loader.get_mark().line + 1}: invalid YAML: {exc}; fix or delete what is there"
+        ) from None
     if root is None:
         raise RecipeError(f"{path}: the recipe is empty; it needs at least data.train and model.path")
     if not isinstance(root, yaml.MappingNode):
@@ -325,12 +377,12 @@ def _read_root(loader: yaml.SafeLoader, path: Path) -> dict[str, dict[str, _Give
         if not isinstance(group_node, yaml.MappingNode):
             raise RecipeError(
                 f"{at(group_node)}: {group} must be a mapping of keys ({', '.join(list(_fields(group))[:3])}, "
-                f"...), got {_kind(loader.construct_document(group_node))}"
+                f"...), got {_kind(_construct(loader, group_node, at(group_node)))}"
             )
         for key, key_node, value_node in items(group_node, group):
             if key not in _fields(group):
                 raise _unknown_field(group, key, at(key_node))
-            given[group][key] = _Given(loader.construct_document(value_node), at(value_node))
+            given[group][key] = _Given(_construct(loader, value_node, at(value_node)), at(value_node))
     return given
 
 
@@ -349,6 +401,7 @@ def _read_dict(data: Mapping, source: str) -> dict[str, dict[str, _Given]]:
         for key, value in body.items():
             if key not in _fields(group):
                 raise _unknown_field(group, key, source)
+            _check_nesting(_Given(value, source), f"{group}.{key}")  # before deepcopy recurses into it
             given[group][key] = _Given(copy.deepcopy(value), source)
     return given
 
@@ -371,9 +424,14 @@ def _apply_override(given: dict[str, dict[str, _Given]], override: str) -> None:
         raise _unknown_field(group, key, where)
     try:
         value = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, *_CONSTRUCT_ERRORS) as exc:
         problem = getattr(exc, "problem", None) or str(exc)
         raise RecipeError(f"{where}: the value is not valid YAML: {problem}") from None
+    except RecursionError:
+        raise RecipeError(
+            f"{where}: the value is nested too deeply; no key takes a value nested more than "
+            f"{_MAX_DEPTH} levels"
+        ) from None
     if sub:
         old = given.get(group, {}).get(key)
         base = old.value if old is not None else _default(_fields(group)[key])
@@ -406,17 +464,88 @@ def _build(given: dict[str, dict[str, _Given]], source: str) -> TrainConfig:
                     raise RecipeError(f"{source}: {group}.{key} is required: {f.metadata['help']}")
                 continue
             tp = _hints(group)[key]
+            _check_nesting(g, f"{group}.{key}")
             try:
                 values[key] = _coerce(g.value, tp)
             except _Mismatch:
                 raise _type_error(f"{group}.{key}", tp, g) from None
+            _check_number(values[key], f"{group}.{key}", g)
         groups[group] = cls(**values)
+    options = given.get("run", {}).get("options")
+    if options is not None:
+        _check_run_options(groups["run"].options, options.where)
     cfg = TrainConfig(**groups)
     try:
         cfg.check()
     except RecipeError as exc:
         raise RecipeError(f"{source}: {exc}") from None
     return cfg
+
+
+def _check_nesting(given: _Given, dotted: str) -> None:
+    """Refuse a value that contains itself (a YAML alias inside its own anchor, ``&a [*a]``) or
+    nests more than ``_MAX_DEPTH`` lists and mappings deep: the type checks, the messages and
+    ``copy.deepcopy`` would recurse into either without end. Each container is visited once, so a
+    value that shares its parts many times over (aliases of aliases) costs what its text does."""
+    height: dict[int, int] = {}  # id of a finished container -> lists and mappings deep, itself included
+    keep = []  # the containers whose ids are in `height`, kept alive so that no id is reused
+    open_ids: set[int] = set()  # containers on the current path
+    stack: list[tuple[Any, bool]] = [(given.value, False)]
+    while stack:
+        value, leaving = stack.pop()
+        if not isinstance(value, (list, tuple, Mapping)) or (not leaving and id(value) in height):
+            continue
+        children = list(value.values()) if isinstance(value, Mapping) else list(value)
+        if leaving:
+            open_ids.discard(id(value))
+            below = [height.get(id(c), 0) for c in children if isinstance(c, (list, tuple, Mapping))]
+            height[id(value)] = 1 + max(below, default=0)
+            keep.append(value)
+            if height[id(value)] > _MAX_DEPTH:
+                raise RecipeError(
+                    f"{given.where}: {dotted} is nested more than {_MAX_DEPTH} lists or mappings deep; "
+                    f"no key takes such a value"
+                )
+            continue
+        if id(value) in open_ids:
+            raise RecipeError(
+                f"{given.where}: {dotted} contains itself (an alias *name inside the anchor &name it "
+                f"refers to); write the value out instead"
+            )
+        open_ids.add(id(value))
+        stack.append((value, True))
+        stack.extend((c, False) for c in children)
+
+
+# RunConfig fields that `run:` sets itself: run.options may not set them again.
+_RUN_SETS = ("devices", "policy", "num_microbatches", "dtype", "optimizer_mode", "seed")
+
+
+def _check_run_options(options: dict[str, Any], where: str) -> None:
+    """run.options names RunConfig fields, other than those ``run:`` has keys of its own for."""
+    fields = [f.name for f in dataclasses.fields(RunConfig) if f.name not in _RUN_SETS]
+    for key in options:
+        if key in _RUN_SETS:
+            raise RecipeError(f"{where}: run.options.{key} is set by run.{key}; set that instead")
+        if key not in fields:
+            near = difflib.get_close_matches(key, fields, n=1)
+            hint = (
+                f"did you mean run.options.{near[0]}?" if near else "run.options takes " + ", ".join(fields)
+            )
+            raise RecipeError(f"{where}: unknown key run.options.{key} (not a RunConfig field); {hint}")
+
+
+def _check_number(value: Any, dotted: str, given: _Given) -> None:
+    """Refuse NaN in a float field (no setting means "not a number"), and an infinite run.epochs
+    (a run of endless steps)."""
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, float) and math.isnan(v):
+            raise RecipeError(f"{given.where}: {dotted} must be a number, got nan")
+    if dotted == "run.epochs" and math.isinf(value):
+        raise RecipeError(
+            f"{given.where}: run.epochs must be finite, got {value}; set run.max_steps for a run of a "
+            f"fixed number of steps"
+        )
 
 
 def _type_error(dotted: str, tp: Any, given: _Given) -> RecipeError:
