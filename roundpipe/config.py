@@ -13,6 +13,7 @@ from roundpipe.errors import ConfigError
 DTYPES = ("fp32", "bf16", "fp16")
 ORDERS = ("strict", "ready")
 OPTIMIZER_MODES = ("sync", "async")
+NAN_POLICIES = ("skip", "stop")
 HOST_MEMORY_MODES = ("arena", "pinned", "pageable")  # = roundpipe.backend.host_memory.HOST_MEMORY_MODES
 
 
@@ -69,6 +70,15 @@ class RunConfig:
         weight_cache_bytes: for weight-bound policies (all but ``roundpipe``), how many bytes of
             weights a device may keep resident across its tasks of one step (default: half the
             device capacity; unlimited on cpu devices without a capacity).
+        nan_policy: what a NaN or Inf in a layer's output, the loss or a weight gradient does,
+            found on the devices before the optimizer applies it. ``"stop"`` (default):
+            ``forward_backward`` raises ``NonFiniteError`` naming the step, layer, microbatch and
+            device where it first appeared; a non-finite output is found before any update, a
+            non-finite gradient before its own layer's update (eager updates may have stepped the
+            layers above it; with deferred updates nothing is applied). ``"skip"``: the step's
+            update is dropped and counted (``pipe.skipped_steps``); it defers every update to
+            ``step()``, as clipping does, so that no layer is stepped before all are checked. fp16
+            runs skip a non-finite gradient either way and lower the loss scale.
         watchdog_s: a step with no progress for this long fails with ``WatchdogTimeout``. Progress
             is what the devices have finished (events), not what the workers have issued.
         sanitize: on the cpu backend, check every closure against CUDA's stream rules (a tensor
@@ -119,6 +129,7 @@ class RunConfig:
     prefetch: bool = True
     copy_chunk_bytes: int = 64 << 20
     weight_cache_bytes: int | None = None
+    nan_policy: str = "stop"
     watchdog_s: float = 300.0
     sanitize: bool | None = None
     seed: int = 0
@@ -150,6 +161,10 @@ class RunConfig:
             )
         if self.order not in ORDERS:
             raise ConfigError(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
+        if self.nan_policy not in NAN_POLICIES:
+            raise ConfigError(
+                f"unknown nan_policy {self.nan_policy!r}; choose one of {', '.join(NAN_POLICIES)}"
+            )
         if self.optimizer_mode not in OPTIMIZER_MODES:
             raise ConfigError(
                 f"unknown optimizer_mode {self.optimizer_mode!r}; choose one of {', '.join(OPTIMIZER_MODES)}"

@@ -104,6 +104,18 @@ class OptimizerError(StageError):
     """The CPU optimizer failed while stepping a layer."""
 
 
+class NonFiniteError(StageError, FloatingPointError):
+    """A NaN or Inf appeared in a step (``nan_policy="stop"``), found before the optimizer applied
+    it. ``what`` is ``"output"`` (a layer's forward output, the loss included) or ``"gradient"``
+    (a weight gradient); ``layer``, ``microbatch``, ``device`` and ``step`` say where it first
+    appeared: the lowest layer for an output, the highest for a gradient (the order the values
+    flow in)."""
+
+    def __init__(self, message: str, *, what: str, **where):
+        self.what = what
+        super().__init__(message, **where)
+
+
 class WatchdogTimeout(RoundpipeError, TimeoutError):
     """No worker made progress for the configured time; the message shows what each one waits for."""
 
@@ -136,3 +148,17 @@ class CheckpointError(RoundpipeError, RuntimeError):
 
 class HostMemoryError(RoundpipeError, MemoryError):
     """The run needs more host RAM than this machine has; the message gives the figures and levers."""
+
+
+class DeviceMemoryError(RoundpipeError, MemoryError):
+    """A plan needs more memory on a device than the device has free, found before the plan runs
+    (``roundpipe/runtime/memory_guard.py``); the message gives the figures and the levers.
+
+    Attributes:
+        device: the device name, e.g. ``"cuda:1"``; planned: the plan's peak bytes on it (the
+        planner's estimate); free: the bytes free on it when the plan was about to run.
+    """
+
+    def __init__(self, message: str, *, device: str, planned: int, free: int):
+        self.device, self.planned, self.free = device, planned, free
+        super().__init__(message)

@@ -713,6 +713,7 @@ GOOD_VALUES = {
     "policy": ["auto", "roundpipe", "1f1b", "gpipe", "interleaved", "zb"],
     "dtype": ["fp32", "bf16", "fp16"],
     "order": ["strict", "ready"],
+    "nan_policy": ["stop", "skip"],
     "optimizer_mode": ["sync", "async"],
     "device_capacity": [None, 1 << 30, 2.5e9],
     "head_chunk_tokens": [1, 1024],

@@ -209,6 +209,15 @@ class Device(ABC):
     def to_host(self, dev: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Copy a device tensor into (pinned) host memory (call inside a ``d2h`` closure)."""
 
+    def free_bytes(self) -> int | None:
+        """Bytes this device can take now for the next plan (None: no bound is known).
+
+        Asked once before a plan first runs (``runtime/memory_guard.py``), between steps, when
+        the stateless workers hold nothing. The cuda backend counts what the driver has free plus
+        what PyTorch's caching allocator holds unused for this process; the cpu backend its
+        configured capacity less what is alive on the device."""
+        return None
+
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor on this device (filled by ``copy_in`` chunks)."""
         return torch.empty(shape, dtype=dtype, device=self.torch_device)

@@ -25,6 +25,7 @@ import torch
 from roundpipe.backend.base import STREAM_NAMES, STREAM_PRIORITIES, Backend, Device, Event, Stream
 from roundpipe.backend.sanitizer import LiveMemory, Sanitizer, StreamMode, host_allocation
 from roundpipe.errors import StreamProtocolError
+from roundpipe.testing import faults
 
 
 class Aborted(RuntimeError):
@@ -140,6 +141,8 @@ class CpuStream(Stream):
                     if not isinstance(e, Aborted):
                         backend.report(e)
                 del fn  # what the closure captured must not outlive it (live memory counts it)
+                if label is not None and self.name == "compute":
+                    faults.after_compute(self.device.name, start)  # a slow fault (free when off)
                 if label is not None and backend.recording:
                     t0 = backend.recording_origin
                     backend.record_span(
@@ -212,6 +215,11 @@ class CpuDevice(Device):
         super().__init__(backend, index, name, torch.device("cpu"), backend.sanitizer)
         self.memory = LiveMemory(name, capacity, measured=backend.watching)
         self.streams = {n: CpuStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
+
+    def free_bytes(self) -> int | None:
+        """The capacity less the bytes alive on the device (None without a capacity: unbounded)."""
+        capacity = self.memory.capacity
+        return None if capacity is None else max(0, capacity - self.memory.in_use)
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         self.count_in(host)

@@ -120,6 +120,15 @@ class CudaDevice(Device):
         self.memory = CudaMemory(torch_device, capacity)
         self.streams = {n: CudaStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
 
+    def free_bytes(self) -> int:
+        """What the driver has free on the GPU plus what the caching allocator holds for this
+        process unused (roundpipe's own cached blocks are usable), shared out among the workers
+        of the GPU."""
+        gpu = self.torch_device
+        free, _total = torch.cuda.mem_get_info(gpu)
+        cached = torch.cuda.memory_reserved(gpu) - torch.cuda.memory_allocated(gpu)
+        return (free + max(0, cached)) // self.backend.workers_per_gpu
+
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         self.count_in(host)
         out = host.to(self.torch_device, non_blocking=True)

@@ -4,7 +4,9 @@ With the synchronous optimizer and nothing that needs every gradient first, the 
 a layer's group the moment its last gradient contribution lands (``StepRun`` calls
 ``step_group``), overlapping the backward of lower layers. Gradient clipping and fp16 loss scaling
 need the whole gradient, so those runs defer every step to ``deferred_step`` (``Pipeline.step``,
-or the host queue under ``optimizer_mode="async"``). Either way the steps themselves run on the
+or the host queue under ``optimizer_mode="async"``), and so does ``nan_policy="skip"``: a step is
+dropped whole when a non-finite value was found (``runtime/numerics.py``), so no layer may be
+stepped before every layer's gradient is known to be finite. Either way the steps themselves run on the
 host thread or the caller's thread, never on a worker.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from roundpipe.errors import OptimizerError, PipelineStateError
 from roundpipe.optim import DynamicLossScaler, LayerwiseAdamW, OptimizerConfig, clip_factor
+from roundpipe.runtime.numerics import NonFinite
 from roundpipe.runtime.report import Recorder
 from roundpipe.runtime.store import ParameterStore
 from roundpipe.testing import faults
@@ -23,14 +26,27 @@ class OptimizerSteps:
     ``store`` holds the fp32 gradient buffers and masters it steps; ``names`` the layer names (for
     errors and host spans); ``recorder`` times each step on the host lane.
 
-    ``last_step_skipped``: the last deferred step found non-finite gradients (fp16) and skipped;
+    ``last_step_skipped``: the last deferred step found a non-finite value and skipped
+    (``last_nonfinite`` says where; ``skipped_steps`` counts them, checkpointed);
+    ``nonfinite``: the first non-finite value found since the last update (``Pipeline`` sets it);
     ``last_grad_norm``: the unscaled gradient norm of the last clipped step; ``partial``: layer
     groups stepped since the last update completed (``Pipeline.step`` resets it): nonzero after a
     failure in the middle of an update, when some layers hold the new weights and some the old.
     """
 
-    def __init__(self, store: ParameterStore, names: list[str], recorder: Recorder, loss_scaling: bool):
+    def __init__(
+        self,
+        store: ParameterStore,
+        names: list[str],
+        recorder: Recorder,
+        loss_scaling: bool,
+        nan_policy: str = "stop",
+    ):
         self.store = store
+        self.nan_policy = nan_policy
+        self.nonfinite: NonFinite | None = None
+        self.last_nonfinite: NonFinite | None = None
+        self.skipped_steps = 0
         self.names = names
         self.recorder = recorder
         self.optimizer: LayerwiseAdamW | None = None
@@ -64,7 +80,13 @@ class OptimizerSteps:
             and mode == "sync"
             and self.optimizer.config.max_grad_norm is None
             and self.scaler is None
+            and self.nan_policy != "skip"
         )
+
+    def stops_on(self, found: NonFinite) -> bool:
+        """Whether ``found`` stops the run: under "stop", except a gradient overflow in fp16,
+        which loss scaling expects (the step is skipped and the scale lowered)."""
+        return self.nan_policy == "stop" and not (self.scaler is not None and found.what == "gradient")
 
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
@@ -85,13 +107,17 @@ class OptimizerSteps:
     def deferred_step(self, publish_to: int | None = None) -> None:
         """Step every group with the whole gradient known: unscale, skip on overflow, clip."""
         factor = 1.0 / self.loss_scale()
+        found, self.nonfinite = self.nonfinite, None
         if self.scaler is not None:
-            finite = self.optimizer.grads_finite()
+            finite = found is None and self.optimizer.grads_finite()
             self.scaler.update(not finite)
-            if not finite:
-                self.store.zero_grads()
-                self.last_step_skipped = True
-                return
+        else:
+            finite = found is None
+        if not finite:
+            self.store.zero_grads()
+            self.last_step_skipped, self.last_nonfinite = True, found
+            self.skipped_steps += 1
+            return
         if self.optimizer.config.max_grad_norm is not None:
             norm = (self.optimizer.grad_norm_sq() ** 0.5) * factor
             self.last_grad_norm = norm
@@ -101,7 +127,7 @@ class OptimizerSteps:
 
     def state_dict(self) -> dict:
         """The optimizer's and the loss scaler's state, where there is one."""
-        sd = {}
+        sd = {"skipped_steps": self.skipped_steps}
         if self.optimizer is not None:
             sd["optimizer"] = self.optimizer.state_dict()
         if self.scaler is not None:
@@ -109,6 +135,7 @@ class OptimizerSteps:
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
+        self.skipped_steps = int(sd.get("skipped_steps", 0))
         if "optimizer" in sd and self.optimizer is not None:
             self.optimizer.load_state_dict(sd["optimizer"])
         if "loss_scaler" in sd and self.scaler is not None:

@@ -30,6 +30,7 @@ from roundpipe.runtime.executor import Executor
 from roundpipe.runtime.hostqueue import HostQueue
 from roundpipe.runtime.inputs import split_batch
 from roundpipe.runtime.masters import export_masters, load_masters, load_stale, masters_state, stale_state
+from roundpipe.runtime.numerics import first_nonfinite, nonfinite_error
 from roundpipe.runtime.optimizer_steps import OptimizerSteps
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
 from roundpipe.runtime.planning import Planner, RuntimePlan
@@ -87,8 +88,9 @@ class Pipeline:
         self.host_memory = MemoryLedger("host", None)  # hand-offs (activations, gradients) held on the CPU
         self._recorder = Recorder(self.backend, self.host_memory, self.store.host_memory_stats)
         self._updates = OptimizerSteps(
-            self.store, names, self._recorder, loss_scaling=self.config.dtype == "fp16"
-        )
+            self.store, names, self._recorder, loss_scaling=self.config.dtype == "fp16",
+            nan_policy=self.config.nan_policy,
+        )  # fmt: skip
         self._executor = Executor(
             self.backend, self.workers, self._hostq, self.host_memory, self.config.watchdog_s
         )
@@ -170,6 +172,12 @@ class Pipeline:
         self._steps_run += 1
         self._grads_pending = True
         self._stepped_eagerly = eager
+        found = first_nonfinite(step.nonfinite)
+        if found is not None:
+            if self._updates.nonfinite is None:  # the first of this optimizer step's calls decides
+                self._updates.nonfinite = found
+            if self._updates.stops_on(found):
+                raise nonfinite_error(found, step.index, len(step.nonfinite))
         return StepOutput(step.loss_sum / total + _router_loss(step), total)
 
     def evaluate(
@@ -207,6 +215,12 @@ class Pipeline:
         self._updates.require("step")
         if not self._grads_pending:
             raise PipelineStateError("step() needs gradients: call forward_backward first")
+        found = self._updates.nonfinite
+        if found is not None and self._updates.stops_on(found):
+            raise PipelineStateError(
+                f"the step stopped on a non-finite value ({found.describe()}): call abandon_step() "
+                f"to drop it, or use nan_policy='skip'"
+            )
         self._updates.last_step_skipped = False
         if self.config.optimizer_mode == "async":
             # Publish into the copy this step read: the step after next reads it, while the next
@@ -238,6 +252,7 @@ class Pipeline:
             self._hostq.drain()  # a failed async update surfaces here: it is judged by `partial`
         if self._updates.partial:
             return False
+        self._updates.nonfinite = None
         self.store.zero_grads()
         self._steps_run = self._steps_at_update
         self._grads_pending = False
@@ -254,8 +269,20 @@ class Pipeline:
 
     @property
     def last_step_skipped(self) -> bool:
-        """The last ``step()`` found non-finite gradients (fp16 loss scaling) and skipped the update."""
+        """The last ``step()`` found a non-finite value (``nan_policy="skip"``, or an fp16 gradient
+        overflow) and skipped the update."""
         return self._updates.last_step_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped on non-finite values so far (kept in ``state_dict``)."""
+        return self._updates.skipped_steps
+
+    @property
+    def last_nonfinite(self):
+        """Where the last skipped step's first non-finite value appeared (a ``NonFinite``: what,
+        layer, microbatch, device), or None."""
+        return self._updates.last_nonfinite
 
     @property
     def last_grad_norm(self) -> float | None:

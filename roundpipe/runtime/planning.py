@@ -10,7 +10,9 @@ Until the first batch has been profiled an automatic part runs as the provisiona
 which executes any stage count, one layer per stage, one microbatch per device); after it the
 three are chosen together from the measured times (``roundpipe.sim.choice``), once per batch
 shape, and cached. A value the config gives pins its part. ``RuntimePlan`` is the printable report
-of what the next step runs and why (``pipe.plan``).
+of what the next step runs and why (``pipe.plan``). The first time a plan is asked for a batch
+shape, each device's planned peak is compared with its free memory (``memory_guard``), so a plan
+that cannot fit is refused with ``DeviceMemoryError`` before any of it runs.
 
 All of it runs on the caller's thread, between steps; workers and the host thread never touch it.
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from roundpipe.config import RunConfig, known_policies
 from roundpipe.errors import ConfigError, DeviceOutOfMemory, PlanError
 from roundpipe.partition.cost import DTYPE_BYTES, LayerCost
+from roundpipe.runtime import memory_guard
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
 from roundpipe.runtime.store import ParameterStore
 from roundpipe.schedule import Partition
@@ -63,6 +66,8 @@ class Planner:
         self.store = store
         self.device_names = tuple(d.name for d in backend.devices)
         self.capacity = backend.devices[0].memory.capacity
+        self.devices = backend.devices  # asked for their free bytes before a plan first runs
+        self._memory_checked: set[tuple] = set()  # plans (and batch shapes) whose memory fits
         self.layer_times: dict[str, tuple[float, float]] | None = None
         self.profiled_tokens = 1.0  # tokens per microbatch when ``layer_times`` was measured
         self.context_s: float | None = None  # measured seconds per microbatch context build
@@ -331,7 +336,78 @@ class Planner:
             # backward waiting for the forwards of its own kind) and every forward over its whole
             # stage (so that no backward is the first to run a layer's forward).
             plan = self._plans[key] = build_flow_plan(table, fuse=not self.forwards_first)
+        self._check_memory(decision, plan)
         return plan
+
+    def _check_memory(self, decision: Decision, plan: FlowPlan) -> None:
+        """Refuse ``plan`` with ``DeviceMemoryError`` when a device has less memory free than the
+        plan's peak on it (``runtime/memory_guard.py``): once per plan and batch shape, before
+        its first step. A decision not made by ``decide`` (no batch shape) is not checked."""
+        shape = next((k for k, d in self._decisions.items() if d is decision), None)
+        m = decision.num_microbatches
+        if shape is None or not m or not memory_guard.enabled():
+            return
+        key = (decision.policy, decision.forward.bounds, decision.backward.bounds, m, shape)
+        if key in self._memory_checked:
+            return
+        batch, seq_len = shape
+        samples = -(-batch // m)  # the largest microbatch of an uneven split
+        spec = POLICIES.get(plan.table.policy)
+        rotates = self.config.schedule is None and spec is not None and spec.rotates
+        peaks = memory_guard.device_peaks(self._layer_costs(samples * seq_len), plan.table, rotates)
+        memory_guard.check(
+            peaks,
+            [d.free_bytes() for d in self.devices],
+            self.device_names,
+            plan=f"{plan.table.policy}, {m} microbatch{'' if m == 1 else 'es'} of up to {samples} x {seq_len} tokens",
+            levers=lambda peak: "; ".join(self._memory_levers(peak, plan.table.policy, batch, seq_len, m)),
+        )
+        self._memory_checked.add(key)
+
+    def _memory_levers(self, peak, policy: str, batch: int, seq_len: int, m: int) -> list[str]:
+        """What lowers a device's planned peak, by ``RunConfig`` key (and the recipe's)."""
+        c = self.config
+        samples = -(-batch // m)
+        levers = []
+        if m < batch:
+            levers.append(
+                f"more microbatches (num_microbatches above {m}, at most the batch of {batch}; "
+                "run.num_microbatches in a recipe): fewer samples each, so fewer saved activations "
+                "and a smaller working set"
+            )
+        levers.append(
+            f"shorter sequences (now {seq_len} tokens; data.max_length in a recipe)"
+            + (" or a smaller batch (run.batch_size)" if m < batch else "")
+        )
+        weights = [(e.tensor.numel(), e.trainable) for e in self.store.entries if not e.is_buffer]
+        if sum(n for n, t in weights if t) > 0.5 * sum(n for n, _ in weights):
+            levers.append(
+                "LoRA adapters instead of full fine-tuning (lora.enabled: true in a recipe): a frozen "
+                "layer keeps no fp32 gradient accumulator on the device"
+            )
+        if c.dtype == "fp32":
+            levers.append("dtype='bf16' (run.dtype): weights and activations in 2 bytes instead of 4")
+        if any(self.kinds[i] == "head" for i in peak.layers):
+            chunk = min(c.head_chunk_tokens, samples * seq_len)
+            levers.append(
+                f"more head shards (head_shards={2 * c.head_shards}, now {c.head_shards}) or fewer "
+                f"head_chunk_tokens (below {chunk}; both run.options in a recipe): the LM head's "
+                "weights and logits are in this stage"
+            )
+        spec = POLICIES.get(policy)
+        if len(peak.layers) > 1 and c.schedule is None:
+            if spec is not None and spec.stages_per_device is not None:
+                levers.append(
+                    f"policy='roundpipe' (run.policy), which runs stages of any size: {policy} "
+                    f"places a fixed number of stages on {self.num_devices} devices"
+                )
+            elif c.partition != "auto":
+                levers.append(
+                    "partition='auto' (run.options.partition in a recipe), which cuts the stages "
+                    "to fit the device's capacity"
+                )
+        levers.append("a device with more memory free (other processes may hold some)")
+        return levers
 
     def _check_forwards_first(self, table) -> None:
         from roundpipe.schedule.check import runs_forwards_first

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from roundpipe.models.base import MicrobatchInputs
 from roundpipe.runtime.exchange import Exchange, Slot
 from roundpipe.runtime.hostqueue import HostQueue
+from roundpipe.runtime.numerics import NonFinite, TaskChecks
 from roundpipe.runtime.optimizer_steps import OptimizerSteps
 from roundpipe.runtime.plan import FlowPlan
 
@@ -61,6 +62,7 @@ class StepRun:
         self.grad_seed = updates.loss_scale() / total_tokens
         self.router = None  # RouterTotals when the model adds a router load-balancing loss
         self.loss_sum = 0.0
+        self.nonfinite: list[NonFinite] = []  # every non-finite value the tasks' checks found
         self._hostq, self._updates = hostq, updates
         store = updates.store
         # How many gradient contributions each trainable entry gets this call (one per backward stage
@@ -82,6 +84,18 @@ class StepRun:
     def _add_loss(self, host_loss: Slot) -> None:
         self.loss_sum += float(host_loss.value)
         self._updates.store.host.pool.release(host_loss.value)  # the host thread was its last reader
+
+    def on_checks(self, checks: TaskChecks, host_flags: Slot, event) -> None:
+        """Worker thread: queue reading a task's finiteness flags (downloaded with ``event``; the
+        compute fills ``checks`` when it runs, which may be after this call)."""
+        self._hostq.submit(lambda: self._read_checks(checks, host_flags), event)
+
+    def _read_checks(self, checks: TaskChecks, host_flags: Slot) -> None:
+        flags, host_flags.value = host_flags.value, None
+        if flags is None:  # the task checked nothing (no float output, no gradient)
+            return
+        self.nonfinite += checks.found(flags, self._updates.names)
+        self._updates.store.host.pool.release(flags)  # the host thread was its last reader
 
     def on_grads(self, layers: range, host_grads: Slot, contributions: int, event) -> None:
         """Worker thread: queue adding a backward stage's weight gradients, summed over
@@ -106,5 +120,7 @@ class StepRun:
                 if self.remaining[k] == 0:
                     owner = store.entries[k].owner
                     self.group_left[owner] -= 1
-                    if self.group_left[owner] == 0 and self.eager:
+                    # Nothing is stepped once a non-finite value is known: not the layer it is in,
+                    # and with "skip", whose updates are deferred, nothing at all.
+                    if self.group_left[owner] == 0 and self.eager and not self.nonfinite:
                         updates.step_group(owner)

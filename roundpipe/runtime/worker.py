@@ -27,6 +27,7 @@ from roundpipe.backend import Device
 from roundpipe.errors import DeviceOutOfMemory, RoundpipeError, StageError
 from roundpipe.models.base import MicrobatchInputs
 from roundpipe.runtime.exchange import HandOff, Slot
+from roundpipe.runtime.numerics import TaskChecks
 from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.residency import Resident, WeightResidency
 from roundpipe.testing import faults
@@ -346,14 +347,22 @@ class Worker:
         param_grads = self._accumulator(step, flow) if flow.layers_bwd else Slot()
         loss_slot = Slot()
         stats_slot = Slot()  # the router statistics this op computes (router_totals.py)
-        self._slots += [*incoming.values(), *produced.values(), param_grads, loss_slot, stats_slot]
+        checks, checks_slot = TaskChecks(mb, self.device.name), Slot()  # numerics.py: finite or not
+        self._slots += [
+            *incoming.values(),
+            *produced.values(),
+            param_grads,
+            loss_slot,
+            stats_slot,
+            checks_slot,
+        ]
         self._slots += [r.slot for r in residents]
         self.status = f"{label}: issued"
 
         def compute():
             self._compute(
                 step, flow, residents, inputs.value, ctx.value, incoming, produced, param_grads, loss_slot,
-                stats_slot,
+                stats_slot, checks, checks_slot,
             )  # fmt: skip
 
         kind = "FB" if flow.fused_with else t.kind
@@ -361,7 +370,9 @@ class Worker:
         computed = streams["compute"].record_event()
         self._computed.append(computed)
         streams["d2h"].wait_event(computed)
-        done = self._issue_downloads(step, flow, label, produced, loss_slot, stats_slot)
+        done = self._issue_downloads(
+            step, flow, label, produced, loss_slot, stats_slot, (checks, checks_slot)
+        )
         self._downloaded.append(done)
         if flow.layers_bwd:
             self._acc_count += 1
@@ -402,9 +413,13 @@ class Worker:
             incoming[key] = dev_slot
         return incoming
 
-    def _issue_downloads(self, step: StepRun, flow: TaskFlow, label: str, produced, loss_slot, stats_slot):
+    def _issue_downloads(
+        self, step: StepRun, flow: TaskFlow, label: str, produced, loss_slot, stats_slot, checked
+    ):
         """Download what the compute produced (on ``d2h``, after it) into host hand-offs and put
-        them in the exchange; returns the event that fires when the downloads are done."""
+        them in the exchange, and its finiteness flags (``checked``: the task's ``TaskChecks`` and
+        the slot of their packed flags) for the host to read; returns the event that fires when
+        the downloads are done."""
         dev, streams = self.device, self.streams
         backend = self.pipe.backend
         host_out = {
@@ -416,7 +431,8 @@ class Worker:
             )
             for key in produced
         }
-        host_loss, host_stats = Slot(), Slot()
+        host_loss, host_stats, host_checks = Slot(), Slot(), Slot()
+        checks, checks_slot = checked
 
         def download():
             try:
@@ -436,6 +452,11 @@ class Worker:
                     host_loss.value = dev.to_host(loss)
                     dev.ledger.release(loss, f"loss.{flow.task.microbatch}", "activations")
                     del loss
+                if checks_slot.value is not None:
+                    flags, checks_slot.value = checks_slot.value, None
+                    host_checks.value = dev.to_host(flags)
+                    dev.ledger.release(flags, f"checks.{flow.task.microbatch}", "activations")
+                    del flags
             except RoundpipeError:
                 raise
             except BaseException as e:
@@ -450,6 +471,7 @@ class Worker:
             step.exchange.put(key, s, done, step.flow_plan.consumers[key])
         if flow.layers_bwd and flow.layers_bwd.stop == self.pipe.store_num_layers:
             step.on_loss(host_loss, done)
+        step.on_checks(checks, host_checks, done)
         pairs = self._router_pairs(flow) if step.router is not None else []
         if pairs:
             step.router.put(pairs, host_stats, done)
@@ -514,7 +536,7 @@ class Worker:
     # ----------------------------------------------------------------- compute (compute stream)
     def _compute(
         self, step, flow, residents: list[Resident], inputs, ctx, incoming, produced, param_grads, loss_slot,
-        stats_slot,
+        stats_slot, checks: TaskChecks, checks_slot: Slot,
     ) -> None:  # fmt: skip
         dev = self.device
         t = flow.task
@@ -530,7 +552,7 @@ class Worker:
             with torch.no_grad():
                 for i in flow.layers_fwd:
                     layer_name = self.pipe.adapter.layers[i].name
-                    x = self._run_layer(step, i, weights, x, ctx, t.microbatch)
+                    x = self._run_layer(step, i, weights, x, ctx, t.microbatch, checks)
                     got = ctx.router_logits.pop(i, None)
                     if got:
                         stats.append(step.router.loss.stats(got, ctx.inputs.attention_mask))
@@ -540,13 +562,19 @@ class Worker:
                         self._produce(produced[key], x, f"act[{i + 1}].{t.microbatch}", "d2h")
             if flow.layers_bwd:
                 layer_name = None
-                self._backward(step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot, stats)
+                self._backward(
+                    step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot, stats, checks
+                )
             del x
             if stats:
                 packed = torch.stack(stats)
                 stats.clear()
                 self._produce(stats_slot, packed, f"router.{t.microbatch}", "d2h")
                 del packed
+            packed = checks.packed()
+            if packed is not None:
+                self._produce(checks_slot, packed, f"checks.{t.microbatch}", "d2h")
+            del packed
             for key, s in incoming.items():
                 v, s.value = s.value, None
                 dev.ledger.release(v, f"{key[0]}[{key[1]}].{key[2]}", "activations")
@@ -582,17 +610,27 @@ class Worker:
         self.device.ledger.reserve(t, what, "activations")
         slot.value = t
 
-    def _run_layer(self, step, i: int, weights, x, ctx, mb: int):
+    def _run_layer(self, step, i: int, weights, x, ctx, mb: int, checks: TaskChecks | None):
+        """Layer ``i``'s forward; ``checks``: where to note whether its output is finite (None for a
+        recompute: the first forward noted it)."""
         layer = self.pipe.adapter.layers[i]
-        faults.point("forward", step=step.index, layer=layer.name, microbatch=mb, device=self.device.name)
+        poison = faults.point(
+            "forward", step=step.index, layer=layer.name, microbatch=mb, device=self.device.name
+        )
         module = self._bound_modules(i, weights)
         if i in self.pipe.random_layers:
             with self.device.seeded(_seed(self.pipe.config.seed, step.index, i, mb)):
-                return layer.forward(module, x, ctx)
-        return layer.forward(module, x, ctx)
+                y = layer.forward(module, x, ctx)
+        else:
+            y = layer.forward(module, x, ctx)
+        if poison:
+            y = y * float("nan")
+        if checks is not None:
+            checks.output(i, y)
+        return y
 
     def _backward(
-        self, step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot, stats
+        self, step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot, stats, checks
     ) -> None:
         pipe, dev = self.pipe, self.device
         t = flow.task
@@ -608,16 +646,22 @@ class Worker:
         made: list = []
         # Each parameter's gradient goes into the accumulator as soon as autograd has it (and is then
         # dropped), instead of all of a stage's fresh gradients living at once beside the accumulator.
+        entries = pipe.store.entries
         hooks = [
-            param.register_post_accumulate_grad_hook(self._into(acc, p, made))
+            param.register_post_accumulate_grad_hook(
+                self._into(
+                    acc, p, made, checks, max(u for u in entries[p[0]].users if u in r), entries[p[0]].name
+                )
+            )
             for p, param in zip(pieces, params)
         ]
+        first = checks if flow.first_forward else None  # a recompute's outputs were checked by its F
         try:
             routed: list = []  # router logits of this stage's layers (with their graph)
             with torch.enable_grad():
                 y = x
                 for i in r:
-                    y = self._run_layer_named(step, i, weights, y, ctx, mb, t)
+                    y = self._run_layer_named(step, i, weights, y, ctx, mb, t, first)
                     got = ctx.router_logits.pop(i, None)
                     if got:
                         routed.append(got)
@@ -637,10 +681,11 @@ class Worker:
                     del term
                 routed.clear()
                 wrt = ([x0] if grad_in else []) + params
-                faults.point(
+                if faults.point(
                     "backward", step=step.index, layer=pipe.adapter.layers[r.start].name, microbatch=mb,
                     device=dev.name,
-                )  # fmt: skip
+                ):  # fmt: skip
+                    seeds = [s * float("nan") for s in seeds]
                 if wrt:
                     torch.autograd.backward(outputs, grad_tensors=seeds, inputs=wrt)
                 del outputs, seeds
@@ -672,12 +717,14 @@ class Worker:
         return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
 
     @staticmethod
-    def _into(acc: dict, piece, made: list):
+    def _into(acc: dict, piece, made: list, checks: TaskChecks, layer: int, name: str):
         """A post-accumulate hook that moves ``param.grad`` into ``acc[piece]`` (fp32, summed over the
-        stage's microbatches; a shard's gradient covers only its rows)."""
+        stage's microbatches; a shard's gradient covers only its rows), noting in ``checks``
+        whether this microbatch's gradient is finite (``layer``: its highest layer in the stage)."""
 
         def hook(param: torch.Tensor) -> None:
             g, param.grad = param.grad, None
+            checks.gradient(layer, name, g)
             if piece in acc:
                 acc[piece].add_(g)
             else:
@@ -686,9 +733,9 @@ class Worker:
 
         return hook
 
-    def _run_layer_named(self, step, i, weights, x, ctx, mb, t):
+    def _run_layer_named(self, step, i, weights, x, ctx, mb, t, checks):
         try:
-            return self._run_layer(step, i, weights, x, ctx, mb)
+            return self._run_layer(step, i, weights, x, ctx, mb, checks)
         except BaseException as e:
             if isinstance(e, RoundpipeError):
                 raise

@@ -2,7 +2,8 @@
 
 Reads the recipe (``roundpipe.train.recipe``), runs ``Trainer.fit`` and exits 0 when the run
 completed, 130 when a signal stopped it after writing a checkpoint, 2 on a recipe, data or setting
-error (the message says what to change), 1 when the run failed (one line here; the traceback, and
+error or a run refused for memory it would not find (host RAM, a device; the message says what to
+change), 1 when the run failed (one line here; the traceback, and
 whether a checkpoint of the last completed step was written, in the run's ``train.log``).
 """
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
         help="continue from the newest checkpoint of the run (auto: start afresh if there is none) or from PATH",
     )
     args = ap.parse_args(argv)
-    from roundpipe.errors import ConfigError, InputError
+    from roundpipe.errors import ConfigError, DeviceMemoryError, HostMemoryError, InputError
 
     try:
         from roundpipe.testing import faults
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         config = load_recipe(args.recipe, args.overrides)
         trainer = Trainer(config, resume=args.resume)
         result = trainer.fit()
-    except (ConfigError, InputError) as err:  # the recipe, the data or a setting: say what to change
+    except (ConfigError, InputError, HostMemoryError, DeviceMemoryError) as err:  # say what to change
         print(f"roundpipe train: error: {err}", file=sys.stderr)
         sys.exit(2)
     except Exception as err:  # the run failed: one line here, the traceback in the run's log
