@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -385,3 +386,74 @@ def test_an_undamaged_checkpoint_still_loads_after_its_neighbour_is_damaged(two_
     os.truncate(path / "tensors.safetensors", 10)
     step, state, _ = manager.load(path.parent / "step-00000001")
     assert step == 1 and torch.equal(state["w"], torch.arange(1000.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# A manifest cannot make load read outside the checkpoint directory
+# ---------------------------------------------------------------------------------------------
+
+
+def _list_in_manifest(path: Path, name: str, data: bytes) -> None:
+    """Edit the manifest to list ``name`` with the size and sha256 of ``data`` (what a forger does)."""
+    import hashlib
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["../secret.txt", "../../secret.txt", "sub/../../secret.txt"])
+def test_a_manifest_entry_that_climbs_out_with_dotdot_is_refused(two_checkpoints, name):
+    manager, path = two_checkpoints
+    secret = path.parent / "secret.txt"
+    secret.write_bytes(b"not yours")
+    _list_in_manifest(path, name, b"not yours")
+    with pytest.raises(
+        CheckpointError, match=rf"manifest\.json has a malformed entry for '{re.escape(name)}'"
+    ):
+        manager.load(path)
+
+
+def test_a_manifest_entry_with_an_absolute_path_is_refused(two_checkpoints, tmp_path):
+    manager, path = two_checkpoints
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"not yours")
+    _list_in_manifest(path, str(secret), b"not yours")
+    with pytest.raises(CheckpointError, match=rf"has a malformed entry for '{re.escape(str(secret))}'"):
+        manager.load(path)
+
+
+def test_a_listed_file_that_is_a_symlink_out_of_the_checkpoint_is_refused(two_checkpoints, tmp_path):
+    manager, path = two_checkpoints
+    outside = tmp_path / "outside.txt"  # beside the checkpoint directories, not in one
+    outside.write_bytes(b"hello")  # the very bytes the manifest lists: size and sha256 agree
+    (path / "notes.txt").unlink()
+    os.symlink(outside, path / "notes.txt")
+    with pytest.raises(CheckpointError) as info:
+        manager.load(path)
+    message = str(info.value)
+    assert f"{path / 'notes.txt'} resolves to {outside.resolve()} through the symlink" in message
+    assert "load reads only files inside the checkpoint directory" in message and "--resume" in message
+
+
+def test_a_manifest_that_is_a_symlink_out_of_the_checkpoint_is_refused(two_checkpoints, tmp_path):
+    manager, path = two_checkpoints
+    forged = tmp_path / "forged-manifest.json"
+    forged.write_bytes((path / "manifest.json").read_bytes())
+    (path / "manifest.json").unlink()
+    os.symlink(forged, path / "manifest.json")
+    with pytest.raises(CheckpointError, match=r"manifest\.json resolves to .* through the symlink"):
+        manager.load(path)
+
+
+def test_symlinks_that_stay_inside_the_checkpoint_and_a_symlinked_checkpoint_still_load(
+    two_checkpoints, tmp_path
+):
+    manager, path = two_checkpoints
+    (path / "notes.txt").rename(path / "notes-real.txt")
+    os.symlink("notes-real.txt", path / "notes.txt")  # relative, inside the directory
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(path, elsewhere / path.name)  # the checkpoint directory itself: the caller's choice
+    step, state, extra = manager.load(elsewhere / path.name)
+    assert step == 2 and extra["notes.txt"] == b"hello" and state["note"] == "two"

@@ -44,8 +44,8 @@ def _recipe(tmp: Path, **groups) -> dict:
             "tokenizer": "byte",
         },
         "data": {
-            "train": str(tmp / "data" / "train.jsonl"),
-            "eval": str(tmp / "data" / "eval.jsonl"),
+            "train": str(tmp / "run" / "data" / "train.jsonl"),  # data.synthetic writes inside the run dir
+            "eval": str(tmp / "run" / "data" / "eval.jsonl"),
             "synthetic": "reverse",
             "synthetic_samples": [400, 16],
             "prompt_template_no_input": "{instruction}>",

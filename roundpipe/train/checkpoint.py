@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from roundpipe.errors import CheckpointError, ConfigError
 from roundpipe.testing import faults
+from roundpipe.train.paths import escape
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -572,12 +573,15 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: no or unreadable manifest, a newer format, a listed file missing
-                or of another size or sha256, or ``state.json`` / a tensor shard not listed.
+                or of another size or sha256, a listed name that is not a plain file name or a
+                symlink that leads outside the checkpoint directory, or ``state.json`` / a tensor
+                shard not listed.
                 The message names the file and the older checkpoint to resume from instead.
         """
         path = Path(path)
         if not path.is_dir():
             raise CheckpointError(f"{path} is not a checkpoint directory (it does not exist or is a file)")
+        self._refuse_outside(path / MANIFEST, path)
         manifest = self._read_json(path / MANIFEST, path, what="manifest")
         version = manifest.get("format_version") if isinstance(manifest, dict) else None
         files = manifest.get("files") if isinstance(manifest, dict) else None
@@ -598,6 +602,7 @@ class CheckpointManager:
                 or name in ("", ".", "..", MANIFEST)
             ):
                 raise self._damaged(path / MANIFEST, f"has a malformed entry for {name!r}", path)
+            self._refuse_outside(file, path)
             if not file.is_file():
                 raise self._damaged(
                     file, f"is missing but the manifest lists it ({entry['bytes']:,} bytes)", path
@@ -686,6 +691,17 @@ class CheckpointManager:
             return json.loads(file.read_bytes())
         except (ValueError, UnicodeDecodeError) as e:
             raise self._damaged(file, f"is not valid JSON ({e})", checkpoint) from e
+
+    def _refuse_outside(self, file: Path, checkpoint: Path) -> None:
+        """A symlink in a checkpoint that leads outside it would make ``load`` read what it points
+        to (with a manifest edited to match): refused, naming the file. One inside it is fine."""
+        outside = escape(checkpoint, file)
+        if outside is not None:
+            raise self._damaged(
+                file,
+                f"{outside}: load reads only files inside the checkpoint directory",
+                checkpoint,
+            )
 
     def _damaged(self, file: Path, problem: str, checkpoint: Path) -> CheckpointError:
         return CheckpointError(f"{file} {problem}: the checkpoint is damaged; {self._older_hint(checkpoint)}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from roundpipe.errors import RecipeError
+from roundpipe.train.paths import check_run_paths
 
 REQUIRED: Any = "<required>"  # the default of a field a recipe must set
 
@@ -101,7 +102,7 @@ class DataConfig:
         None,
         "Generate a built-in task into the `train` and `eval` files first, if they are missing "
         "(demos): `reverse` (reverse a string of letters, instruction format; the eval prompts "
-        "never occur in the training file).",
+        "never occur in the training file). Both files must lie inside the run directory.",
     )
     synthetic_samples: list[int] = _f(
         [20000, 500], "Training and held-out samples the synthetic task writes."
@@ -110,8 +111,16 @@ class DataConfig:
 
 @dataclass
 class RunSection:
-    name: str = _f("run", "Name of the run (the default output directory is runs/NAME).")
-    output_dir: str | None = _f(None, "Where checkpoints, metrics, plots and exports go. Default: runs/NAME.")
+    name: str = _f(
+        "run",
+        "Name of the run. The default output directory is runs/NAME, so then it must be a plain name "
+        "(no `/`, `\\`, `:` or `..`).",
+    )
+    output_dir: str | None = _f(
+        None,
+        "Where checkpoints, metrics, plots and exports go. Default: runs/NAME. The run writes nowhere "
+        "else: a symlink in it that leads outside is refused.",
+    )
     devices: str = _f("auto", "`auto` (every GPU, else cpu:2), `cpu:N`, `cuda`, `cuda:0,1`.")
     policy: str = _f(
         "auto",
@@ -127,6 +136,13 @@ class RunSection:
     )
     optimizer_mode: Literal["sync", "async"] = _f(
         "sync", "sync: exact; async: the update overlaps the next step (staleness 1)."
+    )
+    nan_policy: Literal["skip", "stop"] = _f(
+        "stop",
+        "A NaN or Inf in a loss, a layer output or a gradient: `stop` ends the run naming the step, "
+        "layer and microbatch (after a checkpoint of the last completed step); `skip` drops that "
+        "update and goes on (counted as `skipped_steps` in the metrics). fp16 runs skip gradient "
+        "overflows either way and lower the loss scale.",
     )
     batch_size: int = _f(8, "Sequences per forward/backward (one micro-step).")
     grad_accum: int = _f(1, "Micro-steps per optimizer step (effective batch = batch_size x grad_accum).")
@@ -255,6 +271,7 @@ class TrainConfig:
             raise RecipeError(f"optim.betas must be two numbers, got {self.optim.betas}")
         if self.lora.enabled and self.lora.rank < 1:
             raise RecipeError(f"lora.rank must be at least 1, got {self.lora.rank}")
+        check_run_paths(self)  # nothing the run writes may lie outside its run directory
 
     @property
     def output_dir(self) -> str:

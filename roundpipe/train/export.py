@@ -8,6 +8,9 @@ Call ``pipe.export_to(model)`` first: it writes the trained fp32 masters into th
   (``config.json``, ``generation_config.json``, ``model.safetensors`` or shards + index, the
   tokenizer if given) with every LoRA update merged into its base weight.
 
+Both refuse a directory holding a symlink that leads outside it: the files are written by name
+(some by transformers or peft), and writing through such a link would land elsewhere.
+
 The merge trade-off. ``merge_and_unload`` on the training model would change it (the LoRA layers
 are gone, the base weights -- the parameter store's compute copies -- hold the merged values), and
 ``merge_adapter`` + ``unmerge_adapter`` leaves the base weights off by round-off; on a deep copy it
@@ -38,6 +41,7 @@ from torch import nn
 
 from roundpipe.errors import ConfigError
 from roundpipe.train.loading import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, file_key, split_fused_experts
+from roundpipe.train.paths import check_filled_dir
 
 MAX_SHARD_BYTES = 5 << 30
 
@@ -51,6 +55,7 @@ def export_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
         The directory, holding ``adapter_config.json`` and ``adapter_model.safetensors``.
 
     Raises:
+        RecipeError: a symlink in ``directory`` leads outside it (it would be written through).
         ConfigError: ``model`` is not a peft model (a full fine-tune has no adapter: use
             ``export_merged``).
     """
@@ -60,6 +65,7 @@ def export_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
             f"no adapter; use export_merged"
         )
     directory = Path(directory)
+    check_filled_dir(directory, "checkpoint.export", value=directory)  # peft picks the file names
     model.save_pretrained(str(directory), safe_serialization=True)
     return directory
 
@@ -86,6 +92,7 @@ def export_merged(
         The directory, loadable with ``AutoModelForCausalLM.from_pretrained``.
 
     Raises:
+        RecipeError: a symlink in ``directory`` leads outside it (it would be written through).
         ConfigError: the model holds adapters this merge does not reproduce (DoRA, LoRA bias,
             ``modules_to_save``) or LoRA on a tied weight (merging would untie it).
     """
@@ -93,6 +100,7 @@ def export_merged(
     tensors = _merged_tensors(base, dtype)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    check_filled_dir(directory, "checkpoint.export", value=directory)  # HF writes config.json & co
     for old in [*directory.glob("model-*-of-*.safetensors"), directory / SINGLE_FILE, directory / INDEX_FILE]:
         if old.is_file():
             old.unlink()

@@ -28,7 +28,9 @@ def write_task(
     """Write ``counts = [train, eval]`` samples of task ``name`` as JSONL, unless both files exist.
 
     Returns whether the files were written. The held-out prompts are drawn first and excluded from
-    the training file.
+    the training file. Where the paths may lie is the caller's rule: a recipe's run writes them only
+    inside its run directory (``TrainConfig.check`` and ``Trainer.fit`` refuse others, see
+    ``roundpipe.train.paths``).
     """
     if name not in TASKS:
         raise RecipeError(f"unknown data.synthetic task {name!r}; choose one of {', '.join(TASKS)}")

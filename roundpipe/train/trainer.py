@@ -94,6 +94,7 @@ class Trainer:
         import roundpipe
         from roundpipe.train.checkpoint import CheckpointManager
         from roundpipe.train.data import Batches, load_data
+        from roundpipe.train.paths import check_run_paths
         from roundpipe.train.recipe import dump_recipe
         from roundpipe.train.tokenizer import load_tokenizer
         from roundpipe.train.watch import MetricsLog, Progress
@@ -101,6 +102,7 @@ class Trainer:
         cfg = self.config
         t_start = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_run_paths(cfg)  # again, now that the run starts: no symlink in run_dir leads outside
         (self.run_dir / "config.yaml").write_text(dump_recipe(cfg), encoding="utf-8")
         manager = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
         resume_from = manager.resolve(self.resume) if self.resume else None
@@ -276,6 +278,7 @@ class Trainer:
             num_microbatches=run.num_microbatches,
             dtype=run.dtype,
             optimizer_mode=run.optimizer_mode,
+            nan_policy=run.nan_policy,
             seed=run.seed,
             **run.options,
         )
@@ -314,11 +317,18 @@ class Trainer:
             "idle": sum(idle) / len(idle),
             "epoch": batches.epoch,
             "time_s": seconds,
+            "skipped_steps": pipe.skipped_steps,  # updates dropped on non-finite values so far
         }
         if pipe.last_grad_norm is not None:
             row["grad_norm"] = pipe.last_grad_norm
-        if pipe.last_step_skipped:
-            row["skipped"] = True  # fp16: non-finite gradients, the update was skipped
+        if pipe.last_step_skipped:  # a non-finite value (nan_policy skip, or an fp16 overflow)
+            row["skipped"] = True
+            found = pipe.last_nonfinite
+            self.log(
+                f"step {step + 1}: update skipped"
+                + (f", {found.describe()} was not finite" if found is not None else ", non-finite gradients")
+                + f" ({pipe.skipped_steps} skipped so far)"
+            )
         return row
 
     def _eval_chunks(self, samples, pad_id: int) -> list[dict]:
@@ -378,6 +388,9 @@ class Trainer:
             return
         if manager.latest_step() == step:
             self.log(f"checkpoint of step {step} already written; resume with --resume auto")
+            return
+        if step == 0:  # nothing trained yet (a refused plan, a first batch that failed): nothing to keep
+            self.log("no checkpoint written: the first step failed, there is nothing to resume from")
             return
         try:
             result.checkpoint = self._save(manager, step, pipe, None, position=before)

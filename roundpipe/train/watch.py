@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from roundpipe.train.config import LoggingConfig
+from roundpipe.train.paths import check_filled_dir, run_file
 
 
 class MetricsLog:
@@ -22,7 +23,7 @@ class MetricsLog:
     with ``step`` and ``kind`` (``train`` / ``eval``); and TensorBoard scalars when asked for."""
 
     def __init__(self, run_dir: Path, config: LoggingConfig, resume_step: int | None = None):
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_file(run_dir, "metrics.jsonl")  # refused if a symlink there leads outside
         self.rows: list[dict[str, Any]] = []
         if resume_step is not None and self.path.exists():
             # Keep what the checkpointed part of the run logged; the steps after it run again.
@@ -35,7 +36,7 @@ class MetricsLog:
                     self.rows.append(row)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
         self._file = self.path.open("a", encoding="utf-8")
-        self._tb = _tensorboard_writer(run_dir / "tensorboard", config.tensorboard)
+        self._tb = _tensorboard_writer(run_dir, config.tensorboard)
 
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -56,9 +57,13 @@ class MetricsLog:
             self._tb.close()
 
 
-def _tensorboard_writer(directory: Path, wanted: bool | str):
+def _tensorboard_writer(run_dir: Path, wanted: bool | str):
     if wanted is False:
         return None
+    directory = run_file(run_dir, "tensorboard")
+    check_filled_dir(
+        directory, "run.output_dir", value=run_dir, base=run_dir
+    )  # its file names are tensorboard's
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is an optional extra
@@ -113,6 +118,7 @@ class Progress:
 
 def save_loss_curve(metrics: MetricsLog, path: Path, title: str) -> None:
     """Train (and eval, where there is one) loss against the optimizer step, as a PNG."""
+    path = run_file(Path(path).parent, Path(path).name)  # refused if a symlink there leads outside
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,7 +146,7 @@ def save_timeline(pipe, run_dir: Path, title: str) -> list[Path]:
     from roundpipe.sim.gantt import save_gantt
 
     timeline = pipe.last_timeline()
-    png, trace = run_dir / "timeline.png", run_dir / "timeline.trace.json"
+    png, trace = run_file(run_dir, "timeline.png"), run_file(run_dir, "timeline.trace.json")
     save_gantt(timeline, str(png), title=title)
     timeline.save_chrome_trace(str(trace))
     return [png, trace]
