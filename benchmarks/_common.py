@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -10,7 +11,19 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS_ENV = (
+    "ROUNDPIPE_BENCH_RESULTS"  # a directory that replaces benchmarks/results (e.g. a quick run into tmp)
+)
+RESULTS = Path(os.environ.get(RESULTS_ENV) or Path(__file__).resolve().parent / "results")
+
+
+def results_dir() -> Path:
+    """Where results go: ``$ROUNDPIPE_BENCH_RESULTS`` when set at call time, else :data:`RESULTS`.
+
+    Read at each call, not only at import, so a caller that imports a benchmark first and sets the
+    variable afterwards (a test, ``run_all``) still redirects its files."""
+    env = os.environ.get(RESULTS_ENV)
+    return Path(env) if env else RESULTS
 
 
 def llama_model(hidden: int, layers: int, intermediate: int, vocab: int, heads: int = 8, seed: int = 0):
@@ -52,19 +65,21 @@ def median_step_s(step, warmup: int, repeats: int) -> tuple[float, list[float]]:
 def write_results(
     name: str, payload: dict, table_rows: list[list[str]], header: list[str], notes: str
 ) -> Path:
-    """Write ``results/<name>.json`` and ``results/<name>.md`` (a markdown table + notes)."""
-    RESULTS.mkdir(exist_ok=True)
+    """Write ``results/<name>.json`` and ``results/<name>.md`` (a markdown table + notes) into
+    :func:`results_dir`."""
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
     payload = {
         **payload,
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": _cpus()},
     }
-    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows]
     md = f"# {name}\n\n" + "\n".join(lines) + "\n\n" + notes.strip() + "\n"
-    (RESULTS / f"{name}.md").write_text(md)
+    (out / f"{name}.md").write_text(md)
     print(md)
-    return RESULTS / f"{name}.md"
+    return out / f"{name}.md"
 
 
 def _cpus() -> int:
