@@ -602,6 +602,7 @@ class Worker:
                 step=step.index,
             ) from e
         finally:
+            checks.flags.clear()  # a failed task's flags are device tensors too (packed() clears them otherwise)
             self._unbind(flow.layers)
 
     def _produce(self, slot: Slot, t: torch.Tensor, what: str, stream: str) -> None:
