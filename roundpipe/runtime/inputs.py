@@ -2,6 +2,12 @@
 
 Runs on the caller's thread, before any worker starts, so a bad batch is reported as an
 ``InputError`` that says what to change and nothing has been issued to a device yet.
+
+A batch arrives padded to its longest sample; each microbatch is then cut to its own longest one
+(:func:`trailing_padding`), so a microbatch of short samples costs what its tokens cost. That is
+exact: a causal model's position ``t`` reads only positions up to ``t``, so columns after the last
+real token change no output, and those columns carry no token (``attention_mask`` 0, which also
+keeps them out of a router's statistics) and no label (-100) in any row of the microbatch.
 """
 
 from __future__ import annotations
@@ -104,16 +110,30 @@ def split_batch(
     out = []
     for idx in torch.arange(batch).tensor_split(m):
         sl = slice(int(idx[0]), int(idx[-1]) + 1)
+        mask = None if attention_mask is None else attention_mask[sl]
+        cols = slice(0, seq - trailing_padding(mask, labels[sl]))
         pos = None
         if position_ids is not None:
-            pos = position_ids if position_ids.shape[0] == 1 else position_ids[sl]
+            pos = (position_ids if position_ids.shape[0] == 1 else position_ids[sl])[:, cols]
+        mb_labels = labels[sl, cols].contiguous()
         out.append(
             MicrobatchInputs(
-                input_ids[sl].contiguous(),
-                None if attention_mask is None else attention_mask[sl].contiguous(),
+                input_ids[sl, cols].contiguous(),
+                None if mask is None else mask[:, cols].contiguous(),
                 None if pos is None else pos.long().contiguous(),
-                labels[sl].contiguous(),
-                loss_positions(labels[sl]),
+                mb_labels,
+                loss_positions(mb_labels),
             )
         )
     return out, total
+
+
+def trailing_padding(attention_mask: torch.Tensor | None, labels: torch.Tensor) -> int:
+    """How many columns at the end of a microbatch hold padding only: ``attention_mask`` 0 and
+    label -100 in every row (0 without a mask: then every column is a token). At least one column
+    is kept, so a microbatch of padding alone keeps its shape valid."""
+    if attention_mask is None:
+        return 0
+    used = ((attention_mask != 0) | (labels != -100)).any(dim=0)
+    last = int(used.nonzero().max()) + 1 if bool(used.any()) else 1
+    return int(labels.shape[1]) - last

@@ -168,7 +168,7 @@ class Pipeline:
         step = self._run(microbatches, loss_tokens or total, plan, eager, total)
         self.last_plan = plan
         self._planner.advance_start_device(plan)
-        self._planner.observe(self._recorder.last_spans, plan, input_ids.numel() / len(microbatches))
+        self._planner.observe(self._recorder.last_spans, plan, _mean_tokens(microbatches))
         self._steps_run += 1
         self._grads_pending = True
         self._stepped_eagerly = eager
@@ -389,7 +389,7 @@ class Pipeline:
         times = layer_times_from_spans(spans, self._planner.names)
         self._planner.set_measured(
             times,
-            input_ids.numel() / len(microbatches),
+            _mean_tokens(microbatches),
             tuple(input_ids.shape),
             context_s=context_seconds_from_spans(spans),
         )
@@ -494,3 +494,9 @@ def _layers_with_dropout(adapter) -> set[int]:
         ):
             out.add(layer.index)
     return out
+
+
+def _mean_tokens(microbatches) -> float:
+    """Tokens per microbatch as the workers ran them: each microbatch is cut to its own longest
+    sample (``inputs.split_batch``), so this is what the measured layer times belong to."""
+    return sum(mb.input_ids.numel() for mb in microbatches) / len(microbatches)

@@ -21,9 +21,12 @@ What is modelled, and why it matches the runtime (docs/design.md §3-§4):
   upload of group ``k + 1`` waits until the compute that used group ``k - 1`` is done, which frees it.
   Weight-bound tables (``table.weight_bound``) keep every uploaded layer for the whole step when the
   device's layers fit its memory; otherwise they stream too (noted in the result).
+- **Order**: strictly the table's by default; ``order="ready"`` lets a device run the first
+  operation in table order whose inputs are ready, as ``RunConfig(order="ready")`` does (``ready.py``).
 - **Compute time**: F runs its forward layers; B re-runs the forward (layers that recompute) and
   backpropagates; a fused F+B runs the head once with autograd, no recompute; I is recompute +
-  input gradient and W the weight gradient (``w_fraction`` of the backward).
+  input gradient and W the weight gradient (``w_fraction`` of the backward). ``jitter`` and
+  ``slowdown`` scale each operation's time by a random factor and by its device's (``variability.py``).
 - **Optimizer**: a layer's CPU AdamW step starts when the last weight gradient of the step for that
   layer has arrived on the host (steps run one at a time, in that order, at the server's step
   rate). ``sync``: the next step's weights for a layer are uploaded only after its update, so each
@@ -53,6 +56,8 @@ from roundpipe.presets import Server
 from roundpipe.schedule.flow import StageWork, device_flows
 from roundpipe.schedule.table import ScheduleTable, Task
 from roundpipe.schedule.timeline import HOST_DEVICE, Span, Timeline
+from roundpipe.sim.ready import ReadyOrder
+from roundpipe.sim.variability import TaskNoise, check_variability
 from roundpipe.sim.workload import Workload
 
 ADAMW_BYTES_PER_PARAM = 30  # fused fp32 AdamW: read grad, master, m, v; write master, m, v, bf16 copy
@@ -81,6 +86,15 @@ class SimOptions:
     # layers and download them once (what the runtime does); False: download after every task.
     accumulate_grads: bool = True
     stream_weights: bool | None = None  # None: stream unless the table is weight-bound and fits
+    # "strict": each device runs its operations in table order; "ready": the first in table order
+    # whose inputs are ready (RunConfig.order; see ready.py).
+    order: str = "strict"
+    # Work that varies (variability.py): each operation's time times a log-normal factor of mean 1
+    # and this sigma, drawn from ``jitter_seed``; ``slowdown[d]``: device d's time factor (2.0: half
+    # speed; devices past the tuple run at 1.0).
+    jitter: float = 0.0
+    jitter_seed: int = 0
+    slowdown: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.optimizer not in ("sync", "async"):
@@ -89,6 +103,10 @@ class SimOptions:
             raise ConfigError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
         if self.iterations is not None and self.iterations < 1:
             raise ConfigError(f"iterations must be >= 1, got {self.iterations}")
+        if self.order not in ("strict", "ready"):
+            raise ConfigError(f"order must be 'strict' or 'ready', got {self.order!r}")
+        check_variability(self.jitter, self.slowdown)
+        object.__setattr__(self, "slowdown", tuple(self.slowdown))  # a list from a caller: hashable
 
 
 @dataclass(frozen=True)
@@ -99,7 +117,8 @@ class SimResult:
     (``iteration_s * D / busy - 1``). ``peak_gpu_bytes[d]`` includes the workspace reserve;
     ``peak_activations[d]`` counts stage inputs held between a forward and its backward on ``d``
     (the closed forms' unit). ``fits`` is False when a device or the host exceeds its memory, and
-    ``reason`` then says where, by how much and at which task.
+    ``reason`` then says where, by how much and at which task. ``reordered``: with
+    ``order="ready"``, how many operations ran ahead of one that precedes them in the table.
     """
 
     policy: str
@@ -122,6 +141,7 @@ class SimResult:
     reason: str = ""
     optimizer: str = "sync"
     notes: tuple[str, ...] = ()
+    reordered: int = 0
     raw_spans: list | None = field(default=None, compare=False, repr=False)  # Span fields, built lazily
     timeline_meta: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -158,6 +178,7 @@ class SimResult:
             "fits": self.fits,
             "reason": self.reason,
             "notes": list(self.notes),
+            "reordered": self.reordered,
         }
 
 
@@ -194,7 +215,7 @@ class _OpState:
 
     __slots__ = ("dev", "label", "kind", "it", "pos", "mb", "task", "cost", "keys", "in_bytes",
                  "ctx_bytes", "dependents", "group", "ends_group", "last_of_iter", "alloc", "flush", "stash_add",
-                 "stash_drop", "deps", "host_wait", "up_wait", "lookahead_ok", "started", "scale", "dur")  # fmt: skip
+                 "stash_drop", "deps", "host_wait", "up_wait", "lookahead_ok", "started", "scale", "dur", "run")  # fmt: skip
 
     def __init__(
         self, dev: int, work: StageWork, tasks: tuple[Task, ...], it: int, pos: int, cost: _OpCost, keys
@@ -216,6 +237,7 @@ class _OpState:
         self.started = -1.0
         self.scale = 1.0  # its microbatch's size over the workload's (uneven microbatches)
         self.dur = 0.0  # seconds on the compute lane: its work, plus a context build when it needs one
+        self.run: list[_OpState] | None = None  # ready order: the ops summing one gradient buffer
 
 
 class _Link:
@@ -326,6 +348,7 @@ class _Sim:
         self.deferred: dict[tuple[int, int], list[_Copy]] = defaultdict(list)
         self.cursor = [0] * self.n_dev
         self.ops_left = sum(len(o) for o in self.ops)
+        self.ready = ReadyOrder(self) if opts.order == "ready" else None
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
@@ -343,6 +366,7 @@ class _Sim:
         self.ops: list[list[_OpState]] = [[] for _ in range(self.n_dev)]
         self.by_task: list[dict[str, list[list[_OpState | None]]]] = []
         plans: dict[int, list] = {}  # steps that replay the same table share its plan
+        noise = TaskNoise(self.opts.jitter, self.opts.jitter_seed, self.opts.slowdown, self.n_dev)
         costs: dict[int, _OpCost] = {}  # per StageWork (alive in ``plans`` meanwhile, so ids are unique)
         for it, table in enumerate(self.tables):
             plan = plans.get(id(table))
@@ -366,6 +390,7 @@ class _Sim:
                     if cost.dur > 0 and st.mb != context_of:  # as the worker's ``_context``
                         st.dur += self.w.context_s * st.scale
                         context_of = st.mb
+                    st.dur *= noise.factor(d)
                     for t in tasks:
                         by_task[t.kind][t.stage][t.microbatch] = st
                     ops.append(st)
@@ -470,6 +495,11 @@ class _Sim:
                 for a, b in zip(backward_ops, backward_ops[1:]):
                     if a.cost.trainable and b.cost.trainable and a.it == b.it and a.cost.bwd == b.cost.bwd:
                         a.flush = b.alloc = False
+                        if self.opts.order == "ready":  # which of them opens and sends is decided then
+                            if a.run is None:
+                                a.run = [a]
+                            a.run.append(b)
+                            b.run = a.run
             for st in ops:
                 if st.flush:
                     for i in st.cost.trainable:
@@ -533,7 +563,9 @@ class _Sim:
     def run(self) -> None:
         for d in range(self.n_dev):
             self._make_eligible(d, 2)
-            if self.ops[d]:
+            if self.ready is not None:
+                self.ready.fill(d)
+            elif self.ops[d]:
                 self._check_inputs(self.ops[d][0])
         for d in range(self.n_dev):
             self._try_compute(d)
@@ -792,7 +824,7 @@ class _Sim:
     def _try_compute(self, d: int) -> None:
         i = self.cursor[d]
         ops = self.ops[d]
-        if i >= len(ops):
+        if i >= len(ops) or (self.ready is not None and not self.ready.committed(d, i)):
             return
         st = ops[i]
         if st.started >= 0 or st.deps or st.up_wait != 0:
@@ -810,7 +842,9 @@ class _Sim:
             self.stash[d] += 1
             if self.stash[d] > self.stash_peak[d]:
                 self.stash_peak[d] = self.stash[d]
-        if i + 1 < len(ops):
+        if self.ready is not None:
+            self.ready.fill(d)
+        elif i + 1 < len(ops):
             nxt = ops[i + 1]
             nxt.lookahead_ok = True
             self._check_inputs(nxt)
@@ -851,6 +885,8 @@ class _Sim:
         for dep in st.dependents:
             dep.deps -= 1
             if dep.deps == 0:
+                if self.ready is not None:
+                    self.ready.fill(dep.dev)
                 self._try_compute(dep.dev)
         if st.ends_group or st.last_of_iter:  # else the device's weights stay as they are
             self._after_op(d, st)
@@ -866,6 +902,8 @@ class _Sim:
                 self._host(round(self.act_bytes[b] * c.owner.scale))
             for st in waiters.pop(k, ()):
                 st.host_wait -= 1
+                if self.ready is not None and st.host_wait == 0:
+                    self.ready.fill(st.dev)
                 self._check_inputs(st)
 
     def _wgrad_done(self, c: _Copy) -> None:

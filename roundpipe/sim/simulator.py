@@ -194,6 +194,7 @@ def simulate(
         reason="; ".join(reasons),
         optimizer=opts.optimizer,
         notes=tuple(notes),
+        reordered=sim.ready.moved if sim.ready is not None else 0,
         raw_spans=sim.spans,
         timeline_meta=meta,
     )

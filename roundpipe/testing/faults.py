@@ -17,7 +17,10 @@ the context's value):
 - ``upload`` / ``download``: a hand-off's copy to / from a device (``step``, ``device``);
 - ``optimizer``: the host stepping one layer's parameters (``layer``);
 - ``data``: the trainer taking a step's batches (``step``); ``checkpoint``: writing a checkpoint
-  (``step``).
+  (``step``);
+- ``compute``: a task's compute (or its microbatch's context build) has just run on a device's
+  compute stream (``device``; cpu backend only: its stream thread times the closure and calls
+  :func:`after_compute`).
 
 ``step`` is the pipeline's ``forward_backward`` count for the device points (the trainer's step
 when every step is one call) and the trainer's step for ``data`` and ``checkpoint``.
@@ -25,7 +28,14 @@ when every step is one call) and the trainer's step for ``data`` and ``checkpoin
 Kinds: ``error`` raises :class:`InjectedFault` (a plain ``RuntimeError``: the code around the point
 treats it as it treats any failure there); ``oom`` raises ``DeviceOutOfMemory`` for the point's
 device; ``stall`` sleeps ``seconds`` (the watchdog's to catch); ``kill`` sends SIGKILL to the
-process. A fault fires ``times`` times (default once) and counts how often it fired (``fired``).
+process; ``nan`` (``forward`` and ``backward`` only) makes ``point`` return True, and the caller
+poisons its tensor with NaN: the layer's output, or the gradient flowing into the backward stage.
+``slow`` (only at ``compute``) makes the device a slower one: after each closure it sleeps
+``factor - 1`` times what the closure took, so every task there takes ``factor`` times its time, the
+stream's later work waiting behind it as it would behind a slow GPU.
+A fault fires ``times`` times (default once; a ``slow`` fault on every match) and counts how often
+it fired (``fired``); a ``slow`` one also sums the seconds it measured (``measured_s``) and slept
+(``slept_s``), which is how tests see it work without timing anything.
 """
 
 from __future__ import annotations
@@ -40,8 +50,8 @@ from dataclasses import dataclass, field
 
 from roundpipe.errors import ConfigError, DeviceOutOfMemory
 
-POINTS = ("forward", "backward", "upload", "download", "optimizer", "data", "checkpoint")
-KINDS = ("error", "oom", "stall", "kill")
+POINTS = ("forward", "backward", "upload", "download", "optimizer", "data", "checkpoint", "compute")
+KINDS = ("error", "oom", "stall", "kill", "nan", "slow")
 FILTERS = ("step", "layer", "microbatch", "device")
 ENV = "ROUNDPIPE_FAULTS"
 
@@ -60,7 +70,10 @@ class Fault:
     device: str | None = None
     seconds: float = 3600.0  # how long a stall sleeps
     times: int = 1
+    factor: float = 2.0  # a slow fault: each matching closure takes this many times its time
     fired: int = field(default=0, compare=False)
+    measured_s: float = field(default=0.0, compare=False)  # slow: seconds the closures took
+    slept_s: float = field(default=0.0, compare=False)  # slow: seconds added after them
 
     def __post_init__(self):
         if self.where not in POINTS:
@@ -69,9 +82,32 @@ class Fault:
             raise ConfigError(f"fault kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if self.kind == "oom" and self.where in ("optimizer", "data", "checkpoint"):
             raise ConfigError(f"an oom fault needs a device point, not {self.where!r}")
+        if self.kind == "nan" and self.where not in ("forward", "backward"):
+            raise ConfigError(f"a nan fault needs a tensor point (forward or backward), not {self.where!r}")
+        self._check_slow()
+
+    def _check_slow(self) -> None:
+        if (self.kind == "slow") != (self.where == "compute"):
+            raise ConfigError(
+                f"a {self.kind} fault at {self.where!r}: kind 'slow' goes with where='compute' and "
+                "only there (the other kinds act at a point of the run; a slow device is a timing)"
+            )
+        if self.where == "compute" and (self.step, self.layer, self.microbatch) != (None, None, None):
+            raise ConfigError(
+                "a compute fault matches by device only (the stream that times the closure knows "
+                f"no step, layer or microbatch); drop step={self.step}, layer={self.layer}, "
+                f"microbatch={self.microbatch}"
+            )
+        if self.kind == "slow" and not (
+            isinstance(self.factor, (int, float)) and 1.0 <= self.factor < float("inf")
+        ):
+            raise ConfigError(
+                f"a slow fault's factor is how many times its normal time a task takes: a finite "
+                f"number >= 1, got {self.factor!r}"
+            )
 
     def matches(self, where: str, context: dict) -> bool:
-        if where != self.where or self.fired >= self.times:
+        if where != self.where or (self.kind != "slow" and self.fired >= self.times):
             return False
         return all(getattr(self, f) is None or getattr(self, f) == context.get(f) for f in FILTERS)
 
@@ -80,26 +116,47 @@ _PLAN: list[Fault] | None = None
 _LOCK = threading.Lock()
 
 
-def point(where: str, **context) -> None:
-    """A place where a run can be made to fail (see the module docstring). Free when disabled."""
+def point(where: str, **context) -> bool:
+    """A place where a run can be made to fail (see the module docstring). Free when disabled.
+    True when a ``nan`` fault fired: the caller is to poison its tensor."""
     if _PLAN is None:
-        return
+        return False
     with _LOCK:
         fault = next((f for f in _PLAN if f.matches(where, context)), None)
         if fault is None:
-            return
+            return False
         fault.fired += 1
+    if fault.kind == "nan":
+        return True
     described = ", ".join(f"{k}={v}" for k, v in context.items() if v is not None)
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "stall":
         time.sleep(fault.seconds)
-        return
+        return False
     if fault.kind == "oom":
         raise DeviceOutOfMemory(
             context.get("device") or "?", f"an injected fault at {where} ({described})", 0, 0, 0
         )
     raise InjectedFault(f"injected fault at {where} ({described})")
+
+
+def after_compute(device: str, started: float) -> None:
+    """The ``compute`` point: a closure begun at ``started`` (``time.perf_counter()``) has just run
+    on ``device``'s compute stream, on that stream's thread. A matching ``slow`` fault sleeps
+    ``factor - 1`` times what it took. Free when disabled, as :func:`point` is."""
+    if _PLAN is None:
+        return
+    took = time.perf_counter() - started
+    with _LOCK:
+        fault = next((f for f in _PLAN if f.matches("compute", {"device": device})), None)
+        if fault is None:
+            return
+        extra = (fault.factor - 1.0) * took
+        fault.fired += 1
+        fault.measured_s += took
+        fault.slept_s += extra
+    time.sleep(extra)
 
 
 @contextlib.contextmanager
