@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 STAMP := .venv/.installed
 
-.PHONY: demo test test-slow lint venv clean
+.PHONY: demo test test-slow bench bench-quick lint venv clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,14 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	# The slow tests (marker `slow`): CI runs them after `make test`.
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "slow and not timing"
+
+bench: $(STAMP)
+	# Every benchmark, measured: benchmarks/results/*.{json,md} and docs/benchmarks.md.
+	$(PY) benchmarks/run_all.py
+
+bench-quick: $(STAMP)
+	# The CI smoke: each benchmark at its smallest, results into a temporary directory.
+	$(PY) benchmarks/run_all.py --quick
 
 LINT_PATHS := $(wildcard roundpipe tests benchmarks scripts)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,8 +41,10 @@ from roundpipe.sim.workload import LayerWork, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data" / "paper_setting.json"
-RESULTS = Path(__file__).resolve().parent / "results"
-DOC = ROOT / "docs" / "paper_setting.md"
+# A smoke run (benchmarks/run_all.py --quick) sets ROUNDPIPE_BENCH_RESULTS: both files go there.
+_REDIRECT = os.environ.get("ROUNDPIPE_BENCH_RESULTS")
+RESULTS = Path(_REDIRECT) if _REDIRECT else Path(__file__).resolve().parent / "results"
+DOC = RESULTS / "paper_setting_doc.md" if _REDIRECT else ROOT / "docs" / "paper_setting.md"
 SEQ_LEN, MICRO_BATCH = 2048, 4
 LINK_BW = 16e9  # bytes/s of the modelled host link; hop bytes are sized so one hop takes the measured time
 OWN_CANDIDATES = 8  # grains by the objective that the simulator then judges and refines

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +32,12 @@ from roundpipe.sim.simulator import simulate
 from roundpipe.sim.tune import Candidate, tune
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
+# A smoke run (benchmarks/run_all.py --quick) sets ROUNDPIPE_BENCH_RESULTS: everything goes there.
+DOCS = (
+    Path(os.environ["ROUNDPIPE_BENCH_RESULTS"])
+    if os.environ.get("ROUNDPIPE_BENCH_RESULTS")
+    else ROOT / "docs"
+)
 FIGURES = DOCS / "figures"
 HARDWARE = "8xrtx4090"
 SEQ_LEN = 4096
