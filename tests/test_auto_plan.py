@@ -74,6 +74,7 @@ def test_round_size_with_the_auto_policy_keeps_to_the_policies_that_deal_in_roun
 
 
 # ----------------------------------------------------------------------------- the choice on the runtime
+@pytest.mark.slow  # ~15 s: it profiles a model whose head dominates
 def test_before_the_first_batch_auto_runs_as_roundpipe_and_says_so():
     with roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(devices="cpu:2")) as pipe:
         plan = pipe.plan

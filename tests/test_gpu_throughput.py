@@ -18,6 +18,9 @@ import gpu_throughput as bench  # noqa: E402
 
 from roundpipe.errors import ConfigError  # noqa: E402
 
+# A benchmark's smoke: `make test-slow` runs it (and `make bench-quick` runs the benchmark itself).
+pytestmark = pytest.mark.slow
+
 FIGURES = {"status", "devices", "precision", "tokens_per_s", "step_s_median", "step_s", "first_loss"}
 FIGURES |= {"losses", "ratio_to", "peak_gpu_allocated_bytes", "peak_gpu_reserved_bytes"}
 ROUNDPIPE_FIGURES = {"h2d_bytes_per_step", "h2d_gb_per_s", "h2d_fraction_of_pinned_peak", "policy"}

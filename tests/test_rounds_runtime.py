@@ -170,6 +170,7 @@ def peak_hand_off_bytes(round_size, *, microbatches: int, layers: int) -> tuple[
     return live.peak, 12 * model.config.hidden_size * 4
 
 
+@pytest.mark.slow  # ~10 s: many microbatches, measured step by step
 def test_rounds_bound_the_live_hand_offs_on_the_host_by_two_rounds():
     """One layer per stage: 6 layers leave a microbatch's activation at 5 boundaries, and each
     device gets forward and backward deals in every round, so two rounds bound what is alive."""

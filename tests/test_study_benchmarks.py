@@ -18,6 +18,9 @@ import schedule_study  # noqa: E402
 
 from roundpipe.errors import ConfigError  # noqa: E402
 
+# A benchmark's smoke: `make test-slow` runs it (and `make bench-quick` runs the benchmark itself).
+pytestmark = pytest.mark.slow
+
 VERDICTS = {"reproduced", "not reproduced", "only under stated conditions"}
 DOC = REPO / "docs" / "schedule_study.md"
 
