@@ -68,7 +68,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if hidden_needs_grad
             else None
         )
-        grad_params = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        # The first chunk's gradient becomes the accumulator (one vocabulary x hidden buffer per
+        # parameter, as plain autograd makes, not a zeroed one plus a copy).
+        grad_params: list[torch.Tensor | None] = [None] * len(params)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n_tokens, chunk_tokens):
             stop = min(start + chunk_tokens, n_tokens)
@@ -79,23 +81,33 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             grads = list(torch.autograd.grad(chunk_loss, wrt, allow_unused=True))
             if hidden_needs_grad:
                 grad_hidden[start:stop] = grads.pop(0)
-            for buffer, grad in zip(grad_params, grads):
-                if grad is not None:
-                    buffer += grad
+            for i, grad in enumerate(grads):
+                if grad is None:
+                    continue
+                if grad_params[i] is None:
+                    grad_params[i] = grad.float()  # no copy when already fp32
+                else:
+                    grad_params[i] += grad
             loss_sum += chunk_loss.detach()
         ctx.hidden_shape, ctx.hidden_dtype = hidden.shape, hidden.dtype
         ctx.param_dtypes = [p.dtype for p in params]
         ctx.hidden_needs_grad = hidden_needs_grad
+        grad_params = [
+            torch.zeros_like(p, dtype=torch.float32) if g is None else g for p, g in zip(params, grad_params)
+        ]
         ctx.save_for_backward(*([grad_hidden] if hidden_needs_grad else []), *grad_params)
         return loss_sum
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # Scaled in place: the saved gradients belong to this node alone and are used once (a
+        # second backward through a retained graph fails autograd's saved-tensor version check
+        # instead of returning a twice-scaled gradient).
         saved = list(ctx.saved_tensors)
         grad_hidden = None
         if ctx.hidden_needs_grad:
-            grad_hidden = (saved.pop(0) * grad_loss).to(ctx.hidden_dtype).reshape(ctx.hidden_shape)
-        grad_params = [(g * grad_loss).to(dtype) for g, dtype in zip(saved, ctx.param_dtypes)]
+            grad_hidden = saved.pop(0).mul_(grad_loss).to(ctx.hidden_dtype).reshape(ctx.hidden_shape)
+        grad_params = [g.mul_(grad_loss).to(dtype) for g, dtype in zip(saved, ctx.param_dtypes)]
         return (grad_hidden, None, None, None, None, *grad_params)
 
 
