@@ -12,11 +12,17 @@ on the same batches cut into the same microbatches, fp32, AdamW with the same hy
   threads share the same 2 cores. The stream sanitizer is off (``ROUNDPIPE_SANITIZE`` is cleared
   and ``RunConfig(sanitize=False)``): it is a debugging aid.
 
+- plain PyTorch on one thread with per-layer checkpointing (full runs): an independent loss check,
+  and half its step is a perfect split of the work over the 2 cores.
+
 The losses of every system must agree (first step to rtol 1e-5, later steps close); then the
 medians of steps that alternate between the systems give the ratios. Goal: ``roundpipe`` at
-<= 0.8x the step time of the faster torch schedule with checkpointing.
+<= 0.8x the step time of the faster torch schedule with checkpointing. Beside the wall times,
+each system's CPU seconds per step (and the kernel's part, and roundpipe's by thread) say where
+the time goes, and stay meaningful when other processes share the cores.
 
-    python benchmarks/vs_torch_pipelining.py [--quick] [--steps N] [--no-pin]
+    python benchmarks/vs_torch_pipelining.py [--quick] [--steps N] [--search-steps N] [--no-pin]
+                                             [--reuse-memory]
 """
 
 from __future__ import annotations
@@ -297,7 +303,8 @@ class TorchRanks:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        cores = sorted(os.sched_getaffinity(0))
+        pin = pin and hasattr(os, "sched_setaffinity")  # Linux only
+        cores = sorted(os.sched_getaffinity(0)) if pin else []
         self.world, self.timeout_s = world, timeout_s
         self.cores = [cores[r % len(cores)] for r in range(world)] if pin else [None] * world
         self.results = ctx.Queue()
@@ -652,6 +659,17 @@ def diagnose(result: dict, best_ckpt: str, pin: bool) -> str:
             for n in med
         )
     ]
+    if "roundpipe roundpipe" in med:
+        rp, t = "roundpipe roundpipe", best_ckpt
+        idle = {n: 2 * med[n] - cpu[n] for n in (rp, t)}
+        lines.insert(
+            0,
+            f"- In core-seconds (2 cores x the step): `{rp}` {2 * med[rp]:.2f} = {cpu[rp]:.2f} busy + "
+            f"{idle[rp]:.2f} idle; `{t}` {2 * med[t]:.2f} = {cpu[t]:.2f} busy + {idle[t]:.2f} idle. "
+            f"roundpipe's step differs by {2 * (med[rp] - med[t]):+.2f} core-seconds: "
+            f"{cpu[rp] - cpu[t]:+.2f} s of work ({kernel[rp] - kernel[t]:+.2f} s of it in the kernel) and "
+            f"{idle[rp] - idle[t]:+.2f} s of core time not spent on it (idle, or taken by other processes)",
+        )
     ranks = result["torch_ranks"][best_ckpt]
     for r in range(len(ranks[0])):
         sched = statistics.median(x[r]["schedule_s"] for x in ranks)
