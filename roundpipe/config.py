@@ -14,6 +14,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 ORDERS = ("strict", "ready")
 OPTIMIZER_MODES = ("sync", "async")
 NAN_POLICIES = ("skip", "stop")
+DATA_PARALLEL_MODES = ("auto", "off")
+OPTIMIZER_SHARDINGS = ("none", "nodes")
 HOST_MEMORY_MODES = ("arena", "pinned", "pageable")  # = roundpipe.backend.host_memory.HOST_MEMORY_MODES
 
 
@@ -79,6 +81,24 @@ class RunConfig:
             update is dropped and counted (``pipe.skipped_steps``); it defers every update to
             ``step()``, as clipping does, so that no layer is stepped before all are checked. fp16
             runs skip a non-finite gradient either way and lower the loss scale.
+        data_parallel: ``"auto"`` (default): when the environment says this process is one rank of
+            several (``WORLD_SIZE`` > 1, as ``torchrun`` sets with ``RANK``, ``MASTER_ADDR`` and
+            ``MASTER_PORT``), join the torch.distributed process group (gloo; initialised here if
+            the caller has not) and train data-parallel: every rank passes the same global batch,
+            computes on its own rows, and the fp32 CPU gradients are summed across ranks layer by
+            layer as each becomes final, overlapped with the rest of the backward; the loss is
+            normalised by the global token count, so N ranks train exactly as one process on the
+            whole batch (``roundpipe/distributed/``, docs/multinode.md). ``"off"``: never.
+        optimizer_sharding: with data parallelism, ``"nodes"``: each rank owns the AdamW state of
+            about 1/N of the layers (contiguous, balanced by bytes): gradients are reduced to
+            their owner, which steps them and broadcasts the new weights; the optimizer state per
+            rank falls by about N. ``"none"`` (default): every rank steps every layer.
+        dp_bucket_bytes: the gradient reduction sends the step groups (layers) in buckets of about
+            this many bytes (a layer larger than it goes alone): fewer, larger messages against
+            an earlier start of the first (``torch.nn.parallel.DistributedDataParallel``'s
+            ``bucket_cap_mb``).
+        dp_timeout_s: how long a collective waits for the other ranks before the step fails with
+            ``DataParallelError`` (a lost peer whose connection closes is noticed at once).
         watchdog_s: a step with no progress for this long fails with ``WatchdogTimeout``. Progress
             is what the devices have finished (events), not what the workers have issued.
         sanitize: on the cpu backend, check every closure against CUDA's stream rules (a tensor
@@ -130,6 +150,10 @@ class RunConfig:
     copy_chunk_bytes: int = 64 << 20
     weight_cache_bytes: int | None = None
     nan_policy: str = "stop"
+    data_parallel: str = "auto"
+    optimizer_sharding: str = "none"
+    dp_timeout_s: float = 300.0
+    dp_bucket_bytes: int = 25 << 20
     watchdog_s: float = 300.0
     sanitize: bool | None = None
     seed: int = 0
@@ -250,6 +274,23 @@ class RunConfig:
             raise ConfigError(
                 f"fp16_accumulation needs dtype='fp16', not {self.dtype!r}; set both or neither"
             )
+        if self.data_parallel not in DATA_PARALLEL_MODES:
+            raise ConfigError(
+                f"unknown data_parallel {self.data_parallel!r}; choose one of {', '.join(DATA_PARALLEL_MODES)}"
+            )
+        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise ConfigError(
+                f"unknown optimizer_sharding {self.optimizer_sharding!r}; choose one of "
+                f"{', '.join(OPTIMIZER_SHARDINGS)}"
+            )
+        if (
+            isinstance(self.dp_bucket_bytes, bool)
+            or not isinstance(self.dp_bucket_bytes, int)
+            or (self.dp_bucket_bytes < 1)
+        ):
+            raise ConfigError(f"dp_bucket_bytes must be a positive int, got {self.dp_bucket_bytes!r}")
+        if not _positive_finite(self.dp_timeout_s):
+            raise ConfigError(f"dp_timeout_s must be a positive number of seconds, got {self.dp_timeout_s!r}")
         if not isinstance(self.watchdog_s, numbers.Real) or not self.watchdog_s > 0:  # also refuses NaN
             raise ConfigError(f"watchdog_s must be a positive number of seconds, got {self.watchdog_s!r}")
         if not isinstance(self.verify_model, bool):

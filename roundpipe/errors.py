@@ -116,6 +116,15 @@ class NonFiniteError(StageError, FloatingPointError):
         super().__init__(message, **where)
 
 
+class DataParallelError(RoundpipeError, RuntimeError):
+    """Data parallelism across processes failed: a peer rank raised, was lost or timed out, or the
+    ranks disagree on how they run (``rank`` is this process's)."""
+
+    def __init__(self, message: str, *, rank: int | None = None):
+        self.rank = rank
+        super().__init__(message)
+
+
 class WatchdogTimeout(RoundpipeError, TimeoutError):
     """No worker made progress for the configured time; the message shows what each one waits for."""
 

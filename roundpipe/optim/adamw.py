@@ -81,19 +81,21 @@ class LayerwiseAdamW:
             e.grad.zero_()
         self.store.refresh_compute(keys, publish_to)
 
-    def grad_norm_sq(self) -> float:
+    def grad_norm_sq(self, groups=None) -> float:
+        """Squared norm of the gradients of ``groups`` (default: all)."""
         total = 0.0
-        for keys in self.groups.values():
-            for k in keys:
+        for layer in self.groups if groups is None else groups:
+            for k in self.groups[layer]:
                 g = self.store.entries[k].grad
                 total += float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
         return total
 
-    def grads_finite(self) -> bool:
+    def grads_finite(self, groups=None) -> bool:
+        """Whether the gradients of ``groups`` (default: all) are finite."""
         return all(
             bool(torch.isfinite(self.store.entries[k].grad).all())
-            for keys in self.groups.values()
-            for k in keys
+            for layer in (self.groups if groups is None else groups)
+            for k in self.groups[layer]
         )
 
     def set_lr(self, lr: float) -> None:
@@ -113,8 +115,12 @@ class LayerwiseAdamW:
                     state[e.name] = {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
         return {"state": state, "config": self.config.__dict__.copy()}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, groups=None) -> None:
+        """Load the state of the parameters of ``groups`` (default: all) found in ``sd``; ``sd`` may
+        hold more (a merged sharded checkpoint)."""
         for layer, keys in self.groups.items():
+            if groups is not None and layer not in groups:
+                continue
             opt = self.optimizers[layer]
             for k in keys:
                 e = self.store.entries[k]

@@ -54,6 +54,9 @@ class OptimizerSteps:
         self.last_step_skipped = False
         self.last_grad_norm: float | None = None
         self.partial = 0  # groups stepped since the last complete update (see Pipeline.abandon_step)
+        # Data-parallel: the groups this rank steps and its agreements with the others
+        # (roundpipe.distributed.updates.RankUpdates); None in a single process.
+        self.ranks = None
 
     def configure(self, config: OptimizerConfig) -> None:
         self.optimizer = LayerwiseAdamW(self.store, config)
@@ -107,9 +110,13 @@ class OptimizerSteps:
     def deferred_step(self, publish_to: int | None = None) -> None:
         """Step every group with the whole gradient known: unscale, skip on overflow, clip."""
         factor = 1.0 / self.loss_scale()
-        found, self.nonfinite = self.nonfinite, None
+        found, self.nonfinite = self.nonfinite, None  # data-parallel: already agreed by every rank
+        held = None if self.ranks is None else self.ranks.held
         if self.scaler is not None:
-            finite = found is None and self.optimizer.grads_finite()
+            grads_finite = self.optimizer.grads_finite(held)
+            if self.ranks is not None:
+                grads_finite = self.ranks.all_finite(grads_finite)
+            finite = found is None and grads_finite
             self.scaler.update(not finite)
         else:
             finite = found is None
@@ -119,11 +126,16 @@ class OptimizerSteps:
             self.skipped_steps += 1
             return
         if self.optimizer.config.max_grad_norm is not None:
-            norm = (self.optimizer.grad_norm_sq() ** 0.5) * factor
+            norm_sq = self.optimizer.grad_norm_sq(held)
+            if self.ranks is not None:
+                norm_sq = self.ranks.norm_sq(norm_sq)
+            norm = (norm_sq**0.5) * factor
             self.last_grad_norm = norm
             factor *= clip_factor(norm, self.optimizer.config.max_grad_norm)
-        for owner in sorted(self.optimizer.groups, reverse=True):
+        for owner in sorted(self.optimizer.groups if held is None else held, reverse=True):
             self.step_group(owner, factor, publish_to)
+        if self.ranks is not None:
+            self.ranks.publish()
 
     def state_dict(self) -> dict:
         """The optimizer's and the loss scaler's state, where there is one."""
@@ -137,6 +149,6 @@ class OptimizerSteps:
     def load_state_dict(self, sd: dict) -> None:
         self.skipped_steps = int(sd.get("skipped_steps", 0))
         if "optimizer" in sd and self.optimizer is not None:
-            self.optimizer.load_state_dict(sd["optimizer"])
+            self.optimizer.load_state_dict(sd["optimizer"], None if self.ranks is None else self.ranks.held)
         if "loss_scaler" in sd and self.scaler is not None:
             self.scaler.load_state_dict(sd["loss_scaler"])

@@ -21,6 +21,8 @@ from torch import nn
 
 from roundpipe.backend import MemoryLedger, make_backend
 from roundpipe.config import RunConfig
+from roundpipe.distributed import join as join_data_parallel
+from roundpipe.distributed.steps import DataParallelSteps
 from roundpipe.errors import InputError, PipelineStateError
 from roundpipe.models import adapt_model
 from roundpipe.models.verify import verify_model
@@ -58,6 +60,8 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, config: RunConfig | None = None, weights: Weights | None = None):
         self.config = config or RunConfig()
+        # The data-parallel group when launched as one rank of several (torchrun), else None.
+        self.dp = join_data_parallel(self.config)
         self.adapter = adapt_model(model, head_shards=self.config.head_shards)
         self.verified = verify_model(
             model, self.adapter, full=self.config.verify_model, head_shards=self.config.head_shards
@@ -94,6 +98,7 @@ class Pipeline:
         self._executor = Executor(
             self.backend, self.workers, self._hostq, self.host_memory, self.config.watchdog_s
         )
+        self._ranks = DataParallelSteps(self) if self.dp is not None else None
         self.last_plan: FlowPlan | None = None  # the flow plan of the last forward_backward
         self.weight_bound = False  # the running table keeps weights resident (every policy but roundpipe)
         capacity = self.backend.devices[0].memory.capacity
@@ -155,9 +160,26 @@ class Pipeline:
             raise PipelineStateError(
                 "call step() after each forward_backward (or pass accumulate=True to the earlier call)"
             )
+        if self._ranks is not None:
+            with self._ranks.failing("forward_backward"):
+                return self._ranks.forward_backward(
+                    input_ids, labels, attention_mask, position_ids, accumulate, loss_tokens
+                )
+        return self._forward_backward(
+            input_ids, labels, attention_mask, position_ids, accumulate, loss_tokens
+        )
+
+    def _forward_backward(
+        self, input_ids, labels, attention_mask, position_ids, accumulate, loss_tokens, ranks_step=None
+    ) -> StepOutput:
+        """``forward_backward`` on this process's batch; ``ranks_step`` (data-parallel) makes the
+        counts global and hands each final gradient to the reduction (``DataParallelSteps``)."""
         if self._planner.needs_profile():  # something is "auto": measure the layers on this batch
             self.profile(input_ids, labels, attention_mask, position_ids, steps=1)
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
+        mine = total
+        if ranks_step is not None:
+            total = ranks_step.global_tokens(total)
         if loss_tokens is not None and (not isinstance(loss_tokens, int) or loss_tokens < total):
             raise InputError(
                 f"loss_tokens must be an int of at least this batch's {total} label tokens "
@@ -165,7 +187,7 @@ class Pipeline:
             )
         plan = self._planner.flow_plan(self._planner.decide(*input_ids.shape))
         eager = self._updates.eager(accumulate, self.config.optimizer_mode)
-        step = self._run(microbatches, loss_tokens or total, plan, eager, total)
+        step = self._run(microbatches, loss_tokens or total, plan, eager, mine, ranks_step)
         self.last_plan = plan
         self._planner.advance_start_device(plan)
         self._planner.observe(self._recorder.last_spans, plan, _mean_tokens(microbatches))
@@ -173,6 +195,8 @@ class Pipeline:
         self._grads_pending = True
         self._stepped_eagerly = eager
         found = first_nonfinite(step.nonfinite)
+        if ranks_step is not None:
+            step.loss_sum, found = ranks_step.agree(step.loss_sum, found)
         if found is not None:
             if self._updates.nonfinite is None:  # the first of this optimizer step's calls decides
                 self._updates.nonfinite = found
@@ -203,10 +227,22 @@ class Pipeline:
                 "evaluate() would mix its gradients with pending ones: call step() first"
             )
         self._hostq.drain()  # an async update still reading the gradient buffers must finish
+        if self._ranks is not None:
+            with self._ranks.failing("evaluate"):
+                return self._ranks.evaluate(input_ids, labels, attention_mask, position_ids)
+        return self._evaluate(input_ids, labels, attention_mask, position_ids)
+
+    def _evaluate(self, input_ids, labels, attention_mask, position_ids, ranks_step=None) -> StepOutput:
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
         plan = self._planner.flow_plan(self._planner.decide(*input_ids.shape))
         step = self._run(microbatches, total, plan, eager=False)
         self.store.zero_grads()
+        if ranks_step is not None:
+            router = _router_loss(step) * total
+            (step.loss_sum, router, total) = ranks_step.sums(
+                [step.loss_sum, router, total], "evaluation losses"
+            )
+            return StepOutput(step.loss_sum / total + router / total, int(total))
         return StepOutput(step.loss_sum / total + _router_loss(step), total)
 
     def step(self) -> None:
@@ -234,7 +270,11 @@ class Pipeline:
             self._hostq.submit(update)
         else:
             if not self._stepped_eagerly:
-                self._updates.deferred_step()
+                if self._ranks is not None:
+                    with self._ranks.failing("step"):
+                        self._updates.deferred_step()
+                else:
+                    self._updates.deferred_step()
             self._updates.partial = 0
         self._updates_run += 1
         self._grads_pending = False
@@ -313,6 +353,8 @@ class Pipeline:
         measured = self._planner.measured_state()
         if measured is not None:
             sd["measured"] = measured
+        if self.dp is not None and self.dp.sharded:
+            sd["optimizer_shard"] = {"rank": self.dp.rank, "world_size": self.dp.world_size}
         if self.store.double_buffer:
             sd["stale"] = stale_state(self.store, self._updates_run)
         return sd
@@ -410,6 +452,8 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
+        if self.dp is not None:
+            self.dp.close()
         self._hostq.close()
         self.backend.close()
         self.store.close()  # unpins the host arena: only after every device has synchronized
@@ -439,14 +483,25 @@ class Pipeline:
         )
 
     def _run(
-        self, microbatches, total: int, plan: FlowPlan, eager: bool, batch_tokens: int | None = None
+        self,
+        microbatches,
+        total: int,
+        plan: FlowPlan,
+        eager: bool,
+        batch_tokens: int | None = None,
+        ranks_step=None,
     ) -> StepRun:
-        """One forward and backward over the workers, on the compute copy of this optimizer step."""
+        """One forward and backward over the workers, on the compute copy of this optimizer step;
+        with ``ranks_step``, the gradient reduction across ranks runs beside it and is waited for."""
         self.store.set_read_buffer(self._updates_run)
         step = self._new_step(microbatches, total, plan, eager, batch_tokens)
         self.weight_bound = plan.table.weight_bound
+        if ranks_step is not None:
+            ranks_step.attach(step)
         with self._recorder.recording():
             self._executor.run(step)
+            if ranks_step is not None:
+                ranks_step.finish()
         return step
 
     def _new_step(

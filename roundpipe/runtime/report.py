@@ -63,6 +63,12 @@ class Recorder:
                 t0 = self._origin
                 self._host_spans.append((-1, "host", name, kind, start - t0, time.perf_counter() - t0))
 
+    def add_host_span(self, name: str, kind: str, start: float, stop: float) -> None:
+        """Host-side work timed by its own thread (``time.perf_counter`` seconds), such as a
+        gradient bucket's collective from issue to arrival; nothing outside a recording."""
+        if self._origin is not None:
+            self._host_spans.append((-1, "host", name, kind, start - self._origin, stop - self._origin))
+
     def stats(self) -> dict:
         """See ``Pipeline.stats``."""
         wall, spans = self.last_wall, self.last_spans

@@ -61,6 +61,9 @@ class StepRun:
         self.exchange = exchange
         self.grad_seed = updates.loss_scale() / total_tokens
         self.router = None  # RouterTotals when the model adds a router load-balancing loss
+        # Data-parallel: the reduction each final step group is handed to (it issues the
+        # collectives and, when eager, steps); None: a single process, or an accumulate=True call.
+        self.reduction = None
         self.loss_sum = 0.0
         self.nonfinite: list[NonFinite] = []  # every non-finite value the tasks' checks found
         self._hostq, self._updates = hostq, updates
@@ -122,5 +125,7 @@ class StepRun:
                     self.group_left[owner] -= 1
                     # Nothing is stepped once a non-finite value is known: not the layer it is in,
                     # and with "skip", whose updates are deferred, nothing at all.
-                    if self.group_left[owner] == 0 and self.eager and not self.nonfinite:
+                    if self.group_left[owner] == 0 and self.reduction is not None:
+                        self.reduction.final(owner)
+                    elif self.group_left[owner] == 0 and self.eager and not self.nonfinite:
                         updates.step_group(owner)

@@ -33,6 +33,9 @@ poisons its tensor with NaN: the layer's output, or the gradient flowing into th
 ``slow`` (only at ``compute``) makes the device a slower one: after each closure it sleeps
 ``factor - 1`` times what the closure took, so every task there takes ``factor`` times its time, the
 stream's later work waiting behind it as it would behind a slow GPU.
+Under ``torchrun`` every rank reads the same ``ROUNDPIPE_FAULTS``: ``rank`` makes a fault fire on
+that rank only (``RANK``), and ``restart`` only in that attempt (``TORCHELASTIC_RESTART_COUNT``, 0
+before the first restart), so that a kill fires once and the restarted ranks run on.
 A fault fires ``times`` times (default once; a ``slow`` fault on every match) and counts how often
 it fired (``fired``); a ``slow`` one also sums the seconds it measured (``measured_s``) and slept
 (``slept_s``), which is how tests see it work without timing anything.
@@ -71,6 +74,8 @@ class Fault:
     seconds: float = 3600.0  # how long a stall sleeps
     times: int = 1
     factor: float = 2.0  # a slow fault: each matching closure takes this many times its time
+    rank: int | None = None  # only on this rank of a torchrun launch (RANK; 0 without one)
+    restart: int | None = None  # only in this attempt of a torchrun launch (TORCHELASTIC_RESTART_COUNT)
     fired: int = field(default=0, compare=False)
     measured_s: float = field(default=0.0, compare=False)  # slow: seconds the closures took
     slept_s: float = field(default=0.0, compare=False)  # slow: seconds added after them
@@ -85,6 +90,10 @@ class Fault:
         if self.kind == "nan" and self.where not in ("forward", "backward"):
             raise ConfigError(f"a nan fault needs a tensor point (forward or backward), not {self.where!r}")
         self._check_slow()
+        for name in ("rank", "restart"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ConfigError(f"a fault's {name} is a non-negative int or null, got {value!r}")
 
     def _check_slow(self) -> None:
         if (self.kind == "slow") != (self.where == "compute"):
@@ -109,7 +118,18 @@ class Fault:
     def matches(self, where: str, context: dict) -> bool:
         if where != self.where or (self.kind != "slow" and self.fired >= self.times):
             return False
+        for value, variable in ((self.rank, "RANK"), (self.restart, "TORCHELASTIC_RESTART_COUNT")):
+            if value is not None and value != _env_int(variable):
+                return False
         return all(getattr(self, f) is None or getattr(self, f) == context.get(f) for f in FILTERS)
+
+
+def _env_int(name: str) -> int:
+    """An integer the launcher set (0 when unset or not a number: a single process)."""
+    try:
+        return int(os.environ.get(name, "0"))
+    except ValueError:
+        return 0
 
 
 _PLAN: list[Fault] | None = None

@@ -1,0 +1,211 @@
+"""Summing the fp32 CPU gradients across data-parallel ranks, bucket by bucket, as each becomes final.
+
+A *bucket* is a run of step groups (a group: the parameters whose gradient one layer's backward
+makes final, see ``optim/adamw.py``) in canonical order, the highest layer first, cut at about
+``RunConfig.dp_bucket_bytes`` and, when the optimizer is sharded, where the owning rank changes. The order is the
+same on every rank whatever its schedule did, because gloo matches collectives by the order they
+are issued in: the host thread marks groups final as their last gradient lands (``final``), and a
+bucket is issued only when it and every bucket before it are complete.
+
+Each bucket travels as one flat fp32 tensor with one extra element: 1 when this rank already knew
+of a non-finite value when it issued the bucket. The sum tells every receiver whether any rank did,
+so no rank steps a layer that another rank has found poisoned (as one process steps nothing once
+it knows). Unsharded, it is an all-reduce and every rank steps every group; sharded, a reduce to
+the bucket's owner, which steps it and broadcasts the new fp32 masters to the others.
+
+The waits, the copies back and (when stepping eagerly) the steps run on one reduction thread,
+while the host thread keeps adding the lower layers' gradients and gloo's threads move the bytes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from roundpipe.distributed.group import DataParallel
+from roundpipe.runtime.store import ParameterStore
+
+_DONE = object()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    groups: tuple[int, ...]  # step groups (owner layers), highest first
+    keys: tuple[int, ...]  # their trainable entries, in order
+    owner: int  # the rank that steps them (this rank when unsharded)
+    numel: int
+
+
+def plan_buckets(
+    dp: DataParallel, store: ParameterStore, groups: dict[int, list[int]], bucket_bytes: int
+) -> list[Bucket]:
+    """The buckets of ``groups`` (owner layer -> entry keys), in canonical order."""
+    order = sorted(groups, reverse=True)
+    numel = {g: sum(store.entries[k].grad.numel() for k in groups[g]) for g in order}
+    owners = dp.owners(order, {g: 4 * numel[g] for g in order})
+    buckets: list[Bucket] = []
+    run: list[int] = []
+
+    def close():
+        if run:
+            keys = tuple(k for g in run for k in groups[g])
+            buckets.append(Bucket(tuple(run), keys, owners[run[0]], sum(numel[g] for g in run)))
+            run.clear()
+
+    for g in order:
+        if run and (owners[g] != owners[run[0]] or 4 * sum(numel[x] for x in run) >= bucket_bytes):
+            close()
+        run.append(g)
+    close()
+    return buckets
+
+
+class GradientReduction:
+    """One forward_backward's reduction.
+
+    Args:
+        dp: the group.
+        store: whose ``grad`` buffers are summed (and whose masters a sharded owner broadcasts).
+        buckets: ``plan_buckets``'s.
+        known_nonfinite: whether this rank knows of a non-finite value yet (host thread).
+        step_groups: ``step(groups)``: step these groups now (eager updates; reduction thread);
+            None: the updates are deferred to ``step()``, which calls ``publish`` when sharded.
+        recorder: puts each bucket's collective, from issue to arrival, on the timeline's host lane
+            (kind ``reduce``), with the layer names ``names``.
+    """
+
+    def __init__(
+        self,
+        dp: DataParallel,
+        store: ParameterStore,
+        buckets: list[Bucket],
+        known_nonfinite: Callable[[], bool],
+        step_groups: Callable[[tuple[int, ...]], None] | None,
+        recorder=None,
+        names: list[str] | None = None,
+    ):
+        self.dp, self.store, self.buckets = dp, store, buckets
+        self._recorder, self._names = recorder, names
+        self._known_nonfinite, self._step_groups = known_nonfinite, step_groups
+        self._bucket_of = {g: i for i, b in enumerate(buckets) for g in b.groups}
+        self._left = [len(b.groups) for b in buckets]
+        self._next = 0  # the first bucket not issued yet
+        self.flagged = False  # a rank knew of a non-finite value when it issued a bucket this rank received
+        self.error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="roundpipe-reduce", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ host thread
+    def final(self, group: int) -> None:
+        """Host thread: ``group``'s gradient is final on this rank; issue what became complete."""
+        self._left[self._bucket_of[group]] -= 1
+        while self._next < len(self.buckets) and self._left[self._next] == 0:
+            self._issue(self.buckets[self._next])
+            self._next += 1
+
+    def _issue(self, b: Bucket) -> None:
+        entries = self.store.entries
+        flag = torch.tensor([1.0 if self._known_nonfinite() else 0.0])
+        flat = torch.cat([entries[k].grad.reshape(-1) for k in b.keys] + [flag])
+        what = f"summing the gradients of {self._label(b)}"
+        if self.dp.sharded:
+            work = self.dp.collective(
+                what, lambda: dist.reduce(flat, dst=b.owner, group=self.dp.grads, async_op=True)
+            )
+        else:
+            work = self.dp.collective(what, lambda: dist.all_reduce(flat, group=self.dp.grads, async_op=True))
+        self._queue.put((b, flat, work, what, time.perf_counter()))
+
+    # ------------------------------------------------------------------ reduction thread
+    def _loop(self) -> None:
+        torch.set_num_threads(1)
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            if self.error is not None:
+                continue
+            b, flat, work, what, issued = item
+            try:
+                try:
+                    work.wait()
+                except BaseException as e:
+                    raise self.dp.failed(what, e) from e
+                if self._recorder is not None:
+                    self._recorder.add_host_span(
+                        f"reduce:{self._label(b)}", "reduce", issued, time.perf_counter()
+                    )
+                self._received(b, flat)
+            except BaseException as e:  # carried to the caller by wait()
+                self.error = e
+
+    def _received(self, b: Bucket, flat: torch.Tensor) -> None:
+        entries = self.store.entries
+        mine = b.owner == self.dp.rank
+        with torch.no_grad():
+            if mine:
+                self.flagged |= bool(flat[-1] > 0)
+                offset = 0
+                for k in b.keys:
+                    g = entries[k].grad
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+            else:  # sharded, another rank's: its owner steps it; this rank's share is spent
+                for k in b.keys:
+                    entries[k].grad.zero_()
+        if self._step_groups is None:
+            return
+        if mine and not self.flagged and not self._known_nonfinite():
+            self._step_groups(b.groups)
+        if self.dp.sharded:
+            broadcast_masters(self.dp, self.store, b)
+
+    # ------------------------------------------------------------------ caller's thread
+    def wait(self) -> None:
+        """Wait until every issued bucket has been received (and stepped); re-raise the first error.
+        Every bucket must have been issued (the backward completed)."""
+        self._queue.put(_DONE)
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        if self._next != len(self.buckets):
+            raise RuntimeError(
+                f"the backward left {len(self.buckets) - self._next} gradient buckets unissued (groups "
+                f"{[b.groups for b in self.buckets[self._next :]]}): a step group never became final"
+            )
+
+    def _label(self, b: Bucket) -> str:
+        names = self._names or [str(i) for i in range(max(b.groups) + 1)]
+        return names[b.groups[0]] if len(b.groups) == 1 else f"{names[b.groups[-1]]}..{names[b.groups[0]]}"
+
+    def abandon(self) -> None:
+        """After a failed step: let the thread end (its waits fail once the group is torn down)."""
+        self._queue.put(_DONE)
+
+
+def broadcast_masters(dp: DataParallel, store: ParameterStore, b: Bucket, group=None) -> None:
+    """The owner's fp32 masters of bucket ``b`` to every rank; receivers refresh their compute copies."""
+    entries = store.entries
+    with torch.no_grad():
+        if b.owner == dp.rank:
+            flat = torch.cat([entries[k].master.data.reshape(-1) for k in b.keys])
+        else:
+            flat = torch.empty(b.numel, dtype=torch.float32)
+        dp.collective(
+            f"sending the new weights of step groups {b.groups}",
+            lambda: dist.broadcast(flat, src=b.owner, group=group or dp.weights),
+        )
+        if b.owner != dp.rank:
+            offset = 0
+            for k in b.keys:
+                m = entries[k].master.data
+                m.copy_(flat[offset : offset + m.numel()].view_as(m))
+                offset += m.numel()
+            store.refresh_compute(b.keys)

@@ -1,0 +1,142 @@
+"""A data-parallel rank's ``forward_backward``, ``evaluate`` and ``step``: the pipeline's own, on
+this rank's rows of the global batch, with the counts made global and the gradients reduced.
+
+What makes N ranks train exactly as one process on the whole batch:
+
+- every rank passes the same global batch and takes its rows (``DataParallel.rows``);
+- the backward seed divides by the *global* label-token count (one all-reduce before the step), so
+  the summed gradients are those of the token-mean loss of the whole batch;
+- each step group's gradient is summed across ranks as soon as it is final on this rank
+  (``reducer.GradientReduction``), overlapped with the rest of the backward;
+- after the step, the ranks gather their loss sums and whether each found a non-finite value, so
+  every rank reports the same loss and stops or skips alike.
+
+A rank on which any of this fails marks the group broken and closes its connections, so the peers'
+collectives fail at once instead of waiting ``dp_timeout_s``; no further step runs on a broken group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from roundpipe.distributed.reducer import GradientReduction, plan_buckets
+from roundpipe.distributed.updates import RankUpdates
+from roundpipe.runtime.numerics import NonFinite
+
+
+class DataParallelSteps:
+    """The data-parallel side of a ``Pipeline`` (``pipe.dp`` is its group)."""
+
+    def __init__(self, pipe):
+        self.pipe, self.dp = pipe, pipe.dp
+        self.buckets = plan_buckets(self.dp, pipe.store, pipe._updates.groups(), pipe.config.dp_bucket_bytes)
+        pipe._updates.ranks = RankUpdates(self.dp, pipe.store, self.buckets)
+        self._reduction: GradientReduction | None = None
+        c = pipe.config
+        self.dp.agree(
+            {
+                "dtype": c.dtype,
+                "nan_policy": c.nan_policy,
+                "optimizer_sharding": c.optimizer_sharding,
+                "seed": c.seed,
+                "parameters": [(e.name, tuple(e.tensor.shape), e.trainable) for e in pipe.store.entries],
+                "gradient buckets": [(b.groups, b.numel) for b in self.buckets],
+            }
+        )
+
+    @contextlib.contextmanager
+    def failing(self, what: str):
+        """Run a step's part; on any error break the group (see the module docstring) and re-raise."""
+        self.dp.check()
+        try:
+            yield
+        except BaseException as e:
+            if self._reduction is not None:
+                self._reduction.abandon()
+                self._reduction = None
+            self.dp.fail(f"{what} raised {type(e).__name__} on rank {self.dp.rank}")
+            raise
+
+    def forward_backward(self, input_ids, labels, attention_mask, position_ids, accumulate, loss_tokens):
+        rows = self._rows(input_ids)
+        call = _RankStep(self, reduce=not accumulate)
+        return self.pipe._forward_backward(
+            *(_take(t, rows) for t in (input_ids, labels, attention_mask, position_ids)),
+            accumulate,
+            loss_tokens,
+            ranks_step=call,
+        )
+
+    def evaluate(self, input_ids, labels, attention_mask, position_ids):
+        rows = self._rows(input_ids)
+        return self.pipe._evaluate(
+            *(_take(t, rows) for t in (input_ids, labels, attention_mask, position_ids)),
+            ranks_step=_RankStep(self, reduce=False),
+        )
+
+    def _rows(self, input_ids) -> slice | None:
+        """This rank's rows; None leaves a malformed batch whole for the pipeline's own checks."""
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+            return None
+        return self.dp.rows(input_ids.shape[0])
+
+
+class _RankStep:
+    """One call's collectives (see ``DataParallelSteps``); ``reduce``: sum the gradients (the last
+    call of an optimizer step; ``accumulate=True`` calls keep theirs local)."""
+
+    def __init__(self, owner: DataParallelSteps, reduce: bool):
+        self.owner, self.dp, self.reduce = owner, owner.dp, reduce
+
+    def global_tokens(self, mine: int) -> int:
+        return int(self.dp.sum([float(mine)], "counting the label tokens of the global batch")[0])
+
+    def sums(self, values: list[float], what: str) -> list[float]:
+        return self.dp.sum(values, what)
+
+    def attach(self, step) -> None:
+        """Before the step runs: hand its final gradients to a new reduction."""
+        if not self.reduce:
+            return
+        updates = self.owner.pipe._updates
+
+        def step_groups(groups):
+            for g in groups:
+                updates.step_group(g)
+
+        reduction = GradientReduction(
+            self.dp,
+            self.owner.pipe.store,
+            self.owner.buckets,
+            known_nonfinite=lambda: bool(step.nonfinite),
+            step_groups=step_groups if step.eager else None,
+            recorder=self.owner.pipe._recorder,
+            names=updates.names,
+        )
+        self.owner._reduction = step.reduction = reduction
+        for g, left in step.group_left.items():
+            if left == 0:  # no gradient reaches it this call: final already
+                reduction.final(g)
+
+    def finish(self) -> None:
+        """After the step's work: every bucket received (and stepped when eager)."""
+        if self.owner._reduction is not None:
+            self.owner._reduction.wait()
+            self.owner._reduction = None
+
+    def agree(self, loss_sum: float, found: NonFinite | None) -> tuple[float, NonFinite | None]:
+        """The global loss sum, and the first non-finite value any rank found (the lowest rank's)."""
+        every = self.dp.gather([loss_sum, 0.0 if found is None else 1.0], "gathering the losses")
+        total = sum(v[0] for v in every)
+        if not any(v[1] for v in every):
+            return total, None
+        finds = self.dp.all_gather_object(found)
+        rank, first = next((r, f) for r, f in enumerate(finds) if f is not None)
+        return total, dataclasses.replace(first, device=f"{first.device} of rank {rank}")
+
+
+def _take(t, rows: slice | None):
+    return t[rows] if rows is not None and torch.is_tensor(t) and t.dim() >= 1 else t
