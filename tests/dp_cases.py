@@ -63,12 +63,13 @@ def train_case(
                 pipe.step()
             losses.append(out.loss)
         skipped = pipe.skipped_steps
+        plan = str(pipe.plan)
         state = optimizer_state_bytes(pipe)
         spans = [(lane, kind, start, stop) for _, lane, _, kind, start, stop in pipe._recorder.last_spans]
         pipe.last_timeline()  # the reduction's host spans render
         pipe.export_to(model)
         rank = None if pipe.dp is None else pipe.dp.rank
-    return {"losses": losses, "weights": trainable_weights(model), "optimizer_bytes": state, "rank": rank, "spans": spans, "skipped": skipped,
+    return {"losses": losses, "weights": trainable_weights(model), "optimizer_bytes": state, "rank": rank, "spans": spans, "skipped": skipped, "plan": plan,
             "time": time.time(), "pid": os.getpid()}  # fmt: skip
 
 

@@ -23,6 +23,9 @@ from roundpipe.errors import ConfigError
 
 torch.set_num_threads(1)
 HERE = Path(__file__).parent
+# Each launch starts 2-4 Python processes that import torch and transformers: the tests that launch
+# are slow (CI runs them); the ones that check the environment alone are not.
+launches = pytest.mark.slow
 STEPS = 3
 
 
@@ -98,12 +101,19 @@ CASES = [
     for sharding in ("none", "nodes")
 ] + [
     {
+        "name": "auto-full-nodes",
+        "policy": "auto",
+        "partition": "auto",
+        "lora": None,
+        "optimizer_sharding": "nodes",
+    },
+    {
         "name": "roundpipe-full-none-small",
         "policy": "roundpipe",
         "lora": None,
         "optimizer_sharding": "none",
         "dp_bucket_bytes": 1 << 14,
-    }
+    },
 ]
 
 
@@ -121,12 +131,19 @@ def two_ranks(tmp_path_factory):
     return launch(2, cases, tmp_path_factory.mktemp("dp2"))
 
 
+@launches
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_two_ranks_on_cpu2_equal_one_process(two_ranks, case):
     """2 ranks each on cpu:2 against one process on cpu:2 with the same global batch, and against
     plain PyTorch (losses to rtol 1e-5; weights no further from float64 than twice plain fp32)."""
     plain, exact = _baselines("llama", case["lora"])
-    single = train_case(policy=case["policy"], lora=case["lora"], steps=STEPS, data_parallel="off")
+    single = train_case(
+        policy=case["policy"],
+        partition=case.get("partition"),
+        lora=case["lora"],
+        steps=STEPS,
+        data_parallel="off",
+    )
     ranks = two_ranks[case["name"]]
     for r in ranks:
         got = as_run(r)
@@ -138,6 +155,7 @@ def test_two_ranks_on_cpu2_equal_one_process(two_ranks, case):
         assert torch.equal(w, as_run(ranks[1]).weights[name]), name
 
 
+@launches
 def test_buckets_are_reduced_while_the_backward_runs(two_ranks):
     """Eager updates, several buckets: the first bucket's collective (host lane, kind "reduce")
     starts before the last backward task ends, and an update runs before it ends too."""
@@ -150,6 +168,7 @@ def test_buckets_are_reduced_while_the_backward_runs(two_ranks):
         assert min(s[2] for s in spans if s[1] == "optim") < last_backward
 
 
+@launches
 def test_sharding_halves_the_optimizer_state_per_rank(two_ranks):
     """Measured AdamW state tensors per rank: sharded on 2 ranks, each holds about half of what an
     unsharded rank holds, and the two halves add up to the whole."""
@@ -159,8 +178,11 @@ def test_sharding_halves_the_optimizer_state_per_rank(two_ranks):
         assert whole[0] == whole[1] > 0
         assert sum(halves) == whole[0]
         assert all(0.3 * whole[0] <= h <= 0.7 * whole[0] for h in halves), (kind, halves, whole)
+        for r in two_ranks[f"roundpipe-{kind}-nodes"]:  # the plan says what this rank holds
+            assert f"rank {r['rank']} of 2" in r["plan"] and "optimizer sharded" in r["plan"], r["plan"]
 
 
+@launches
 def test_clipping_agrees_across_sharded_ranks(two_ranks):
     """With the optimizer sharded, the clipping norm is the whole gradient's (each rank holds part)."""
     plain_model = make_model("llama", num_layers=3)
@@ -171,6 +193,7 @@ def test_clipping_agrees_across_sharded_ranks(two_ranks):
         assert_exact(as_run(r), plain, exact)
 
 
+@launches
 def test_four_ranks_on_cpu1_equal_one_process(tmp_path):
     cases = [
         {"name": "rp-full", "policy": "roundpipe", "devices": "cpu:1", "steps": STEPS},
@@ -190,6 +213,7 @@ def test_four_ranks_on_cpu1_equal_one_process(tmp_path):
             assert_exact(as_run(r), plain, exact)
 
 
+@launches
 def test_a_rank_that_raises_ends_every_rank_quickly(tmp_path):
     """Rank 1 raises before its second step; rank 0, waiting in a collective, fails at once with
     DataParallelError (its connections closed), far within 30 s and not after dp_timeout_s."""
@@ -204,6 +228,7 @@ def test_a_rank_that_raises_ends_every_rank_quickly(tmp_path):
     assert elapsed < 30, elapsed
 
 
+@launches
 def test_a_lost_rank_is_detected_within_the_timeout(tmp_path):
     """Rank 1 is killed (SIGKILL) before its second step; rank 0 gets DataParallelError."""
     cases = [{"name": "kill", "policy": "1f1b", "steps": STEPS, "kill_rank": 1, "kill_step": 1,
@@ -266,6 +291,7 @@ def two_ranks_special(tmp_path_factory):
     return launch(2, cases, tmp_path_factory.mktemp("dp2special"))
 
 
+@launches
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(two_ranks_special):
     """nan_policy="skip": rank 1's poisoned output drops step 1 on both ranks, as one process
     skips it, and the ranks end equal."""
@@ -282,6 +308,7 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(two_ranks_special):
             torch.testing.assert_close(got.weights[name], w, rtol=1e-4, atol=1e-6)
 
 
+@launches
 def test_a_nan_on_one_rank_stops_every_rank_naming_it(two_ranks_special):
     """nan_policy="stop": both ranks raise NonFiniteError; rank 0 names where rank 1 found it."""
     r0, r1 = two_ranks_special["stop"]
@@ -290,6 +317,7 @@ def test_a_nan_on_one_rank_stops_every_rank_naming_it(two_ranks_special):
     assert "of rank 1" in r1["error"]
 
 
+@launches
 def test_gradient_accumulation_across_ranks_equals_one_process(two_ranks_special):
     """Two accumulate=True/False calls per step with the step's global token count, sharded."""
     single = train_case(policy="roundpipe", steps=STEPS, accumulate=2, data_parallel="off")

@@ -47,6 +47,24 @@ class DataParallelSteps:
             }
         )
 
+    def describe(self) -> str:
+        """One line for ``pipe.plan``: the rank, the reduction, and what this rank's optimizer holds."""
+        dp = self.dp
+        held = self.pipe._updates.ranks.held
+        mine = sum(4 * b.numel for b in self.buckets if b.owner == dp.rank)
+        total = sum(4 * b.numel for b in self.buckets)
+        line = (
+            f"rank {dp.rank} of {dp.world_size} (this rank's rows of every global batch), gradients summed in "
+            f"{len(self.buckets)} bucket(s) of <= {_mib(self.pipe.config.dp_bucket_bytes)} MiB"
+        )
+        if dp.sharded:
+            line += (
+                f"; optimizer sharded: this rank steps {len(held)} of {len(self.pipe._updates.groups())} layer "
+                f"groups, {_mib(mine)} of {_mib(total)} MiB of fp32 parameters, so AdamW state of "
+                f"{_mib(2 * mine)} MiB instead of {_mib(2 * total)} MiB"
+            )
+        return line
+
     @contextlib.contextmanager
     def failing(self, what: str):
         """Run a step's part; on any error break the group (see the module docstring) and re-raise."""
@@ -61,27 +79,26 @@ class DataParallelSteps:
             raise
 
     def forward_backward(self, input_ids, labels, attention_mask, position_ids, accumulate, loss_tokens):
-        rows = self._rows(input_ids)
-        call = _RankStep(self, reduce=not accumulate)
         return self.pipe._forward_backward(
-            *(_take(t, rows) for t in (input_ids, labels, attention_mask, position_ids)),
+            *self.rows_of(input_ids, labels, attention_mask, position_ids),
             accumulate,
             loss_tokens,
-            ranks_step=call,
+            ranks_step=_RankStep(self, reduce=not accumulate),
         )
 
     def evaluate(self, input_ids, labels, attention_mask, position_ids):
-        rows = self._rows(input_ids)
         return self.pipe._evaluate(
-            *(_take(t, rows) for t in (input_ids, labels, attention_mask, position_ids)),
+            *self.rows_of(input_ids, labels, attention_mask, position_ids),
             ranks_step=_RankStep(self, reduce=False),
         )
 
-    def _rows(self, input_ids) -> slice | None:
-        """This rank's rows; None leaves a malformed batch whole for the pipeline's own checks."""
+    def rows_of(self, input_ids, *others) -> tuple:
+        """This rank's rows of a global batch's tensors; a malformed batch stays whole for the
+        pipeline's own checks to name."""
         if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
-            return None
-        return self.dp.rows(input_ids.shape[0])
+            return (input_ids, *others)
+        rows = self.dp.rows(input_ids.shape[0])
+        return tuple(_take(t, rows) for t in (input_ids, *others))
 
 
 class _RankStep:
@@ -138,5 +155,9 @@ class _RankStep:
         return total, dataclasses.replace(first, device=f"{first.device} of rank {rank}")
 
 
-def _take(t, rows: slice | None):
-    return t[rows] if rows is not None and torch.is_tensor(t) and t.dim() >= 1 else t
+def _take(t, rows: slice):
+    return t[rows] if torch.is_tensor(t) and t.dim() >= 1 else t
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"

@@ -15,6 +15,7 @@ here is the caller's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
@@ -376,7 +377,10 @@ class Pipeline:
         """What the next step runs: the policy, both partitions with per-stage estimates and the
         microbatch count, each with a line saying why (given, default, or what the automatic
         choice predicted); ``print(pipe.plan)``, ``pipe.plan.to_json()``."""
-        return self._planner.report()
+        report = self._planner.report()
+        if self._ranks is not None:
+            report = dataclasses.replace(report, why={**report.why, "data parallel": self._ranks.describe()})
+        return report
 
     @property
     def layer_times(self) -> dict[str, tuple[float, float]] | None:
@@ -416,6 +420,10 @@ class Pipeline:
             profiling_table,
         )
 
+        if self._ranks is not None:  # this rank's rows, as its steps will compute on
+            input_ids, labels, attention_mask, position_ids = self._ranks.rows_of(
+                input_ids, labels, attention_mask, position_ids
+            )
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
         table = profiling_table(len(self.adapter.layers), len(self.backend.devices), len(microbatches))
         plan = build_flow_plan(table, fuse=False)
