@@ -620,7 +620,8 @@ class Worker:
         )
         module = self._bound_modules(i, weights)
         if i in self.pipe.random_layers:
-            with self.device.seeded(_seed(self.pipe.config.seed, step.index, i, mb)):
+            rank = None if self.pipe.dp is None else self.pipe.dp.rank  # ranks draw their own masks
+            with self.device.seeded(_seed(self.pipe.config.seed, step.index, i, mb, rank)):
                 y = layer.forward(module, x, ctx)
         else:
             y = layer.forward(module, x, ctx)
@@ -751,6 +752,7 @@ class Worker:
             ) from e
 
 
-def _seed(base: int, step: int, layer: int, mb: int) -> int:
-    digest = hashlib.blake2b(f"{base}/{step}/{layer}/{mb}".encode(), digest_size=8).digest()
+def _seed(base: int, step: int, layer: int, mb: int, rank: int | None = None) -> int:
+    key = f"{base}/{step}/{layer}/{mb}" + ("" if rank is None else f"/rank{rank}")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
