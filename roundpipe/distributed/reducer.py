@@ -15,6 +15,8 @@ the bucket's owner, which steps it and broadcasts the new fp32 masters to the ot
 
 The waits, the copies back and (when stepping eagerly) the steps run on one reduction thread,
 while the host thread keeps adding the lower layers' gradients and gloo's threads move the bytes.
+A sharded owner's broadcast is started after its step and waited for only at the end of the
+backward, so the next buckets' steps do not queue behind it.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class GradientReduction:
         self.flagged = False  # a rank knew of a non-finite value when it issued a bucket this rank received
         self.error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue()
+        self._broadcasts: list[Callable[[], None]] = []  # sharded: owners' weights in flight
         self._thread = threading.Thread(target=self._loop, name="roundpipe-reduce", daemon=True)
         self._thread.start()
 
@@ -129,6 +132,7 @@ class GradientReduction:
         while True:
             item = self._queue.get()
             if item is _DONE:
+                self._finish_broadcasts()
                 return
             if self.error is not None:
                 continue
@@ -144,6 +148,15 @@ class GradientReduction:
                     )
                 self._received(b, flat)
             except BaseException as e:  # carried to the caller by wait()
+                self.error = e
+
+    def _finish_broadcasts(self) -> None:
+        broadcasts, self._broadcasts = self._broadcasts, []
+        for finish in broadcasts:
+            try:
+                if self.error is None:
+                    finish()
+            except BaseException as e:
                 self.error = e
 
     def _received(self, b: Bucket, flat: torch.Tensor) -> None:
@@ -164,8 +177,8 @@ class GradientReduction:
             return
         if mine and not self.flagged and not self._known_nonfinite():
             self._step_groups(b.groups)
-        if self.dp.sharded:
-            broadcast_masters(self.dp, self.store, b)
+        if self.dp.sharded:  # in flight while the next buckets are waited for and stepped
+            self._broadcasts.append(broadcast_masters(self.dp, self.store, b))
 
     # ------------------------------------------------------------------ caller's thread
     def wait(self) -> None:
@@ -190,22 +203,33 @@ class GradientReduction:
         self._queue.put(_DONE)
 
 
-def broadcast_masters(dp: DataParallel, store: ParameterStore, b: Bucket, group=None) -> None:
-    """The owner's fp32 masters of bucket ``b`` to every rank; receivers refresh their compute copies."""
+def broadcast_masters(dp: DataParallel, store: ParameterStore, b: Bucket, group=None) -> Callable[[], None]:
+    """Start sending the owner's fp32 masters of bucket ``b`` to every rank; the returned call
+    waits for it and, on a receiver, writes them into its masters and compute copies."""
     entries = store.entries
     with torch.no_grad():
         if b.owner == dp.rank:
             flat = torch.cat([entries[k].master.data.reshape(-1) for k in b.keys])
         else:
             flat = torch.empty(b.numel, dtype=torch.float32)
-        dp.collective(
-            f"sending the new weights of step groups {b.groups}",
-            lambda: dist.broadcast(flat, src=b.owner, group=group or dp.weights),
-        )
-        if b.owner != dp.rank:
+    what = f"sending the new weights of step groups {b.groups}"
+    work = dp.collective(
+        what, lambda: dist.broadcast(flat, src=b.owner, group=group or dp.weights, async_op=True)
+    )
+
+    def finish() -> None:
+        try:
+            work.wait()
+        except BaseException as e:
+            raise dp.failed(what, e) from e
+        if b.owner == dp.rank:
+            return
+        with torch.no_grad():
             offset = 0
             for k in b.keys:
                 m = entries[k].master.data
                 m.copy_(flat[offset : offset + m.numel()].view_as(m))
                 offset += m.numel()
             store.refresh_compute(b.keys)
+
+    return finish

@@ -37,5 +37,6 @@ class RankUpdates:
     def publish(self) -> None:
         """After a deferred update: every owner's new weights to every rank (sharded only)."""
         if self.dp.sharded:
-            for b in self.buckets:
-                broadcast_masters(self.dp, self.store, b, group=self.dp.main)
+            pending = [broadcast_masters(self.dp, self.store, b, group=self.dp.main) for b in self.buckets]
+            for finish in pending:
+                finish()

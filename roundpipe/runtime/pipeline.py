@@ -176,7 +176,7 @@ class Pipeline:
         """``forward_backward`` on this process's batch; ``ranks_step`` (data-parallel) makes the
         counts global and hands each final gradient to the reduction (``DataParallelSteps``)."""
         if self._planner.needs_profile():  # something is "auto": measure the layers on this batch
-            self.profile(input_ids, labels, attention_mask, position_ids, steps=1)
+            self._profile(input_ids, labels, attention_mask, position_ids, steps=1)
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
         mine = total
         if ranks_step is not None:
@@ -412,6 +412,14 @@ class Pipeline:
         are not touched; the gradients it makes are discarded.
         """
         self._check_open()
+        if self._ranks is not None:  # this rank's rows, as its steps will compute on
+            input_ids, labels, attention_mask, position_ids = self._ranks.rows_of(
+                input_ids, labels, attention_mask, position_ids
+            )
+        return self._profile(input_ids, labels, attention_mask, position_ids, steps)
+
+    def _profile(self, input_ids, labels, attention_mask, position_ids, steps: int):
+        """``profile`` on this process's batch."""
         if self._grads_pending:
             raise PipelineStateError("profile() would mix its gradients with pending ones: call step() first")
         from roundpipe.runtime.profiler import (
@@ -420,10 +428,6 @@ class Pipeline:
             profiling_table,
         )
 
-        if self._ranks is not None:  # this rank's rows, as its steps will compute on
-            input_ids, labels, attention_mask, position_ids = self._ranks.rows_of(
-                input_ids, labels, attention_mask, position_ids
-            )
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
         table = profiling_table(len(self.adapter.layers), len(self.backend.devices), len(microbatches))
         plan = build_flow_plan(table, fuse=False)
