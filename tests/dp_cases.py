@@ -7,6 +7,7 @@ import copy
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 from reference import EPS, LR, trainable_weights
@@ -37,6 +38,7 @@ def train_case(
     fault_step=None,
     kill_rank=None,
     kill_step=None,
+    kill_stamp=None,
     stop_on_error=True,
     faults_injected=(),
     accumulate=1,
@@ -57,6 +59,8 @@ def train_case(
             if pipe.dp is not None and pipe.dp.rank == fault_rank and step == fault_step:
                 raise RuntimeError(f"injected failure on rank {fault_rank} at step {step}")
             if pipe.dp is not None and pipe.dp.rank == kill_rank and step == kill_step:
+                if kill_stamp:
+                    Path(kill_stamp).write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             with faults.injected(*(faults.Fault(**f) for f in faults_injected)):
                 out = _forward_backward(pipe, data, accumulate)

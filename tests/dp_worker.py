@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def main() -> None:
             result = train_case(**case)
         except Exception as e:
             result = {"error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
-                      "traceback": traceback.format_exc()}  # fmt: skip
+                      "traceback": traceback.format_exc(), "time": time.time()}  # fmt: skip
         torch.save(result, out / f"{name}.rank{rank}.pt")
         if "error" in result and case.get("stop_on_error", True):
             break

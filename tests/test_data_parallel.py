@@ -219,25 +219,26 @@ def test_a_rank_that_raises_ends_every_rank_quickly(tmp_path):
     DataParallelError (its connections closed), far within 30 s and not after dp_timeout_s."""
     cases = [{"name": "fail", "policy": "roundpipe", "steps": STEPS, "fault_rank": 1, "fault_step": 1,
               "dp_timeout_s": 120}]  # fmt: skip
-    start = time.monotonic()
-    results = launch(2, cases, tmp_path, timeout=60)["fail"]
-    elapsed = time.monotonic() - start
+    results = launch(2, cases, tmp_path, timeout=120)["fail"]
     assert "injected failure on rank 1" in results[1]["error"]
     assert results[0]["type"] == "DataParallelError", results[0]
     assert "rank 0 of 2" in results[0]["error"] and "another rank" in results[0]["error"].lower()
-    assert elapsed < 30, elapsed
+    # From rank 1's error to rank 0's (both stamped by the worker as they happen; the launch itself,
+    # two Python start-ups on a shared machine, is not what is measured).
+    assert results[0]["time"] - results[1]["time"] < 30, results[0]["time"] - results[1]["time"]
 
 
 @launches
 def test_a_lost_rank_is_detected_within_the_timeout(tmp_path):
-    """Rank 1 is killed (SIGKILL) before its second step; rank 0 gets DataParallelError."""
+    """Rank 1 is killed (SIGKILL) before its second step; rank 0, in a collective with it, gets
+    DataParallelError within the configured dp_timeout_s of the kill (in practice at once: the
+    kernel closes the dead process's sockets)."""
+    stamp = tmp_path / "killed-at"
     cases = [{"name": "kill", "policy": "1f1b", "steps": STEPS, "kill_rank": 1, "kill_step": 1,
-              "dp_timeout_s": 20}]  # fmt: skip
-    start = time.monotonic()
-    port_results = launch_allowing_failure(2, cases, tmp_path, timeout=60)
-    elapsed = time.monotonic() - start
-    assert port_results[0]["type"] == "DataParallelError", port_results[0]
-    assert elapsed < 40, elapsed
+              "dp_timeout_s": 20, "kill_stamp": str(stamp)}]  # fmt: skip
+    results = launch_allowing_failure(2, cases, tmp_path, timeout=120)
+    assert results[0]["type"] == "DataParallelError", results[0]
+    assert results[0]["time"] - float(stamp.read_text()) < 20
 
 
 def launch_allowing_failure(world, cases, out, timeout):

@@ -60,7 +60,16 @@ def join(config) -> DataParallel | None:
                 f"WORLD_SIZE={world} but {', '.join(missing)} unset: launch with torchrun (or set them "
                 "all), or pass data_parallel='off'"
             )
-        dist.init_process_group("gloo", timeout=timedelta(seconds=config.dp_timeout_s))
+        try:
+            init_default_group(int(os.environ["RANK"]), world, config.dp_timeout_s)
+        except ValueError as e:
+            raise ConfigError(f"RANK={os.environ['RANK']!r}: {e}; launch with torchrun") from e
+        except RuntimeError as e:  # the store or a peer did not answer
+            raise DataParallelError(
+                f"joining the {world} data-parallel ranks at {os.environ['MASTER_ADDR']}:"
+                f"{os.environ['MASTER_PORT']} failed ({type(e).__name__}: {e}); start every rank within "
+                f"dp_timeout_s={config.dp_timeout_s:g} s of each other, with the same MASTER_ADDR and MASTER_PORT"
+            ) from e
     if world <= 1:
         return None
     if config.optimizer_mode == "async":
@@ -69,6 +78,41 @@ def join(config) -> DataParallel | None:
             "would race the ranks' collectives); use optimizer_mode='sync', or data_parallel='off'"
         )
     return DataParallel(config)
+
+
+def init_default_group(rank: int, world: int, timeout_s: float) -> None:
+    """Initialise torch.distributed's default process group on gloo from the launcher's
+    ``MASTER_ADDR`` / ``MASTER_PORT``, its keys under a prefix of this attempt's own.
+
+    torchrun's static rendezvous (``--master-port``) keeps one store across ``--max-restarts``, and
+    ``env://`` does not separate the attempts: a restarted rank can read the address a peer
+    published before the restart and fail to connect. A prefix per attempt
+    (``TORCHELASTIC_RESTART_COUNT``) keeps each attempt's keys apart.
+
+    Raises:
+        ConfigError: ``MASTER_ADDR`` or ``MASTER_PORT`` unset or not a port.
+    """
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE={world} but {', '.join(missing)} unset: launch with torchrun (or set RANK, "
+            "WORLD_SIZE, MASTER_ADDR and MASTER_PORT), or turn data parallelism off"
+        )
+    try:
+        port = int(os.environ["MASTER_PORT"])
+    except ValueError:
+        raise ConfigError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} is not a port number") from None
+    timeout = timedelta(seconds=timeout_s)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], port, world, is_master=not agent and rank == 0, timeout=timeout,
+        multi_tenant=True,
+    )  # fmt: skip
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"roundpipe/attempt-{attempt}", store), rank=rank,
+        world_size=world, timeout=timeout,
+    )  # fmt: skip
 
 
 class DataParallel:

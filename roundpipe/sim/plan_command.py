@@ -5,19 +5,26 @@ Examples::
 
     roundpipe plan --model qwen3-235b-a22b --hardware 8xrtx4090 --seq-len 4096 --lora-rank 16
     roundpipe plan --model qwen3-8b --hardware 8xrtx4090 --max-seq-len --json
+    roundpipe plan --model qwen3-32b --hardware 8xrtx4090 --seq-len 4096 --nodes 2 --network 100gbe
 
 Prints the best plan and a ranked table of alternatives, or with ``--json`` one JSON object (the
 best plan's policy, num_microbatches, tokens_per_s, iteration_s, bubble_fraction, peak_gpu_bytes,
 peak_host_bytes, fits, plus ``alternatives`` and, when asked, ``max_seq_len``).
+
+``--nodes N`` (default 1: nothing changes) plans one node's pipeline on ``global_batch / N``
+sequences, then predicts ``N`` such servers reducing their fp32 CPU gradients over ``--network``
+(a preset or ``BW_GBPS:LATENCY_US``), optionally with ``--optimizer-sharding nodes``
+(``sim/data_parallel.py``): printed after the plan, and under ``multinode`` in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from roundpipe.errors import ConfigError, RoundpipeError
-from roundpipe.sim.report import dumps, result_table
+from roundpipe.sim.report import GIB, dumps, result_table
 from roundpipe.sim.simulate_command import add_model_args, model_settings
 from roundpipe.sim.tune import DEFAULT_TIME_BUDGET_S
 
@@ -35,10 +42,40 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--top", type=int, default=12, help="rows of the ranked table to print")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="servers in data parallel, each on global-batch / nodes (default 1)",
+    )
+    ap.add_argument(
+        "--network",
+        default="100gbe",
+        help="inter-node network for --nodes: 10gbe, 25gbe, 100gbe (default), 200gbe-ib, 400gbe-ib, or "
+        "BW_GBPS:LATENCY_US (achieved Gbit/s, microseconds per message step)",
+    )
+    ap.add_argument("--allreduce", default=None, help="collective algorithm: ring (default) or tree")
+    ap.add_argument(
+        "--optimizer-sharding",
+        default="none",
+        help="none (default) or nodes: each node keeps the AdamW moments of and steps 1/N of the layers",
+    )
     args = ap.parse_args(argv)
     try:
+        from roundpipe.sim.data_parallel import check_sharding, local_batch
+        from roundpipe.sim.network import check_nodes, load_network
         from roundpipe.sim.tune import format_ranked, max_seq_len, tune
 
+        check_nodes(args.nodes)
+        network = load_network(args.network, args.allreduce)
+        check_sharding(args.optimizer_sharding)
+        settings = model_settings(args)
+        if args.nodes > 1:
+            if args.max_seq_len:
+                raise ConfigError(
+                    "--max-seq-len is per server; drop --nodes (the longest sequence does not depend on it)"
+                )
+            settings["global_batch"] = local_batch(args.global_batch, args.nodes)
         if args.max_seq_len:
             n, res = max_seq_len(args.model, args.hardware, **model_settings(args))
             if args.json:
@@ -63,8 +100,9 @@ def main(argv: list[str] | None = None) -> None:
             optimizer=args.optimizer,
             policies=policies,
             time_budget_s=args.time_budget,
-            **model_settings(args),
+            **settings,
         )
+        multi = _multinode(args, result.best, settings, network) if args.nodes > 1 else None
     except (RoundpipeError, ValueError) as err:
         print(f"roundpipe plan: error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -76,11 +114,19 @@ def main(argv: list[str] | None = None) -> None:
         out["alternatives"] = [c.summary() for c in result.ranked[1:]]
         out["search_s"] = result.elapsed_s
         out["notes"] = list(result.notes) + list(best.result.notes)
+        if multi is not None:
+            out["nodes"] = args.nodes
+            out["multinode"] = multi
         print(dumps(out))
         return
     tuned = "full" if args.lora_rank is None else f"LoRA r={args.lora_rank}"
+    batch = (
+        f"batch {args.global_batch}"
+        if args.nodes == 1
+        else f"batch {settings['global_batch']} per node ({args.global_batch} over {args.nodes} nodes)"
+    )
     print(
-        f"best plan for {args.model} on {args.hardware}, seq {args.seq_len}, batch {args.global_batch}, {tuned}: "
+        f"best plan for {args.model} on {args.hardware}, seq {args.seq_len}, {batch}, {tuned}: "
         f"{best.policy} with {best.microbatches} microbatches, {best.stages[0]} forward / {best.stages[1]} backward "
         f"stages, {best.head_shards} head shard(s)"
     )
@@ -90,6 +136,86 @@ def main(argv: list[str] | None = None) -> None:
     print(format_ranked(result, args.top))
     for n in result.notes:
         print(f"note: {n}")
+    if multi is not None:
+        print()
+        print(multinode_table(multi))
+
+
+def _multinode(args, best, settings: dict, network) -> dict:
+    """The multi-node prediction of the tuner's ``best`` candidate (re-simulated with its timeline),
+    as a dict (``MultiNodePrediction.to_dict`` plus the lifting network and the bottleneck line)."""
+    from roundpipe.sim.data_parallel import bottleneck_line, lifting_network, predict_prepared
+    from roundpipe.sim.network import host_reduce_bw
+    from roundpipe.sim.scenario import Scenario, prepare
+
+    if not best.forward:
+        raise ConfigError(
+            f"no plan fits one node, so there is nothing to run on {args.nodes}: {best.result.reason}"
+        )
+    scenario = Scenario(
+        args.model, args.hardware, best.policy, seq_len=args.seq_len, microbatches=best.microbatches,
+        partitions=(best.forward, best.backward), head_shards=best.head_shards, round_size=best.round_size,
+        optimizer=args.optimizer, **settings,
+    )  # fmt: skip
+    prepared = prepare(scenario)
+    result, step, pred = predict_prepared(prepared, args.nodes, network, sharding=args.optimizer_sharding)
+    notes = []
+    if not math.isclose(result.iteration_s, best.result.iteration_s, rel_tol=1e-9):
+        notes.append(
+            f"the re-simulated node step ({result.iteration_s:.3f} s) differs from the plan's "
+            f"({best.result.iteration_s:.3f} s)"
+        )
+    lift = None
+    if pred.bottleneck == "reduction":
+        lift = lifting_network(
+            step, args.nodes, network, host_reduce_bw(prepared.hardware), sharding=pred.sharded
+        )
+    out = pred.to_dict()
+    out.update(
+        global_batch=args.global_batch,
+        batch_per_node=settings["global_batch"],
+        hardware_per_node=prepared.hardware.name,
+        lifting_network=lift.network if lift is not None else None,
+        summary=bottleneck_line(pred, lift),
+        notes=notes,
+    )
+    return out
+
+
+def multinode_table(m: dict) -> str:
+    """The multi-node prediction (``_multinode``'s dict) as a small readable table."""
+    sharded = m["optimizer_sharding"] == "nodes"
+    other = m["host_bytes_per_node_unsharded" if sharded else "host_bytes_per_node_sharded"]
+    lines = [
+        f"multi-node: {m['nodes']} x {m['hardware_per_node']} over {m['network']} ({m['algorithm']}, "
+        f"{m['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s achieved, {m['latency_s'] * 1e6:.0f} us per step), "
+        f"global batch {m['global_batch']} ({m['batch_per_node']} per node)",
+        f"  gradients         {m['grad_bytes_per_step'] / 1e9:.2f} GB fp32 per node per step, "
+        f"{m['num_buckets']:,} buckets",
+        f"  network busy      {m['reduction_s']:.2f} s "
+        + (
+            f"reduce to the owners + {m['broadcast_s']:.2f} s broadcast of the new weights"
+            if sharded
+            else "all-reduce"
+        )
+        + f", {m['overlapped_s']:.2f} s of it while the pipeline computes "
+        f"(backward window {m['backward_window_s']:.2f} s)",
+        f"  step time         {m['step_s']:.3f} s (one node {m['node_step_s']:.3f} s): "
+        f"{m['exposed_s']:.3f} s exposed reduction",
+        f"  tokens/s          {m['tokens_per_s']:,.0f} ({m['scaling_efficiency']:.1%} of {m['nodes']} x "
+        f"{m['node_tokens_per_s']:,.0f})",
+        f"  host memory       {m['host_bytes_per_node'] / GIB:.1f} GiB per node"
+        + (
+            f" on average, {m['host_bytes_per_node_sharded_max'] / GIB:.1f} GiB on the fullest owner "
+            f"(not sharded: {other / GIB:.1f} GiB)"
+            if sharded
+            else f" (--optimizer-sharding nodes: {other / GIB:.1f} GiB)"
+        ),
+        f"  bottleneck        {m['bottleneck']}",
+        f"  {m['summary']}",
+    ]
+    lines += [f"  note: {n}" for n in m["notes"]]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,17 @@ Layout (see docs/checkpoints.md)::
     ROOT/step-00000012/
         tensors.safetensors              # or tensors-00001-of-00003.safetensors, ... (~2 GB each)
         state.json                       # format version, step, shard names, skeleton
+        rank-00000-of-00002.safetensors  # with shards: each rank's part (format 2)
         <extra files>                    # whatever the caller passed in extra_files
         manifest.json                    # written last: {file: {bytes, sha256}}, step, format
 
-One process writes to a root at a time: a save deletes every ``.tmp-*`` directory it finds there.
+A data-parallel run saves from every rank at once (``save(..., shard=, group=)``): each rank writes
+its own part of a sharded dict (the optimizer state of the parameters it owns) as
+``rank-00001-of-00004.safetensors`` into the write directory rank 0 named, and rank 0 seals one
+manifest over every rank's files (``checkpoint_shards``). ``load`` reads such a checkpoint on any
+number of ranks: the union of the parts comes back where the dict was (``ShardUnion``).
+
+One run writes to a root at a time (its rank 0 deletes every ``.tmp-*`` directory it finds there).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +47,10 @@ from safetensors.torch import load_file, save_file
 
 from roundpipe.errors import CheckpointError, ConfigError
 from roundpipe.testing import faults
+from roundpipe.train.checkpoint_shards import RANK_FILE, Shard
 from roundpipe.train.paths import escape
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest written and read: 2 adds per-rank shards; a checkpoint without them is 1
 MANIFEST = "manifest.json"
 STATE = "state.json"
 SHARD_BYTES = 2 * 1024**3
@@ -317,6 +326,36 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+class _Alone:
+    """The ranks of a save by one process (no exchange needed)."""
+
+    rank = 0
+    world_size = 1
+
+
+_ALONE = _Alone()
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """What a rank hands the others when its part of a save raised."""
+
+    text: str
+
+    @classmethod
+    def of(cls, err: BaseException) -> _Failed:
+        return cls(f"raised {type(err).__name__}: {err}")
+
+
+@dataclass
+class _Prepared:
+    """Rank 0's state, split: its tensors, its JSON skeleton, the extra files."""
+
+    tensors: dict[str, torch.Tensor]
+    skeleton: Any
+    extra: dict[str, bytes]
+
+
 # ---------------------------------------------------------------------------------------------
 # The manager
 # ---------------------------------------------------------------------------------------------
@@ -326,8 +365,8 @@ class CheckpointManager:
     """Writes, lists, verifies and reads the checkpoints of one run under ``root``.
 
     Args:
-        root: the run's checkpoint directory (created on the first save). One process writes
-            to it at a time.
+        root: the run's checkpoint directory (created on the first save). One run writes
+            to it at a time (a data-parallel run through all its ranks, see ``save``).
         keep_last: after each save, keep this many newest checkpoints (highest steps) and delete
             the rest. The checkpoint just written is never deleted.
         shard_bytes: tensors go into safetensors shards of at most this many bytes (a single
@@ -335,13 +374,16 @@ class CheckpointManager:
 
     Constructing a manager repairs the one state a crash can leave behind that hides a
     checkpoint: if a save that replaced step N died between its two renames, the old step N is
-    renamed back from ``.replaced-step-N-*``.
+    renamed back from ``.replaced-step-N-*``. ``repair=False`` leaves that to another process
+    (the other ranks of a data-parallel run leave it to rank 0).
 
     Raises:
         ConfigError: ``keep_last`` or ``shard_bytes`` below 1.
     """
 
-    def __init__(self, root: str | Path, keep_last: int = 2, *, shard_bytes: int = SHARD_BYTES):
+    def __init__(
+        self, root: str | Path, keep_last: int = 2, *, shard_bytes: int = SHARD_BYTES, repair: bool = True
+    ):
         if type(keep_last) is not int or keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last must be an integer of at least 1, got {keep_last!r}")
         if type(shard_bytes) is not int or shard_bytes < 1:
@@ -349,11 +391,20 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
         self.shard_bytes = shard_bytes
-        self._restore_replaced()
+        if repair:
+            self._restore_replaced()
 
     # -- writing ------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict, *, extra_files: dict[str, bytes] | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        state: dict | None,
+        *,
+        extra_files: dict[str, bytes] | None = None,
+        shard: Shard | None = None,
+        group=None,
+    ) -> Path:
         """Write ``state`` as checkpoint ``root/step-{step:08d}`` atomically; return its path.
 
         Every file is written into ``root/.tmp-step-…-XXXX`` and fsynced, ``manifest.json``
@@ -364,78 +415,191 @@ class CheckpointManager:
         beyond ``keep_last`` and leftovers of crashed writes (``.tmp-*``, ``.replaced-*``) are
         deleted; a failure to delete is a warning, not an error (the new checkpoint is fine).
 
+        With ``group`` (the ranks of a data-parallel run: ``rank``, ``world_size``,
+        ``broadcast_object``, ``all_gather_object``) every rank calls ``save`` with the same step:
+        rank 0 names the write directory, every rank writes its ``shard`` into it and hands rank 0
+        the names, sizes and sha256 of its files, and rank 0 writes ``state`` and seals the one
+        manifest over all of them once every rank's files are written. A rank that fails fails the
+        save on every rank (``CheckpointError`` naming it), and nothing of this checkpoint is left
+        behind. The checkpoint directory must be on a filesystem every rank sees.
+
         Args:
             step: the optimizer step the state belongs to (>= 0).
-            state: nested state, as ``flatten_state`` accepts. Do not modify its tensors until
-                this returns: contiguous CPU tensors are written from their own memory.
+            state: nested state, as ``flatten_state`` accepts (rank 0's; other ranks' is ignored).
+                Do not modify its tensors until this returns: contiguous CPU tensors are written
+                from their own memory.
             extra_files: more files to store byte for byte (e.g. the recipe), by plain file
                 name; ``load`` returns them. Names may not start with ``.``, contain a path
-                separator, or be ``manifest.json``, ``state.json`` or ``tensors*.safetensors``.
+                separator, or be ``manifest.json``, ``state.json``, ``tensors*.safetensors`` or
+                ``rank-*.safetensors``. Rank 0's.
+            shard: this rank's part of a dict split across the ranks by key, which ``load``
+                puts back at ``shard.path`` as the union of every rank's part (``ShardUnion``);
+                ``state`` leaves that key out. Give one on every rank or on none.
+            group: the ranks that save together; None: this process alone.
 
         Raises:
             CheckpointError: a bad step, extra-file name or state value, or the write failed
-                (disk full, permissions); nothing of this checkpoint is left behind then.
+                (disk full, permissions) on this or another rank; nothing of this checkpoint is
+                left behind then.
         """
         if type(step) is not int or step < 0:
             raise CheckpointError(f"a checkpoint step must be an integer >= 0, got {step!r}")
-        extra = dict(extra_files or {})
-        for name, data in extra.items():
-            self._check_extra_name(name)
-            if not isinstance(data, (bytes, bytearray, memoryview)):
-                raise CheckpointError(f"extra file {name!r} must be bytes, got a {type(data).__qualname__}")
-        tensors, skeleton = flatten_state(state)
-        name = f"step-{step:08d}"
-        final = self.root / name
+        group = group if group is not None else _ALONE
+        main = group.rank == 0
+        final = self.root / f"step-{step:08d}"
+        tmp: Path | None = None
+        prepared = None
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp = self.root / f"{_TMP_PREFIX}{name}-{secrets.token_hex(4)}"
-            tmp.mkdir()
-        except OSError as e:
-            raise CheckpointError(f"cannot create the checkpoint directory in {self.root}: {e}") from e
-        try:
-            self._write_contents(tmp, step, tensors, skeleton, extra)
-            self._move_into_place(tmp, final)
+            # 1. Rank 0 checks what it is to write and opens the write directory for every rank.
+            opened = self._on_one(
+                group, lambda: self._open(final.name, state, extra_files), main, public=lambda r: r[1].name
+            )
+            if isinstance(opened, _Failed):
+                raise CheckpointError(f"checkpoint {final} not written: rank 0 {opened.text}")
+            prepared, tmp = opened if main else (None, self.root / opened)
+            # 2. Every rank writes its files (rank 0 the state's tensors too) and says what they are.
+            parts = self._on_all(group, lambda: self._write_part(tmp, step, group, shard, prepared))
+            failed = [(rank, part) for rank, part in enumerate(parts) if isinstance(part, _Failed)]
+            if failed:
+                rank, part = failed[0]
+                hint = (
+                    " (the run directory must be on a filesystem every rank sees)"
+                    if "No such file or directory" in part.text
+                    else ""
+                )
+                raise CheckpointError(
+                    f"writing checkpoint {final} failed on rank {rank}: {part.text}{hint}; "
+                    "the older checkpoints are untouched"
+                )
+            # 3. Rank 0 seals the manifest over every rank's files and renames the directory in.
+            sealed = self._on_one(group, lambda: self._seal(tmp, final, step, prepared, parts), main)
+            if isinstance(sealed, _Failed):
+                raise CheckpointError(f"checkpoint {final} not written: rank 0 {sealed.text}")
         except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)  # the original error below is what matters
+            if main and tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)  # the original error below is what matters
             if isinstance(e, OSError):
                 raise CheckpointError(
                     f"writing checkpoint {final} failed: {e}. Free disk space or fix the permissions "
                     f"of {self.root}; the older checkpoints are untouched"
                 ) from e
             raise
-        self._clean(keep=final)
+        if main:
+            self._clean(keep=final)
         return final
 
-    def _write_contents(
-        self, tmp: Path, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, extra: dict
-    ) -> None:
-        groups = _shard_groups(tensors, self.shard_bytes)
-        shard_names = _shard_names(len(groups))
-        for shard_name, group in zip(shard_names, groups):
-            _write_shard(tmp / shard_name, group)
+    @staticmethod
+    def _on_one(group, work, main: bool, public=lambda result: None):
+        """Rank 0 runs ``work``; rank 0 gets its result and every other rank ``public(result)``, or a
+        ``_Failed`` where it raised; rank 0 itself re-raises its exception once the others know."""
+        if group is _ALONE:
+            return work()
+        result = error = None
+        if main:
+            try:
+                result = work()
+                shared = public(result)
+            except Exception as e:
+                error, shared = e, _Failed.of(e)
+        shared = group.broadcast_object(shared if main else None)
+        if error is not None:
+            raise error
+        return result if main else shared
+
+    @staticmethod
+    def _on_all(group, work) -> list:
+        """Every rank runs ``work``; each gets the list of every rank's result (a ``_Failed`` where one
+        raised); the rank that raised re-raises its own exception once the others know."""
+        if group is _ALONE:
+            return [work()]
+        error = None
+        try:
+            mine = work()
+        except Exception as e:
+            error, mine = e, _Failed.of(e)
+        parts = group.all_gather_object(mine)
+        if error is not None:
+            raise error
+        return parts
+
+    def _open(self, name: str, state: Any, extra_files: dict | None):
+        """Rank 0: check the extra files, split the state, create the write directory."""
+        extra = dict(extra_files or {})
+        for extra_name, data in extra.items():
+            self._check_extra_name(extra_name)
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise CheckpointError(
+                    f"extra file {extra_name!r} must be bytes, got a {type(data).__qualname__}"
+                )
+        tensors, skeleton = flatten_state(state)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = self.root / f"{_TMP_PREFIX}{name}-{secrets.token_hex(4)}"
+            tmp.mkdir()
+        except OSError as e:
+            raise CheckpointError(f"cannot create the checkpoint directory in {self.root}: {e}") from e
+        return _Prepared(tensors, skeleton, extra), tmp
+
+    def _write_part(self, tmp: Path, step: int, group, shard: Shard | None, prepared) -> dict:
+        """This rank's files: rank 0 the state's tensor shards; every rank its ``shard``'s part."""
+        from roundpipe.train.checkpoint_shards import write_rank_part
+
+        written: dict = {"shard": None}
+        if prepared is not None:
+            groups = _shard_groups(prepared.tensors, self.shard_bytes)
+            written["tensor_files"] = _shard_names(len(groups))
+            for shard_name, tensors in zip(written["tensor_files"], groups):
+                _write_shard(tmp / shard_name, tensors)
+        if shard is not None:
+            written["shard"] = write_rank_part(tmp, shard, group.rank, group.world_size, self.shard_bytes)
+            written["shard_path"] = list(shard.path)
         faults.point("checkpoint", step=step)  # half-written: the reliability tests fail or kill here
+        return written
+
+    def _seal(self, tmp: Path, final: Path, step: int, prepared, parts: list[dict]) -> None:
+        """Rank 0: ``state.json``, the extra files and the manifest over every rank's files, then the
+        rename that makes the checkpoint exist."""
+        from roundpipe.train.checkpoint_shards import shards_doc
+
+        shard_names = parts[0]["tensor_files"]
+        shards = [part["shard"] for part in parts]
+        if any(s is None for s in shards) and any(s is not None for s in shards):
+            given = [rank for rank, s in enumerate(shards) if s is not None]
+            raise CheckpointError(f"only ranks {given} gave a shard of the state; every rank or none must")
         state_doc = {
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if shards[0] is not None else 1,
             "step": step,
             "torch": torch.__version__,
             "tensor_files": shard_names,
-            "skeleton": skeleton,
+            "skeleton": prepared.skeleton,
         }
+        files: dict[str, dict] = {}
+        if shards[0] is not None:
+            state_doc["shards"] = shards_doc(tuple(parts[0]["shard_path"]), shards)
+            for part in shards:
+                for name, entry in part["files"].items():
+                    size = (tmp / name).stat().st_size if (tmp / name).is_file() else None
+                    if size != entry["bytes"]:
+                        raise CheckpointError(
+                            f"rank {part['rank']} wrote {name} ({entry['bytes']:,} bytes) but rank 0 "
+                            f"{'finds ' + format(size, ',') + ' bytes' if size is not None else 'does not see it'}: "
+                            "the run directory must be on a filesystem every rank sees"
+                        )
+                    files[name] = entry
         _write_bytes(tmp / STATE, _json_bytes(state_doc))
-        for extra_name, data in extra.items():
+        for extra_name, data in prepared.extra.items():
             _write_bytes(tmp / extra_name, bytes(data))
-        files = {
-            file_name: {"bytes": (tmp / file_name).stat().st_size, "sha256": _sha256(tmp / file_name)}
-            for file_name in [*shard_names, STATE, *extra]
-        }
+        for file_name in [*shard_names, STATE, *prepared.extra]:
+            files[file_name] = {"bytes": (tmp / file_name).stat().st_size, "sha256": _sha256(tmp / file_name)}
         manifest = {
-            "format_version": FORMAT_VERSION,
+            "format_version": state_doc["format_version"],
             "step": step,
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "files": files,
         }
         _write_bytes(tmp / MANIFEST, _json_bytes(manifest))
         _fsync_dir(tmp)
+        self._move_into_place(tmp, final)
 
     def _move_into_place(self, tmp: Path, final: Path) -> None:
         if final.exists():
@@ -495,11 +659,12 @@ class CheckpointManager:
             or name.startswith(".")
             or any(sep in name for sep in ("/", "\\", "\0"))
             or name in (MANIFEST, STATE)
-            or (name.startswith("tensors") and name.endswith(".safetensors"))
+            or (name.startswith(("tensors", "rank-")) and name.endswith(".safetensors"))
         ):
             raise CheckpointError(
                 f"extra file name {name!r} is not allowed: use a plain file name (no path separator, "
-                f"not starting with '.') other than {MANIFEST}, {STATE} and tensors*.safetensors"
+                f"not starting with '.') other than {MANIFEST}, {STATE}, tensors*.safetensors and "
+                "rank-*.safetensors"
             )
 
     # -- finding ------------------------------------------------------------------------------
@@ -565,11 +730,12 @@ class CheckpointManager:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def verify(self, path: str | Path) -> dict:
+    def verify(self, path: str | Path, *, hash_files: bool = True) -> dict:
         """Check every file of a checkpoint against its manifest; return the manifest.
 
         Reads each listed file once, in chunks, to hash it: about as long as reading the
-        checkpoint from disk.
+        checkpoint from disk. ``hash_files=False`` checks names, presence and sizes only (the
+        ranks of a data-parallel run other than 0, after rank 0 hashed the same files).
 
         Raises:
             CheckpointError: no or unreadable manifest, a newer format, a listed file missing
@@ -610,7 +776,7 @@ class CheckpointManager:
             size = file.stat().st_size
             if size != entry["bytes"]:
                 raise self._damaged(file, f"is {size:,} bytes but the manifest says {entry['bytes']:,}", path)
-            digest = _sha256(file)
+            digest = _sha256(file) if hash_files else entry["sha256"]
             if digest != entry["sha256"]:
                 raise self._damaged(
                     file,
@@ -622,8 +788,8 @@ class CheckpointManager:
             raise self._damaged(path / STATE, "is not in the manifest", path)
         return manifest
 
-    def load(self, path: str | Path) -> tuple[int, dict, dict[str, bytes]]:
-        """Verify a checkpoint (see ``verify``), then read it back.
+    def load(self, path: str | Path, *, hash_files: bool = True) -> tuple[int, dict, dict[str, bytes]]:
+        """Verify a checkpoint (see ``verify``; ``hash_files`` as there), then read it back.
 
         Args:
             path: a checkpoint directory, e.g. from ``latest()`` or ``resolve()``.
@@ -631,14 +797,16 @@ class CheckpointManager:
         Returns:
             ``(step, state, extra_files)``: the step it was saved at, the state exactly as
             ``save`` got it (tensors on the CPU, in memory of their own, see ``flatten_state``
-            for what is kept), and the extra files' bytes by name.
+            for what is kept), and the extra files' bytes by name. A checkpoint saved with
+            shards has, at the shard's path, a ``ShardUnion``: every rank's part, read from its
+            files when a key is looked up, whatever the number of ranks that reads it.
 
         Raises:
             CheckpointError: anything ``verify`` refuses, a ``state.json`` that disagrees with
                 the manifest (another step, a tensor file not listed) or with the tensor files.
         """
         path = Path(path)
-        manifest = self.verify(path)
+        manifest = self.verify(path, hash_files=hash_files)
         files = manifest["files"]
         doc = self._read_json(path / STATE, path, what="state file")
         shard_names = doc.get("tensor_files") if isinstance(doc, dict) else None
@@ -672,11 +840,20 @@ class CheckpointManager:
         if used != tensors.keys():
             stray = sorted(tensors.keys() - used)[:5]
             raise self._damaged(path / STATE, f"does not refer to tensors {stray} of the tensor files", path)
+        rank_files: set[str] = set()
+        if "shards" in doc:
+            from roundpipe.train.checkpoint_shards import place, read_union
+
+            where, union = read_union(
+                doc["shards"], path, files, lambda file, problem: self._damaged(file, problem, path)
+            )
+            place(state, where, union, lambda problem: self._damaged(path / STATE, problem, path))
+            rank_files = {name for part in doc["shards"]["ranks"] for name in part["tensor_files"]}
         extra = {}
         for name in files:
-            if name == STATE or name in shard_names:
+            if name == STATE or name in shard_names or name in rank_files:
                 continue
-            if _SHARD_NAME.match(name):
+            if _SHARD_NAME.match(name) or RANK_FILE.match(name):
                 raise self._damaged(path / name, "is in the manifest but state.json does not use it", path)
             extra[name] = (path / name).read_bytes()
         return manifest["step"], state, extra

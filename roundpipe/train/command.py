@@ -5,6 +5,11 @@ completed, 130 when a signal stopped it after writing a checkpoint, 2 on a recip
 error or a run refused for memory it would not find (host RAM, a device; the message says what to
 change), 1 when the run failed (one line here; the traceback, and
 whether a checkpoint of the last completed step was written, in the run's ``train.log``).
+
+Under ``torchrun`` every rank runs this command; rank 0 alone prints progress and writes the run
+directory, and every rank prints its own error line (``roundpipe train [rank 1/2]: failed: ...``)
+and exits with the code above, so the torchrun agent sees the failure and stops (or restarts,
+``--max-restarts``) the others.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from roundpipe.errors import ConfigError, DeviceMemoryError, HostMemoryError, InputError
 
+    prog = f"roundpipe train{_rank_tag()}"
+
     try:
         from roundpipe.testing import faults
         from roundpipe.train.recipe import load_recipe
@@ -50,19 +57,35 @@ def main(argv: list[str] | None = None) -> None:
         trainer = Trainer(config, resume=args.resume)
         result = trainer.fit()
     except (ConfigError, InputError, HostMemoryError, DeviceMemoryError) as err:  # say what to change
-        print(f"roundpipe train: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Exception as err:  # the run failed: one line here, the traceback in the run's log
         first = str(err).splitlines()[0] if str(err) else ""
-        where = f" (traceback in {trainer.run_dir / LOG_FILE})" if "trainer" in locals() else ""
-        print(f"roundpipe train: failed: {type(err).__name__}: {first}{where}", file=sys.stderr)
+        where = ""
+        if "trainer" in locals():
+            where = (
+                f" (traceback in {trainer.run_dir / LOG_FILE})"
+                if trainer.ranks.is_main
+                else " (traceback above)"
+            )
+        print(f"{prog}: failed: {type(err).__name__}: {first}{where}", file=sys.stderr, flush=True)
         sys.exit(1)
     if result.interrupted:
         sys.exit(130)
+    if not trainer.ranks.is_main:
+        return
     summary = f"done: {result.steps} steps in {result.elapsed_s:.0f} s"
     if result.eval:
         summary += "; held-out " + ", ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
     print(summary)
+
+
+def _rank_tag() -> str:
+    """`` [rank R/N]`` under a launcher of several ranks (torchrun), else nothing."""
+    import os
+
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    return f" [rank {rank}/{world}]" if world.isdigit() and int(world) > 1 else ""
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ than one field.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -144,6 +145,25 @@ class RunSection:
         "update and goes on (counted as `skipped_steps` in the metrics). fp16 runs skip gradient "
         "overflows either way and lower the loss scale.",
     )
+    data_parallel: Literal["auto", "off"] = _f(
+        "auto",
+        "Under torchrun (WORLD_SIZE > 1): `auto` joins the ranks into one data-parallel run, each "
+        "rank computing its share of every global batch (`run.batch_size` stays the global batch) "
+        "and rank 0 alone writing the run directory; `off` refuses to run as one of several ranks. "
+        "See docs/multinode.md.",
+    )
+    optimizer_sharding: Literal["none", "nodes"] = _f(
+        "none",
+        "With data parallelism, `nodes`: each rank owns the AdamW state of about 1/N of the layers "
+        "(host RAM per rank falls by about N for it; checkpoints hold one optimizer file per rank); "
+        "`none`: every rank holds all of it.",
+    )
+    dp_timeout_s: float = _f(
+        300.0,
+        "How long a rank waits for the others in a collective (a step's gradients, a checkpoint) "
+        "before the run fails with DataParallelError; a lost rank whose connection closes is "
+        "noticed at once.",
+    )
     batch_size: int = _f(8, "Sequences per forward/backward (one micro-step).")
     grad_accum: int = _f(1, "Micro-steps per optimizer step (effective batch = batch_size x grad_accum).")
     max_steps: int | None = _f(None, "Optimizer steps to run. Default: `epochs` over the training data.")
@@ -265,6 +285,10 @@ class TrainConfig:
             )
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise RecipeError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
+        if not (self.run.dp_timeout_s > 0 and math.isfinite(self.run.dp_timeout_s)):
+            raise RecipeError(
+                f"run.dp_timeout_s must be a positive number of seconds, got {self.run.dp_timeout_s}"
+            )
         if self.run.epochs <= 0:
             raise RecipeError(f"run.epochs must be positive, got {self.run.epochs}")
         if len(self.optim.betas) != 2:

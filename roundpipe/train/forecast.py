@@ -1,10 +1,11 @@
 """Before the first step: what the run will need and do.
 
 ``host_ram_needed`` counts the host bytes of the parameter store from the model's own tensors (on
-the meta device or real): fp32 masters, gradients and AdamW moments of the trainable ones, the
-compute copies the uploads read, and a margin for the activations and gradients handed back to
-the host. ``check_host_ram`` compares it with what ``psutil`` says is available and refuses, with
-the figures and the levers, when it will not fit. ``predict`` asks the simulator for tokens/s and
+the meta device or real): fp32 masters, gradients and AdamW moments of the trainable ones (of the
+moments one rank's share with ``optimizer_sharding: nodes``), the compute copies the uploads
+read, and a margin for the activations and gradients handed back to the host. ``check_host_ram``
+compares it, times the ranks on this machine, with what ``psutil`` says is available and refuses,
+with the figures and the levers, when it will not fit. ``predict`` asks the simulator for tokens/s and
 memory (and the tuner, with ``tune_policy``; a recipe's ``policy: auto`` is left to the runtime,
 which chooses from the first batch's measured layer times).
 """
@@ -32,9 +33,15 @@ class HostNeed:
         return self.store_bytes + self.handoff_bytes
 
 
-def host_ram_needed(model: nn.Module, dtype: str, optimizer_mode: str, batch_tokens: int) -> HostNeed:
-    """Host bytes the run's state takes (see the module docstring). ``batch_tokens``: tokens of one
-    forward/backward (batch x sequence length)."""
+def host_ram_needed(
+    model: nn.Module, dtype: str, optimizer_mode: str, batch_tokens: int, *, optimizer_shards: int = 1
+) -> HostNeed:
+    """Host bytes one rank's state takes (see the module docstring). ``batch_tokens``: tokens of one
+    forward/backward on this rank (its rows of the batch x sequence length). ``optimizer_shards``:
+    the ranks the AdamW moments are split over (``optimizer_sharding: nodes``); each holds about
+    1/N of them, while the masters and gradients stay whole on every rank."""
+    if type(optimizer_shards) is not int or optimizer_shards < 1:
+        raise ValueError(f"optimizer_shards must be a positive int, got {optimizer_shards!r}")
     run_bytes = _DTYPE_BYTES[dtype]
     copies = 2 if optimizer_mode == "async" else 1
     seen: set[int] = set()
@@ -45,7 +52,8 @@ def host_ram_needed(model: nn.Module, dtype: str, optimizer_mode: str, batch_tok
         seen.add(id(p))
         n = p.numel()
         if p.requires_grad:
-            store += n * 16  # fp32 master, fp32 gradient, two fp32 AdamW moments
+            store += n * 8  # fp32 master, fp32 gradient
+            store += -(-n * 8 // optimizer_shards)  # two fp32 AdamW moments, this rank's share
             if dtype != "fp32" or copies == 2:
                 store += n * run_bytes * copies
         else:
@@ -57,16 +65,22 @@ def host_ram_needed(model: nn.Module, dtype: str, optimizer_mode: str, batch_tok
     return HostNeed(store, handoff)
 
 
-def check_host_ram(need: HostNeed, *, lora: bool, dtype: str) -> str:
-    """Raise ``HostMemoryError`` when ``need`` exceeds the available host RAM; else a one-line summary."""
+def check_host_ram(need: HostNeed, *, lora: bool, dtype: str, ranks_here: int = 1) -> str:
+    """Raise ``HostMemoryError`` when ``need`` exceeds the available host RAM; else a one-line summary.
+    ``ranks_here``: the ranks of a data-parallel run that share this machine (``LOCAL_WORLD_SIZE``),
+    each needing ``need``."""
     import psutil
 
     available = psutil.virtual_memory().available
+    total = need.total * ranks_here
+    each = (
+        f" per rank, ~{total / GIB:.2f} GiB for the {ranks_here} ranks on this node" if ranks_here > 1 else ""
+    )
     line = (
         f"host RAM: the run needs ~{need.total / GIB:.2f} GiB (state {need.store_bytes / GIB:.2f} GiB, "
-        f"activations on the host ~{need.handoff_bytes / GIB:.2f} GiB); {available / GIB:.1f} GiB available"
+        f"activations on the host ~{need.handoff_bytes / GIB:.2f} GiB){each}; {available / GIB:.1f} GiB available"
     )
-    if need.total <= available:
+    if total <= available:
         return line
     levers = []
     if not lora:
@@ -75,6 +89,11 @@ def check_host_ram(need: HostNeed, *, lora: bool, dtype: str) -> str:
         )
     if dtype == "fp32":
         levers.append("run.dtype: bf16 (frozen weights and compute copies in 2 bytes)")
+    if ranks_here > 1:
+        levers.append(
+            "run.optimizer_sharding: nodes (each rank holds 1/N of the AdamW state), or fewer ranks per "
+            "node (torchrun --nproc-per-node)"
+        )
     levers.append("a smaller run.batch_size or data.max_length (less activation memory on the host)")
     levers.append("a machine with more RAM, or fewer other processes")
     raise HostMemoryError(
@@ -115,9 +134,12 @@ class Forecast:
 
 
 def predict(model: nn.Module, devices, *, policy: str, seq_len: int, batch: int, microbatches, lora_rank, dtype: str,
-            optimizer_mode: str, tune_policy: bool, fp16_accumulation: bool = False) -> Forecast:  # fmt: skip
+            optimizer_mode: str, tune_policy: bool, fp16_accumulation: bool = False,
+            optimizer_shards: int = 1) -> Forecast:  # fmt: skip
     """The simulator's prediction for this run (and the tuner's policy when ``tune_policy``).
 
+    ``optimizer_shards`` > 1 (``optimizer_sharding: nodes``): the host figure is one rank's, its
+    AdamW moments (8 bytes per trainable parameter) divided by the ranks.
     Never raises for a model the simulator cannot describe: the text then says why."""
     from roundpipe.config import known_policies
     from roundpipe.errors import RoundpipeError
@@ -159,9 +181,15 @@ def predict(model: nn.Module, devices, *, policy: str, seq_len: int, batch: int,
     except (RoundpipeError, KeyError, ValueError) as e:
         return Forecast(f"simulator: cannot model this run ({e})")
     gpu = max(r.peak_gpu_bytes) if r.peak_gpu_bytes else 0
+    host = f"host {r.peak_host_bytes / GIB:.2f} GiB"
+    if optimizer_shards > 1:
+        moments = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+        per_rank = r.peak_host_bytes - moments + moments / optimizer_shards
+        host += (
+            f" ({per_rank / GIB:.2f} GiB per rank with the AdamW state split over {optimizer_shards} ranks)"
+        )
     text = (
         f"{head}: predicts {r.tokens_per_s:,.0f} tokens/s, {r.iteration_s:.3f} s per forward/backward, "
-        f"peak device memory {gpu / GIB:.2f} GiB, host {r.peak_host_bytes / GIB:.2f} GiB"
-        + ("" if r.fits else f"; does not fit: {r.reason}")
+        f"peak device memory {gpu / GIB:.2f} GiB, {host}" + ("" if r.fits else f"; does not fit: {r.reason}")
     )
     return Forecast(text, *chosen)

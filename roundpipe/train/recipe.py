@@ -518,7 +518,18 @@ def _check_nesting(given: _Given, dotted: str) -> None:
 
 
 # RunConfig fields that `run:` sets itself: run.options may not set them again.
-_RUN_SETS = ("devices", "policy", "num_microbatches", "dtype", "optimizer_mode", "nan_policy", "seed")
+_RUN_SETS = (
+    "devices",
+    "policy",
+    "num_microbatches",
+    "dtype",
+    "optimizer_mode",
+    "nan_policy",
+    "data_parallel",
+    "optimizer_sharding",
+    "dp_timeout_s",
+    "seed",
+)
 
 
 def _check_run_options(options: dict[str, Any], where: str) -> None:

@@ -12,6 +12,16 @@ checkpoint holds the fp32 masters (all of them, or the adapters), the optimizer 
 counts, the loss scaler, the pipeline's step counter (dropout seeds, async buffer parity), the data
 position and the host RNG states; the learning rate is a pure function of the step. None of them
 depends on the device count, so a run may resume on another one.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1, ``run.data_parallel: auto``) every rank runs this same
+loop on the same global batches; the pipeline gives each rank its rows and reduces the gradients
+(``roundpipe.distributed``). Rank 0 alone writes the run directory (logs, progress, metrics, plots,
+timelines, samples, exports, the checkpoint's state and manifest); every rank writes its optimizer
+shard into the checkpoint (``checkpoint_shards``). The ranks agree on what rank 0 decides (the
+checkpoint to resume from), on a refusal anywhere (host RAM on a node), and on stopping after a
+signal (``roundpipe.train.ranks``). A failed step ends every rank at once, without the on-error
+checkpoint: the ranks may be in the middle of different collectives, so ``--resume auto`` takes the
+last periodic one, and ``torchrun --max-restarts`` restarts the ranks from it.
 """
 
 from __future__ import annotations
@@ -26,9 +36,10 @@ from pathlib import Path
 
 import torch
 
-from roundpipe.errors import CheckpointError, DataError
+from roundpipe.errors import CheckpointError, DataError, DataParallelError
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.lr_schedule import lr_at
+from roundpipe.train.ranks import Ranks
 
 LOG_FILE = "train.log"  # in the run directory: every line the run printed, and a failure's traceback
 
@@ -50,8 +61,9 @@ class TrainResult:
 class _StopFlag:
     """SIGINT / SIGTERM set the flag (the step under way finishes); a second signal interrupts."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, announce: bool = True):
         self.signal: int | None = None
+        self._announce = announce  # rank 0 only: the other ranks of a data-parallel run stay silent
         self._previous = {}
         if enabled:
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -62,6 +74,8 @@ class _StopFlag:
         if self.signal is not None:
             raise KeyboardInterrupt
         self.signal = signum
+        if not self._announce:
+            return
         print(
             f"\nroundpipe: {signal.Signals(signum).name}: finishing this step, then checkpoint and stop",
             flush=True,
@@ -74,7 +88,8 @@ class _StopFlag:
 
 class Trainer:
     """Runs one ``TrainConfig``. ``resume``: ``"auto"`` (the newest checkpoint of the run, if any)
-    or a checkpoint directory. ``log``: where lines of text go (default ``print``)."""
+    or a checkpoint directory. ``log``: where lines of text go (default ``print``; on rank 0 only
+    under torchrun)."""
 
     def __init__(self, config: TrainConfig, *, resume: str | None = None, log=print):
         config.check()
@@ -82,9 +97,13 @@ class Trainer:
         self.resume = resume
         self._print = log
         self.run_dir = Path(config.output_dir)
+        self.ranks = Ranks()  # read from the environment when the run starts
 
     def log(self, line: str) -> None:
-        """Print ``line`` and append it to the run's log file (``train.log``, once the run dir exists)."""
+        """Print ``line`` and append it to the run's log file (``train.log``, once the run dir exists).
+        Rank 0's job: other ranks stay silent."""
+        if not self.ranks.is_main:
+            return
         self._print(line)
         if self.run_dir.is_dir():
             self._log_file(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}")
@@ -101,15 +120,29 @@ class Trainer:
 
         cfg = self.config
         t_start = time.perf_counter()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        check_run_paths(cfg)  # again, now that the run starts: no symlink in run_dir leads outside
-        (self.run_dir / "config.yaml").write_text(dump_recipe(cfg), encoding="utf-8")
-        manager = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
-        resume_from = manager.resolve(self.resume) if self.resume else None
+        self.ranks = ranks = Ranks.from_environment(cfg.run.data_parallel, cfg.run.dp_timeout_s)
+        ranks.join()  # the default process group (gloo), which the pipeline joins, and the trainer's own
+        main = ranks.is_main
+        manager = CheckpointManager(
+            self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, repair=main
+        )
+
+        def open_run_dir() -> Path | None:  # rank 0's: the others wait for it, and fail with it
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            check_run_paths(cfg)  # again, now that the run starts: no symlink in run_dir leads outside
+            (self.run_dir / "config.yaml").write_text(dump_recipe(cfg), encoding="utf-8")
+            self._write_synthetic()
+            return manager.resolve(self.resume) if self.resume else None
 
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
-        self._write_synthetic()
+        resume_from = ranks.on_main(open_run_dir)
+        if ranks.distributed:
+            self.log(
+                f"data parallel: {ranks.world_size} ranks ({ranks.local_world_size} on this node), "
+                f"optimizer sharding {cfg.run.optimizer_sharding}"
+                + (f"; torchrun restart {ranks.restart}" if ranks.restart else "")
+            )
         tokenizer = load_tokenizer(cfg.model)
         splits = load_data(cfg.data, tokenizer, cfg.run.seed)
         self.log(f"data: {len(splits.train)} training and {len(splits.eval)} held-out samples")
@@ -137,6 +170,7 @@ class Trainer:
         model, weights = self._model(tokenizer)
         pipe_config = self._run_config(model, tokenizer)
         with roundpipe.wrap(model, pipe_config, weights=weights) as pipe:
+            self._check_joined(pipe)
             self.log(
                 f"plan: {len(pipe.adapter.layers)} layers over [{', '.join(d.name for d in pipe.backend.devices)}]"
             )
@@ -151,10 +185,12 @@ class Trainer:
             if resume_from is not None:
                 start = self._restore(manager, resume_from, pipe, batches)
                 self.log(f"resumed from {resume_from} at step {start}")
-            metrics = MetricsLog(self.run_dir, cfg.logging, resume_step=start if resume_from else None)
+            metrics = MetricsLog(
+                self.run_dir, cfg.logging, resume_step=start if resume_from else None, write=main
+            )
             result = TrainResult(self.run_dir, start)
-            stop = _StopFlag(cfg.checkpoint.on_signal)
-            progress = Progress(total_steps, start, cfg.logging.progress, cfg.logging.every)
+            stop = _StopFlag(cfg.checkpoint.on_signal, announce=main)
+            progress = Progress(total_steps, start, cfg.logging.progress, cfg.logging.every, silent=not main)
             try:
                 if start == 0 and cfg.eval.every is not None and splits.eval:
                     result.eval = self._evaluate(pipe, model, splits.eval, tokenizer, 0, metrics)
@@ -173,8 +209,10 @@ class Trainer:
                     result.steps = step + 1
                     progress.update(step + 1, row["loss"], row["tokens_per_s"], row["idle"], row["lr"])
                     last = step + 1 == total_steps
-                    stopping = stop.signal is not None
-                    if cfg.logging.plots and (last or stopping):
+                    # A signal may reach the ranks on either side of a step: every rank stops after
+                    # the step at which any rank saw it, so all write the same checkpoint.
+                    stopping = ranks.any(stop.signal is not None)
+                    if main and cfg.logging.plots and (last or stopping):
                         self._save_timeline(pipe)
                     if splits.eval and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
                         result.eval = self._evaluate(pipe, model, splits.eval, tokenizer, step + 1, metrics)
@@ -194,13 +232,13 @@ class Trainer:
                 progress.close()
                 stop.restore()
                 metrics.close()
-            if cfg.logging.plots:
+            if main and cfg.logging.plots:
                 from roundpipe.train.watch import save_loss_curve
 
                 save_loss_curve(metrics, self.run_dir / "loss.png", f"{cfg.run.name}: loss")
             if not result.interrupted:
                 result.exports = self._export(pipe, model, tokenizer)
-                if cfg.eval.show_samples and splits.eval:
+                if main and cfg.eval.show_samples and splits.eval:
                     self._show_samples(model, splits.eval[: cfg.eval.show_samples], tokenizer)
         result.elapsed_s = time.perf_counter() - t_start
         return result
@@ -243,15 +281,72 @@ class Trainer:
 
     def _run_config(self, model, tokenizer):
         import roundpipe
-        from roundpipe.backend import parse_device_spec
-        from roundpipe.train.forecast import check_host_ram, host_ram_needed, predict
+        from roundpipe.train.forecast import check_host_ram, host_ram_needed
 
         cfg = self.config
         run = cfg.run
-        need = host_ram_needed(model, run.dtype, run.optimizer_mode, run.batch_size * cfg.data.max_length)
-        if run.host_ram_check:
-            self.log(check_host_ram(need, lora=cfg.lora.enabled, dtype=run.dtype))
-        devices = "cpu:2" if run.devices == "auto" and not torch.cuda.is_available() else run.devices
+        ranks = self.ranks
+        shards = ranks.world_size if run.optimizer_sharding == "nodes" else 1
+        rows = -(-run.batch_size // ranks.world_size)  # this rank's share of each global batch
+        need = host_ram_needed(
+            model, run.dtype, run.optimizer_mode, rows * cfg.data.max_length, optimizer_shards=shards
+        )
+        if run.host_ram_check:  # every rank checks its node, counting the ranks that share it
+            line = ranks.everywhere(
+                check_host_ram,
+                need,
+                lora=cfg.lora.enabled,
+                dtype=run.dtype,
+                ranks_here=ranks.local_world_size,
+            )
+            self.log(line)
+        devices = self._devices()
+        if ranks.is_main:
+            self._log_forecast(model, devices, rows, shards)
+        return roundpipe.RunConfig(
+            devices=devices,
+            policy=run.policy,
+            num_microbatches=run.num_microbatches,
+            dtype=run.dtype,
+            optimizer_mode=run.optimizer_mode,
+            nan_policy=run.nan_policy,
+            data_parallel=run.data_parallel,
+            optimizer_sharding=run.optimizer_sharding,
+            dp_timeout_s=run.dp_timeout_s,
+            seed=run.seed,
+            **run.options,
+        )
+
+    def _devices(self) -> str:
+        """``run.devices``, with ``auto`` resolved: every GPU (else ``cpu:2``); under torchrun with
+        several ranks on a server, each rank takes its own equal share of the server's GPUs, in
+        ``LOCAL_RANK`` order, as DDP gives each local rank its own device."""
+        run, ranks = self.config.run, self.ranks
+        if run.devices != "auto":
+            return run.devices
+        if not torch.cuda.is_available():
+            return "cpu:2"
+        if ranks.local_world_size <= 1:
+            return run.devices
+        from roundpipe.errors import DeviceSpecError
+
+        count = torch.cuda.device_count()
+        share = count // ranks.local_world_size
+        if share < 1:
+            raise DeviceSpecError(
+                f"{ranks.local_world_size} ranks on this server share {count} GPUs: each needs at least one. "
+                "Start fewer ranks per server (torchrun --nproc-per-node) or set run.devices per rank"
+            )
+        first = ranks.local_rank * share
+        return "cuda:" + ",".join(str(i) for i in range(first, first + share))
+
+    def _log_forecast(self, model, devices: str, rows: int, optimizer_shards: int) -> None:
+        """The simulator's forecast of one rank's pipeline on its ``rows`` of each batch."""
+        from roundpipe.backend import parse_device_spec
+        from roundpipe.train.forecast import predict
+
+        cfg = self.config
+        run = cfg.run
         # policy / num_microbatches "auto" are the runtime's: it profiles the first batch and
         # chooses from the measured times (logged after the first step). The forecast before it
         # shows what the provisional policy, roundpipe, would do.
@@ -260,28 +355,39 @@ class Trainer:
             parse_device_spec(devices),
             policy="roundpipe" if run.policy == "auto" else run.policy,
             seq_len=cfg.data.max_length,
-            batch=run.batch_size,
+            batch=rows,
             microbatches=run.num_microbatches,
             lora_rank=cfg.lora.rank if cfg.lora.enabled else None,
             dtype=run.dtype,
             optimizer_mode=run.optimizer_mode,
             tune_policy=False,
             fp16_accumulation=bool(run.options.get("fp16_accumulation", False)),
+            optimizer_shards=optimizer_shards,
         )
+        world = self.ranks.world_size
         self.log(
             forecast.text
+            + (
+                f"; each of the {world} ranks on its {rows} rows of a batch, the gradient reduction "
+                "between them not counted"
+                if world > 1
+                else ""
+            )
             + ("; policy auto: chosen after profiling the first batch" if run.policy == "auto" else "")
         )
-        return roundpipe.RunConfig(
-            devices=devices,
-            policy=run.policy,
-            num_microbatches=run.num_microbatches,
-            dtype=run.dtype,
-            optimizer_mode=run.optimizer_mode,
-            nan_policy=run.nan_policy,
-            seed=run.seed,
-            **run.options,
-        )
+
+    def _check_joined(self, pipe) -> None:
+        """The pipeline joined the same ranks the environment names (or none, alone)."""
+        dp = getattr(pipe, "dp", None)
+        ranks = self.ranks
+        if not ranks.distributed:
+            return
+        if dp is None or (dp.rank, dp.world_size) != (ranks.rank, ranks.world_size):
+            got = "did not join them" if dp is None else f"joined as rank {dp.rank} of {dp.world_size}"
+            raise DataParallelError(
+                f"this process is rank {ranks.rank} of {ranks.world_size} but the pipeline {got}",
+                rank=ranks.rank,
+            )
 
     def _train_step(self, pipe, batches, step: int, total_steps: int) -> dict:
         from roundpipe.testing import faults
@@ -353,8 +459,9 @@ class Trainer:
             tokens += out.num_tokens
         row = {"kind": "eval", "step": step, "loss": loss_sum / tokens}
         if self.config.eval.exact_match:
-            pipe.export_to(model)
-            row["exact_match"] = exact_match(model, batches, samples)
+            pipe.export_to(model)  # on every rank (as every pipeline call), the answers on rank 0 only
+            if self.ranks.is_main:
+                row["exact_match"] = exact_match(model, batches, samples)
         metrics.log(row)
         return {k: v for k, v in row.items() if k not in ("kind", "step")}
 
@@ -380,6 +487,18 @@ class Trainer:
         self._log_failure(err, f"step {step + 1} failed")
         if not self.config.checkpoint.on_error:
             return
+        if self.ranks.distributed:  # the ranks may be in different collectives: none can save now
+            last = manager.latest_step()
+            self.log(
+                "no checkpoint written: under data parallelism a failed step leaves the ranks in "
+                "different places; "
+                + (
+                    f"--resume auto continues from the last periodic checkpoint (step {last})"
+                    if last is not None
+                    else "no periodic checkpoint exists yet"
+                )
+            )
+            return
         if not pipe.abandon_step():
             self.log(
                 f"no checkpoint written: step {step + 1} failed half-way through its optimizer update "
@@ -399,11 +518,17 @@ class Trainer:
             self.log(f"could not write a checkpoint after the failure: {type(save_err).__name__}: {save_err}")
 
     def _log_failure(self, err: Exception, what: str) -> None:
-        """One line of what failed, and the full traceback in the log file (once per error)."""
+        """One line of what failed, and the full traceback in the log file (once per error); on
+        ranks other than 0, which write no log, the traceback goes to stderr."""
+        import sys
         import traceback
 
         self.log(f"{what}: {type(err).__name__}: {err}")
-        self._log_file("".join(traceback.format_exception(err)))
+        text = "".join(traceback.format_exception(err))
+        if self.ranks.is_main:
+            self._log_file(text)
+        else:
+            print(f"roundpipe train (rank {self.ranks.rank}): {what}\n{text}", file=sys.stderr, flush=True)
         err._roundpipe_logged = True
 
     def _log_file(self, text: str) -> None:
@@ -411,16 +536,36 @@ class Trainer:
             f.write(text if text.endswith("\n") else text + "\n")
 
     def _save(self, manager, step: int, pipe, batches, position: dict | None = None) -> Path:
+        """Write checkpoint ``step`` (every rank calls it). With optimizer sharding each rank's
+        optimizer state goes into its own file; otherwise rank 0's state is the whole of it."""
+        from roundpipe.train.checkpoint_shards import Shard
         from roundpipe.train.recipe import dump_recipe
 
         position = position or self._position(batches)
-        state = {"step": step, "pipeline": pipe.state_dict(), **position}
-        path = manager.save(step, state, extra_files={"config.yaml": dump_recipe(self.config).encode()})
+        pipeline = pipe.state_dict()
+        shard = None
+        if pipeline.pop("optimizer_shard", None) is not None:  # which rank wrote it: state.json says
+            optimizer = dict(pipeline["optimizer"])
+            shard = Shard(("pipeline", "optimizer", "state"), optimizer.pop("state"))
+            pipeline["optimizer"] = optimizer
+        state = {"step": step, "pipeline": pipeline, **position}
+        ranks = self.ranks
+        path = manager.save(
+            step,
+            state if ranks.is_main else None,
+            extra_files={"config.yaml": dump_recipe(self.config).encode()},
+            shard=shard,
+            group=ranks if ranks.distributed else None,
+        )
         self.log(f"checkpoint: {path}")
         return path
 
     def _restore(self, manager, path: Path, pipe, batches) -> int:
-        step, state, _ = manager.load(path)
+        """Load checkpoint ``path`` on every rank: rank 0 verifies every file against the manifest
+        (once: the files are the same for all), then each rank reads it; a sharded optimizer state
+        comes back as the union of every rank's part, of which each pipeline takes its own."""
+        self.ranks.on_main(lambda: manager.verify(path) and None)
+        step, state, _ = manager.load(path, hash_files=False)
         if state.get("step") != step:
             raise CheckpointError(f"{path}: the state says step {state.get('step')} but the manifest {step}")
         pipe.load_state_dict(state["pipeline"])
@@ -440,7 +585,9 @@ class Trainer:
             kind = "adapter" if cfg.lora.enabled else "merged"
         if kind in ("adapter", "both") and not cfg.lora.enabled:
             raise DataError("checkpoint.export asks for an adapter but lora.enabled is false; export: merged")
-        pipe.export_to(model)
+        pipe.export_to(model)  # on every rank, as every pipeline call; rank 0 writes the files
+        if not self.ranks.is_main:
+            return {}
         out = {}
         if kind in ("adapter", "both"):
             out["adapter"] = self.run_dir / "export" / "adapter"

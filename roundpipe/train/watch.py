@@ -20,11 +20,18 @@ from roundpipe.train.paths import check_filled_dir, run_file
 
 class MetricsLog:
     """``metrics.jsonl`` in the run directory: one JSON object per logged step or evaluation,
-    with ``step`` and ``kind`` (``train`` / ``eval``); and TensorBoard scalars when asked for."""
+    with ``step`` and ``kind`` (``train`` / ``eval``); and TensorBoard scalars when asked for.
+    ``write=False`` (the ranks other than 0 of a data-parallel run) keeps the rows in memory and
+    touches no file."""
 
-    def __init__(self, run_dir: Path, config: LoggingConfig, resume_step: int | None = None):
+    def __init__(
+        self, run_dir: Path, config: LoggingConfig, resume_step: int | None = None, *, write: bool = True
+    ):
         self.path = run_file(run_dir, "metrics.jsonl")  # refused if a symlink there leads outside
         self.rows: list[dict[str, Any]] = []
+        self._file = self._tb = None
+        if not write:
+            return
         if resume_step is not None and self.path.exists():
             # Keep what the checkpointed part of the run logged; the steps after it run again.
             for line in self.path.read_text(encoding="utf-8").splitlines():
@@ -40,6 +47,8 @@ class MetricsLog:
 
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
+        if self._file is None:
+            return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -52,7 +61,8 @@ class MetricsLog:
         return [r["step"] for r in rows], [r[key] for r in rows]
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 
@@ -80,19 +90,23 @@ def _tensorboard_writer(run_dir: Path, wanted: bool | str):
 
 class Progress:
     """A tqdm bar over optimizer steps showing loss, tokens/s, ETA and the workers' idle share;
-    plain lines instead when progress bars are off or the output is not a terminal."""
+    plain lines instead when progress bars are off or the output is not a terminal; nothing at all
+    when ``silent`` (the ranks other than 0 of a data-parallel run)."""
 
-    def __init__(self, total: int, start: int, enabled: bool, every: int):
+    def __init__(self, total: int, start: int, enabled: bool, every: int, *, silent: bool = False):
         self.every = every
+        self.silent = silent
         self._bar = None
         self._start, self._t0 = start, time.monotonic()
-        if enabled and sys.stderr.isatty():
+        if enabled and not silent and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
         self.total = total
 
     def update(self, step: int, loss: float, tokens_per_s: float, idle: float, lr: float) -> None:
+        if self.silent:
+            return
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", idle=f"{idle:.0%}")
@@ -106,6 +120,8 @@ class Progress:
             )
 
     def write(self, text: str) -> None:
+        if self.silent:
+            return
         if self._bar is not None:
             self._bar.write(text)
         else:
