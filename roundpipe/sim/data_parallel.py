@@ -19,9 +19,10 @@ replay follows the runtime's reducer (``roundpipe/distributed/reducer.py``):
   in the single-node step).
 - **``optimizer_sharding: nodes``**: node ``k`` owns a contiguous run of layers with about
   ``1/N`` of the bytes (``DataParallel.owners``). Each bucket is reduced to its owner (gloo:
-  reduce-scatter, then a gather to the root), the owner steps it while the others wait in the
-  broadcast that follows, and the owner broadcasts the new fp32 masters (gloo: a binomial tree of
-  the whole bucket), all on the reduction thread, bucket after bucket. Every node keeps the fp32
+  reduce-scatter, then a gather to the root), the owner steps it and starts the broadcast of the
+  new fp32 masters (gloo: a binomial tree of the whole bucket), which stays in flight while the
+  reduction thread goes on to the next bucket; the step ends when the last broadcast has arrived.
+  Every node keeps the fp32
   masters (the broadcast writes them); the moments (8 of AdamW's 12 bytes per parameter,
   ``partition/cost.py``) live on the owner only, so host RAM falls by ``moments x (N - 1) / N``
   per node on average (the fullest owner is reported too).
@@ -207,7 +208,7 @@ def buckets(
 class Replay:
     """When the network and the reduction thread ran after the gradients became final."""
 
-    end_s: float  # the reduction thread's end: the last step (sharded: the last broadcast)
+    end_s: float  # the reduction's end: the last step (sharded: or the last broadcast, if later)
     reduce_s: float  # network busy time of the gradient collectives
     broadcast_s: float  # network busy time of the new weights' broadcasts (sharded only)
     overlapped_s: float  # network busy time before the single-node step would have ended
@@ -258,9 +259,9 @@ def replay(
             while len(reduced) < len(cut) and max(free, issued[len(reduced)]) <= max(free, thread):
                 next_reduce()
             dur = network.time("broadcast", b.nbytes, nodes)
-            free = thread = run(max(free, thread), dur)
+            free = run(max(free, thread), dur)  # in flight: the thread goes on to the next bucket
             broadcast_s += dur
-    return Replay(thread, reduce_s, broadcast_s, overlapped, len(cut))
+    return Replay(max(thread, free) if sharded else thread, reduce_s, broadcast_s, overlapped, len(cut))
 
 
 @dataclass(frozen=True)
