@@ -11,6 +11,10 @@ What makes N ranks train exactly as one process on the whole batch:
 - after the step, the ranks gather their loss sums and whether each found a non-finite value, so
   every rank reports the same loss and stops or skips alike.
 
+A MoE router's load-balancing loss is each rank's own, on its rows (as under DDP, where each
+rank's auxiliary loss is its batch's); its gradients are summed like the others, each weighted by
+the rank's share of the tokens, and the reported loss adds their token-weighted mean.
+
 A rank on which any of this fails marks the group broken and closes its connections, so the peers'
 collectives fail at once instead of waiting ``dp_timeout_s``; no further step runs on a broken group.
 """
@@ -144,15 +148,18 @@ class _RankStep:
             self.owner._reduction.wait()
             self.owner._reduction = None
 
-    def agree(self, loss_sum: float, found: NonFinite | None) -> tuple[float, NonFinite | None]:
-        """The global loss sum, and the first non-finite value any rank found (the lowest rank's)."""
-        every = self.dp.gather([loss_sum, 0.0 if found is None else 1.0], "gathering the losses")
-        total = sum(v[0] for v in every)
+    def agree(
+        self, loss_sum: float, found: NonFinite | None, router_sum: float
+    ) -> tuple[float, NonFinite | None, float]:
+        """The global loss sum, the first non-finite value any rank found (the lowest rank's), and
+        the sum of ``router_sum`` (each rank's router loss times its tokens)."""
+        every = self.dp.gather([loss_sum, 0.0 if found is None else 1.0, router_sum], "gathering the losses")
+        total, router = sum(v[0] for v in every), sum(v[2] for v in every)
         if not any(v[1] for v in every):
-            return total, None
+            return total, None, router
         finds = self.dp.all_gather_object(found)
         rank, first = next((r, f) for r, f in enumerate(finds) if f is not None)
-        return total, dataclasses.replace(first, device=f"{first.device} of rank {rank}")
+        return total, dataclasses.replace(first, device=f"{first.device} of rank {rank}"), router
 
 
 def _take(t, rows: slice):

@@ -196,14 +196,16 @@ class Pipeline:
         self._grads_pending = True
         self._stepped_eagerly = eager
         found = first_nonfinite(step.nonfinite)
-        if ranks_step is not None:
-            step.loss_sum, found = ranks_step.agree(step.loss_sum, found)
+        router = _router_loss(step)
+        if ranks_step is not None:  # one loss on every rank: the router's, weighted by tokens
+            step.loss_sum, found, router_sum = ranks_step.agree(step.loss_sum, found, router * mine)
+            router = router_sum / total
         if found is not None:
             if self._updates.nonfinite is None:  # the first of this optimizer step's calls decides
                 self._updates.nonfinite = found
             if self._updates.stops_on(found):
                 raise nonfinite_error(found, step.index, len(step.nonfinite))
-        return StepOutput(step.loss_sum / total + _router_loss(step), total)
+        return StepOutput(step.loss_sum / total + router, total)
 
     def evaluate(
         self,
