@@ -42,10 +42,15 @@ def train_case(
     stop_on_error=True,
     faults_injected=(),
     accumulate=1,
+    in_place_bytes=None,
     **config,
 ) -> dict:
     """Train a tiny model ``steps`` AdamW steps with ``RunConfig(**config)`` (default ``cpu:2``,
     one layer per stage); ``fault_rank`` raises on that rank before step ``fault_step``."""
+    if in_place_bytes is not None:  # which gradients the reduction sums in place (tiny models: none)
+        from roundpipe.distributed import reducer
+
+        reducer.IN_PLACE_BYTES = in_place_bytes
     model = make_model(family, lora=lora, num_layers=3)
     data = make_batch(batch=batch, padding="left")
     config = {"devices": "cpu:2", "partition": None, **config}

@@ -87,7 +87,8 @@ def _baselines(family, lora):
 
 
 # Small buckets (a few step groups each) for the LoRA cases, so that several collectives are in
-# flight at once; sharded runs have one bucket per owner at least.
+# flight at once; sharded runs have one bucket per owner at least. The 1f1b cases sum their larger
+# tensors in place (real models' layers do; the tiny ones' are all below the default 1 MiB).
 CASES = [
     {
         "name": f"{policy}-{'lora' if lora else 'full'}-{sharding}",
@@ -95,6 +96,8 @@ CASES = [
         "lora": lora,
         "optimizer_sharding": sharding,
         "dp_bucket_bytes": 4096 if lora else 25 << 20,
+        # 1f1b: every tensor of 4 KiB or more summed and sent in place, not packed
+        "in_place_bytes": 4096 if policy == "1f1b" else None,
     }
     for policy in ("roundpipe", "1f1b")
     for lora in (None, "default")

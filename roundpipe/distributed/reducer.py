@@ -7,8 +7,9 @@ same on every rank whatever its schedule did, because gloo matches collectives b
 are issued in: the host thread marks groups final as their last gradient lands (``final``), and a
 bucket is issued only when it and every bucket before it are complete.
 
-Each bucket travels as one flat fp32 tensor with one extra element: 1 when this rank already knew
-of a non-finite value when it issued the bucket. The sum tells every receiver whether any rank did,
+Each bucket travels as one collective per large gradient, in place, and one flat fp32 tensor of
+its small ones with one extra element: 1 when this rank already knew of a non-finite value when
+it issued the bucket. The sum tells every receiver whether any rank did,
 so no rank steps a layer that another rank has found poisoned (as one process steps nothing once
 it knows). Unsharded, it is an all-reduce and every rank steps every group; sharded, a reduce to
 the bucket's owner, which steps it and broadcasts the new fp32 masters to the others.
@@ -34,6 +35,10 @@ from roundpipe.distributed.group import DataParallel
 from roundpipe.runtime.store import ParameterStore
 
 _DONE = object()
+# A gradient (or master) of at least this many bytes is summed (or sent) in place, by its own
+# collective; smaller ones are packed into one tensor per bucket. No bucket-sized copy of the large
+# ones exists, however many buckets are in flight.
+IN_PLACE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -114,17 +119,23 @@ class GradientReduction:
             self._next += 1
 
     def _issue(self, b: Bucket) -> None:
+        """Issue bucket ``b``'s collectives: one in place per large gradient (no copy of it exists),
+        one for the small ones packed together with the non-finite flag."""
         entries = self.store.entries
+        large = [k for k in b.keys if 4 * entries[k].grad.numel() >= IN_PLACE_BYTES]
+        small = [k for k in b.keys if 4 * entries[k].grad.numel() < IN_PLACE_BYTES]
         flag = torch.tensor([1.0 if self._known_nonfinite() else 0.0])
-        flat = torch.cat([entries[k].grad.reshape(-1) for k in b.keys] + [flag])
+        packed = torch.cat([entries[k].grad.reshape(-1) for k in small] + [flag])
         what = f"summing the gradients of {self._label(b)}"
-        if self.dp.sharded:
-            work = self.dp.collective(
-                what, lambda: dist.reduce(flat, dst=b.owner, group=self.dp.grads, async_op=True)
-            )
-        else:
-            work = self.dp.collective(what, lambda: dist.all_reduce(flat, group=self.dp.grads, async_op=True))
-        self._queue.put((b, flat, work, what, time.perf_counter()))
+
+        def issue(t: torch.Tensor):
+            if self.dp.sharded:
+                return dist.reduce(t, dst=b.owner, group=self.dp.grads, async_op=True)
+            return dist.all_reduce(t, group=self.dp.grads, async_op=True)
+
+        works = [self.dp.collective(what, lambda k=k: issue(entries[k].grad)) for k in large]
+        works.append(self.dp.collective(what, lambda: issue(packed)))
+        self._queue.put((b, small, packed, works, what, time.perf_counter()))
 
     # ------------------------------------------------------------------ reduction thread
     def _loop(self) -> None:
@@ -136,17 +147,18 @@ class GradientReduction:
                 return
             if self.error is not None:
                 continue
-            b, flat, work, what, issued = item
+            b, small, packed, works, what, issued = item
             try:
                 try:
-                    work.wait()
+                    for work in works:
+                        work.wait()
                 except BaseException as e:
                     raise self.dp.failed(what, e) from e
                 if self._recorder is not None:
                     self._recorder.add_host_span(
                         f"reduce:{self._label(b)}", "reduce", issued, time.perf_counter()
                     )
-                self._received(b, flat)
+                self._received(b, small, packed)
             except BaseException as e:  # carried to the caller by wait()
                 self.error = e
 
@@ -159,16 +171,16 @@ class GradientReduction:
             except BaseException as e:
                 self.error = e
 
-    def _received(self, b: Bucket, flat: torch.Tensor) -> None:
+    def _received(self, b: Bucket, small: list[int], packed: torch.Tensor) -> None:
         entries = self.store.entries
         mine = b.owner == self.dp.rank
         with torch.no_grad():
-            if mine:
-                self.flagged |= bool(flat[-1] > 0)
+            if mine:  # the large gradients hold their sums already
+                self.flagged |= bool(packed[-1] > 0)
                 offset = 0
-                for k in b.keys:
+                for k in small:
                     g = entries[k].grad
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    g.copy_(packed[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
             else:  # sharded, another rank's: its owner steps it; this rank's share is spent
                 for k in b.keys:
@@ -204,31 +216,42 @@ class GradientReduction:
 
 
 def broadcast_masters(dp: DataParallel, store: ParameterStore, b: Bucket, group=None) -> Callable[[], None]:
-    """Start sending the owner's fp32 masters of bucket ``b`` to every rank; the returned call
-    waits for it and, on a receiver, writes them into its masters and compute copies."""
+    """Start sending the owner's fp32 masters of bucket ``b`` to every rank (large ones in place,
+    small ones packed); the returned call waits for it and, on a receiver, refreshes its compute
+    copies. Nothing reads a receiver's masters of ``b`` meanwhile: its backward is done, and
+    the next step's uploads wait for this step to end."""
     entries = store.entries
+    owner = b.owner == dp.rank
+    large = [k for k in b.keys if 4 * entries[k].master.numel() >= IN_PLACE_BYTES]
+    small = [k for k in b.keys if 4 * entries[k].master.numel() < IN_PLACE_BYTES]
     with torch.no_grad():
-        if b.owner == dp.rank:
-            flat = torch.cat([entries[k].master.data.reshape(-1) for k in b.keys])
+        if owner:
+            packed = torch.cat([entries[k].master.data.reshape(-1) for k in small] + [torch.zeros(1)])
         else:
-            flat = torch.empty(b.numel, dtype=torch.float32)
+            packed = torch.empty(1 + sum(entries[k].master.numel() for k in small), dtype=torch.float32)
     what = f"sending the new weights of step groups {b.groups}"
-    work = dp.collective(
-        what, lambda: dist.broadcast(flat, src=b.owner, group=group or dp.weights, async_op=True)
-    )
+    pg = group or dp.weights
+    works = [
+        dp.collective(
+            what, lambda k=k: dist.broadcast(entries[k].master.data, src=b.owner, group=pg, async_op=True)
+        )
+        for k in large
+    ]
+    works.append(dp.collective(what, lambda: dist.broadcast(packed, src=b.owner, group=pg, async_op=True)))
 
     def finish() -> None:
         try:
-            work.wait()
+            for work in works:
+                work.wait()
         except BaseException as e:
             raise dp.failed(what, e) from e
-        if b.owner == dp.rank:
+        if owner:
             return
         with torch.no_grad():
             offset = 0
-            for k in b.keys:
+            for k in small:
                 m = entries[k].master.data
-                m.copy_(flat[offset : offset + m.numel()].view_as(m))
+                m.copy_(packed[offset : offset + m.numel()].view_as(m))
                 offset += m.numel()
             store.refresh_compute(b.keys)
 
