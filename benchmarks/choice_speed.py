@@ -1,7 +1,7 @@
 """How long the runtime's automatic choice (``roundpipe.sim.choice.choose``) takes: a 100-layer
 model (the last layer the head) with measured-looking times on 8 devices, every executable policy,
-batch 64. Prints the median of ``--repeats`` runs; the choice runs once per batch shape, after the
-first step's profile. No torch.
+batch 64. Writes the median of ``--repeats`` runs to ``results/choice_speed.{json,md}``; the choice
+runs once per batch shape, after the first step's profile. No torch.
 
     .venv/bin/python benchmarks/choice_speed.py [--repeats 5]
 """
@@ -12,6 +12,8 @@ import argparse
 import random
 import statistics
 import time
+
+from _common import write_results
 
 from roundpipe.config import known_policies
 from roundpipe.partition.cost import LayerCost
@@ -38,10 +40,10 @@ def _costs(tokens: float) -> list[LayerCost]:
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rng = random.Random(1)
     times = [(1e-3 * (1 + 0.1 * rng.random()), 2e-3 * (1 + 0.1 * rng.random())) for _ in range(LAYERS)]
     policies = [p for p in POLICIES if p in known_policies()]
@@ -52,8 +54,21 @@ def main() -> None:
             times, 1024.0, _costs, num_devices=DEVICES, batch=BATCH, seq_len=SEQ, policies=policies
         )
         runs.append(time.perf_counter() - t0)
-    print(f"choose(): {LAYERS} layers, {DEVICES} devices: median {statistics.median(runs):.3f} s over "
-          f"{len(runs)} runs; chose {choice.best.policy}")  # fmt: skip
+    median = statistics.median(runs)
+    rows = [[f"{LAYERS}", f"{DEVICES}", f"{BATCH} x {SEQ}", f"{len(policies)}", f"{median:.3f}", f"{min(runs):.3f}",
+             choice.best.policy]]  # fmt: skip
+    notes = f"""
+`roundpipe.sim.choice.choose` over {", ".join(policies)}: median and minimum of {len(runs)} runs on this
+machine. The runtime makes this choice once per batch shape, after the first step's profile.
+"""
+    write_results(
+        "choice_speed",
+        {"layers": LAYERS, "devices": DEVICES, "batch": BATCH, "seq": SEQ, "policies": policies,
+         "seconds": runs, "median_s": median, "chose": choice.best.policy},
+        rows,
+        ["layers", "devices", "batch", "policies", "median s", "min s", "chose"],
+        notes,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

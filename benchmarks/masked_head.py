@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 
 import torch
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    load_start = os.getloadavg()[0]
     model = llama_model(hidden=512, layers=4, intermediate=1376, vocab=32000)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 32000, (4, 512), generator=g)
@@ -57,6 +59,7 @@ def main() -> None:
             times[name].append(median)
     if not math.isclose(losses["all tokens"], losses["label tokens"], rel_tol=1e-6):
         raise SystemExit(f"losses differ: {losses}")
+    load = {"start": load_start, "end": os.getloadavg()[0]}
     med = {name: statistics.median(ts) for name, ts in times.items()}
     ratio = med["all tokens"] / med["label tokens"]
     rows = [[name, f"{med[name]:.2f}", ", ".join(f"{t:.2f}" for t in times[name])] for name in times]
@@ -64,11 +67,19 @@ def main() -> None:
 Speed-up from skipping unlabelled tokens: **{ratio:.2f}x** (median of {args.rounds} alternating
 rounds, each the median of {args.steps} steps after one warm-up). Same loss both ways
 ({losses["all tokens"]:.6f} vs {losses["label tokens"]:.6f}). Half the tokens carry a label; the head's share of this model's
-work is what the skip can save, so a deeper model gains less.
+work is what the skip can save, so a deeper model gains less. Load average (1 min) of the machine
+at the start and the end: {load["start"]:.1f}, {load["end"]:.1f} (2 cores: above that, other processes
+took core time from the rounds measured).
 """
     write_results(
         "masked_head",
-        {"seconds": times, "median_s": med, "speedup": ratio, "loss": losses["label tokens"]},
+        {
+            "seconds": times,
+            "median_s": med,
+            "speedup": ratio,
+            "loss": losses["label tokens"],
+            "load_average": load,
+        },
         rows,
         ["head computes", "median step s", "rounds"],
         notes,

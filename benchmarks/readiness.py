@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -53,8 +54,6 @@ from roundpipe.sim.workload import workload_from_costs  # noqa: E402
 from roundpipe.testing import faults  # noqa: E402
 
 DEVICES = 4
-MICROBATCHES = 8
-BATCH = 8  # one sample per microbatch: each microbatch has its own length
 VOCAB = 2048
 MODEL = dict(hidden=128, layers=6, intermediate=512, vocab=VOCAB, heads=4)  # 8 layers: embed, 6, head
 # SFT-like lengths (Alpaca/ShareGPT-style: median a few hundred tokens, a long tail) are log-normal,
@@ -64,9 +63,35 @@ LENGTHS = dict(median=32, sigma=0.8, cap=128, minimum=4)
 SLOW_DEVICE = 1
 SIM_JITTER = 0.2  # sigma of the simulator's per-task log-normal time factor (the "jitter" case)
 POLICIES = ("gpipe", "1f1b", "interleaved", "chimera", "hanayo", "roundpipe")
-QUICK_POLICIES = ("1f1b", "interleaved", "roundpipe")
 CASES = ("none", "variable length", "slow device")
 ORDERS = ("strict", "ready")
+LOSS_RTOL = 1e-4  # strict and ready train the same weights on the same batches: only round-off differs
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big a run is: the model, the microbatches of a step (one sample each, so that each
+    microbatch has its own length), the policies measured and the measured steps per order."""
+
+    microbatches: int = 8
+    policies: tuple[str, ...] = POLICIES
+    repeats: int = 7
+    model: dict = field(default_factory=lambda: dict(MODEL))
+
+    @property
+    def batch(self) -> int:
+        return self.microbatches
+
+    @property
+    def layers(self) -> int:
+        """Layers of the pipeline: the embedding, the decoder layers, the head."""
+        return self.model["layers"] + 2
+
+
+FULL = Size()
+# The CI smoke: every code path (both orders, every case, the simulator, the loss check, both kinds
+# of verdict: 1f1b runs tasks ahead, roundpipe never does) on 2 decoder layers and 4 microbatches.
+QUICK = Size(microbatches=4, policies=("1f1b", "roundpipe"), repeats=2, model=dict(MODEL, layers=2))
 
 
 def sample_lengths(n: int, generator: torch.Generator) -> list[int]:
@@ -88,14 +113,14 @@ def make_batch(lengths: list[int], generator: torch.Generator) -> dict[str, torc
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def case_batches(steps: int, seed: int) -> tuple[dict[str, list[dict]], int, list[list[int]]]:
+def case_batches(steps: int, batch: int, seed: int) -> tuple[dict[str, list[dict]], int, list[list[int]]]:
     """Per case the batches of every step; the ``none`` length (the variable batches' mean
     microbatch length, so both cases carry about the same work); the variable lengths."""
     g = torch.Generator().manual_seed(seed)
-    variable_lengths = [sample_lengths(BATCH, g) for _ in range(steps)]
+    variable_lengths = [sample_lengths(batch, g) for _ in range(steps)]
     fixed = round(statistics.mean(n for lengths in variable_lengths for n in lengths))
     variable = [make_batch(lengths, g) for lengths in variable_lengths]
-    uniform = [make_batch([fixed] * BATCH, g) for _ in range(steps)]
+    uniform = [make_batch([fixed] * batch, g) for _ in range(steps)]
     return {"none": uniform, "variable length": variable, "slow device": uniform}, fixed, variable_lengths
 
 
@@ -133,13 +158,13 @@ def bubble(stats: dict) -> float:
 
 
 def run_policy(
-    model, policy: str, batches: dict[str, list[dict]], warmup: int, slow: float, seed: int
+    model, policy: str, batches: dict[str, list[dict]], microbatches: int, warmup: int, slow: float, seed: int
 ) -> dict:
     """Both orders of ``policy`` through every case, steps alternating (and which goes first, too)."""
     pipes = {}
     for order in ORDERS:
         config = roundpipe.RunConfig(
-            devices=f"cpu:{DEVICES}", num_microbatches=MICROBATCHES, policy=policy, partition=None,
+            devices=f"cpu:{DEVICES}", num_microbatches=microbatches, policy=policy, partition=None,
             order=order, sanitize=False, seed=seed,
         )  # fmt: skip
         pipes[order] = roundpipe.wrap(copy.deepcopy(model), config)
@@ -231,13 +256,13 @@ def cpu_server(num_devices: int):
     )  # fmt: skip
 
 
-def measured_layers(model, fixed: int, seed: int):
+def measured_layers(model, fixed: int, microbatches: int, seed: int):
     """``pipe.profile``'s per-layer times and context time for microbatches of ``fixed`` tokens."""
     g = torch.Generator().manual_seed(seed + 1)
-    batch = make_batch([fixed] * BATCH, g)
+    batch = make_batch([fixed] * microbatches, g)
     config = roundpipe.RunConfig(
         devices=f"cpu:{DEVICES}",
-        num_microbatches=MICROBATCHES,
+        num_microbatches=microbatches,
         policy="roundpipe",
         partition=None,
         sanitize=False,
@@ -249,8 +274,6 @@ def measured_layers(model, fixed: int, seed: int):
 
 def simulate_policy(table, workload, hardware, variable_lengths, fixed: int, slow: float, seeds: int) -> dict:
     """Both orders of ``table`` in the simulator, per case (medians over batches or seeds)."""
-    from dataclasses import replace
-
     slowdown = tuple(slow if d == SLOW_DEVICE else 1.0 for d in range(DEVICES))
     cases = {
         "none": [(workload, {})],
@@ -391,33 +414,39 @@ def explain(policy: str, rt: dict | None, sim: dict, slow: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="three policies, two measured steps (about 40 s)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="two policies, a smaller model, two measured steps (the CI smoke)",
+    )
     ap.add_argument("--repeats", type=int, default=None, help="measured steps per order and case (default 7)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--slow", type=float, default=2.0, help="how many times slower cpu:1 is in 'slow device'")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-runtime", action="store_true", help="the simulator only (seconds)")
     args = ap.parse_args(argv)
-    repeats = args.repeats or (2 if args.quick else 7)
-    policies = QUICK_POLICIES if args.quick else POLICIES
+    size = QUICK if args.quick else FULL
+    if args.repeats:
+        size = replace(size, repeats=args.repeats)
+    repeats, mb = size.repeats, size.microbatches
     torch.set_num_threads(1)
     started = time.perf_counter()
     load = [_load()]
 
-    model = llama_model(**MODEL)
-    batches, fixed, variable_lengths = case_batches(args.warmup + repeats, args.seed)
-    layer_times, context_s = measured_layers(model, fixed, args.seed)
+    model = llama_model(**size.model)
+    batches, fixed, variable_lengths = case_batches(args.warmup + repeats, size.batch, args.seed)
+    layer_times, context_s = measured_layers(model, fixed, mb, args.seed)
     hardware = cpu_server(DEVICES)
     costs = model_costs(model.config.to_dict(), fixed, 1, dtype="fp32")
     workload = workload_from_costs(costs, hardware, times=layer_times, context_s=context_s)
 
     results: dict = {}
-    for policy in policies:
+    for policy in size.policies:
         rt = None
         if args.no_runtime:
-            table = _table(policy)
+            table = _table(policy, size)
         else:
-            measured = run_policy(model, policy, batches, args.warmup, args.slow, args.seed)
+            measured = run_policy(model, policy, batches, mb, args.warmup, args.slow, args.seed)
             table = measured.pop("table")
             rt = measured["cases"]
             for c in rt.values():
@@ -459,15 +488,21 @@ def main(argv: list[str] | None = None) -> int:
         "sim ran ahead",
     ]  # fmt: skip
     why = "\n".join(f"- **{p}**: {r['why']}" for p, r in results.items())
+    problems = loss_problems(results)
+    losses_line = (
+        f"their losses agree to {_worst_loss_diff(results):.1e}, within rtol {LOSS_RTOL:.0e}"
+        if not problems
+        else "their losses DISAGREE: " + "; ".join(problems)
+    )
     elapsed = time.perf_counter() - started
     load.append(_load())
     notes = f"""
-Llama-shaped model (hidden {MODEL["hidden"]}, {MODEL["layers"]} blocks, MLP {MODEL["intermediate"]},
-vocab {VOCAB}; 8 layers with embedding and head), fp32 full fine-tuning on `cpu:{DEVICES}` (one
-intra-op thread per stream, stream sanitizer off), {BATCH} samples per step in {MICROBATCHES}
+Llama-shaped model (hidden {size.model["hidden"]}, {size.model["layers"]} blocks, MLP {size.model["intermediate"]},
+vocab {VOCAB}; {size.layers} layers with embedding and head), fp32 full fine-tuning on `cpu:{DEVICES}` (one
+intra-op thread per stream, stream sanitizer off), {size.batch} samples per step in {mb}
 microbatches, each policy's default partition (`partition=None`), sync optimizer. Each configuration
 runs {args.warmup} warm-up and {repeats} measured steps per order, the two orders alternating on the
-same batches (and on the same weights: their losses agree to {_worst_loss_diff(results):.1e}); medians.
+same batches (and on the same weights: {losses_line}); medians.
 "speed-up" is strict over ready (above 1: ready is faster); "noise" is the larger of half the
 interquartile range of the step-by-step ratios strict / ready and, per case, how far the speed-up
 strayed from 1 where both orders ran the same execution (roundpipe); a speed-up within it (or
@@ -494,10 +529,10 @@ Where readiness-first helps and where not, read off the figures above:
 Total time {elapsed:.0f} s.
 """
     payload = {
-        "model": MODEL,
+        "model": size.model,
         "devices": DEVICES,
-        "microbatches": MICROBATCHES,
-        "batch": BATCH,
+        "microbatches": mb,
+        "batch": size.batch,
         "lengths": LENGTHS,
         "fixed_length": fixed,
         "slow": {"device": SLOW_DEVICE, "factor": args.slow},
@@ -509,8 +544,13 @@ Total time {elapsed:.0f} s.
         "elapsed_s": elapsed,
         "load_average": load,
         "noise_floor": floor,
+        "loss_rtol": LOSS_RTOL,
+        "loss_problems": problems,
     }
     write_results("readiness", payload, rows, header, notes)
+    if problems:
+        print("loss mismatch between strict and ready order:\n" + "\n".join(problems), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -522,18 +562,29 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def loss_problems(results: dict, rtol: float = LOSS_RTOL) -> list[str]:
+    """The policies and cases whose two orders' losses differ by more than ``rtol`` at some step:
+    both pipelines train the same weights on the same batches, so only round-off may differ."""
+    return [
+        f"{policy} / {case}: losses differ by {c['loss_max_rel_diff']:.1e} (rtol {rtol:.0e})"
+        for policy, r in results.items()
+        for case, c in (r["runtime"] or {}).items()
+        if not c["loss_max_rel_diff"] <= rtol
+    ]
+
+
 def _worst_loss_diff(results: dict) -> float:
     diffs = [c["loss_max_rel_diff"] for r in results.values() if r["runtime"] for c in r["runtime"].values()]
     return max(diffs, default=0.0)
 
 
-def _table(policy: str):
+def _table(policy: str, size: Size):
     """The table the runtime runs with ``partition=None`` (``--no-runtime``): the policy's default."""
     from roundpipe.schedule import build_table
     from roundpipe.sim.choice import default_partition
 
-    part = default_partition(policy, DEVICES, {}, MODEL["layers"] + 2)
-    return build_table(policy, part, part, DEVICES, MICROBATCHES)
+    part = default_partition(policy, DEVICES, {}, size.layers)
+    return build_table(policy, part, part, DEVICES, size.microbatches)
 
 
 if __name__ == "__main__":

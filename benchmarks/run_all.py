@@ -6,13 +6,15 @@
 the machine, then every benchmark's markdown result, in the order below.
 
 ``--summarise`` runs nothing and writes ``docs/benchmarks.md`` from the results already on disk
-(each result file names the command and machine that produced it).
+(each result file names the command and machine that produced it), with the run times and
+statuses ``run_all.json`` recorded. ``--only a,b`` (measured) reruns a subset: their records in
+``run_all.json`` replace the old ones and the summary is rewritten, the others' pages as they were.
 
 ``--quick`` is the CI smoke (``.ci/run``): every benchmark that has a run of a few seconds, at that
 size (the others are full-run only and listed as skipped),
 its results written into a temporary directory (``ROUNDPIPE_BENCH_RESULTS``), so that a smoke run
-never overwrites the measured results or the docs. It checks that each one runs end to end and
-still writes its results file; it measures nothing worth quoting. ``--only a,b`` runs a subset.
+never overwrites the measured results or the docs. It checks that each one runs end to end, exits
+0 and still writes its results file; it measures nothing worth quoting. ``--only a,b`` runs a subset.
 
 A benchmark that fails or runs past its timeout is reported with the tail of its output; the exit
 status is 1 if any did.
@@ -106,8 +108,14 @@ def run_one(bench: Bench, quick: bool, results_dir: Path) -> dict:
     """Run one benchmark in a subprocess; what it did."""
     args = bench.quick if quick else bench.full
     cmd = [sys.executable, str(HERE / f"{bench.name}.py"), *args]
-    env = {**os.environ, "ROUNDPIPE_BENCH_RESULTS": str(results_dir), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("ROUNDPIPE_SANITIZE", None)  # a debugging aid, not what a user runs
+    # Only a smoke redirects: a benchmark that writes a docs page (policies, paper_setting) takes
+    # the variable to mean "a smoke run, everything into that directory", so a measured run leaves
+    # it unset and each file goes where the benchmark puts it (benchmarks/results, docs/).
+    env.pop("ROUNDPIPE_BENCH_RESULTS", None)
+    if quick:
+        env["ROUNDPIPE_BENCH_RESULTS"] = str(results_dir)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -126,7 +134,8 @@ def run_one(bench: Bench, quick: bool, results_dir: Path) -> dict:
         )
     seconds = time.perf_counter() - t0
     files = bench.results or (f"{bench.name}.md",)
-    missing = [f for f in files if not (results_dir / f).is_file() and not (quick or (DOCS / f).is_file())]
+    # A smoke writes everything into its temporary directory; a measured run may write a docs page.
+    missing = [f for f in files if not (results_dir / f).is_file() and (quick or not (DOCS / f).is_file())]
     ok = status == 0 and not missing
     return {
         "name": bench.name,
@@ -184,16 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.summarise:
-        runs = [
-            {
-                "name": b.name,
-                "command": " ".join(["python", f"benchmarks/{b.name}.py", *b.full]),
-                "seconds": "-",
-                "ok": True,
-            }
-            for b in BENCHMARKS
-        ]
-        DOC.write_text(summary_markdown(runs, machine()))
+        DOC.write_text(summary_markdown(recorded_runs({}), machine()))
         print(f"wrote {DOC.relative_to(REPO)} from the results on disk")
         return 0
     chosen = BENCHMARKS
@@ -225,11 +225,42 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         info = machine()
         RESULTS.mkdir(exist_ok=True)
-        payload = {"machine": info, "runs": runs, "total_s": round(total, 1)}
+        if args.only:  # the others keep what their last run recorded
+            merged = recorded_runs({r["name"]: r for r in runs})
+            before = _recorded()
+            reruns = [*before.get("reruns", []), {"only": sorted(wanted), "total_s": round(total, 1)}]
+            payload = {**before, "runs": merged, "reruns": reruns}
+        else:
+            merged = runs
+            payload = {"machine": info, "runs": runs, "total_s": round(total, 1)}
         (RESULTS / "run_all.json").write_text(json.dumps(payload, indent=2) + "\n")
-        if not args.only:
-            DOC.write_text(summary_markdown(runs, info))
+        DOC.write_text(summary_markdown(merged, info))
     return 0 if all(r["ok"] for r in runs) else 1
+
+
+def _recorded() -> dict:
+    """``results/run_all.json`` as the last measured run wrote it (empty when there is none)."""
+    path = RESULTS / "run_all.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def recorded_runs(newer: dict[str, dict]) -> list[dict]:
+    """Every benchmark's run record in the order of :data:`BENCHMARKS`: from ``newer`` when it has
+    one, else as ``run_all.json`` recorded it, else unknown (seconds ``-``, its full command)."""
+    old = {r["name"]: r for r in _recorded().get("runs", [])}
+    out = []
+    for b in BENCHMARKS:
+        unknown = {
+            "name": b.name,
+            "command": " ".join(["python", f"benchmarks/{b.name}.py", *b.full]),
+            "seconds": "-",
+            "ok": True,
+        }
+        out.append(newer.get(b.name) or old.get(b.name) or unknown)
+    return out
 
 
 if __name__ == "__main__":

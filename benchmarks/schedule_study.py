@@ -29,7 +29,7 @@ Run: ``.venv/bin/python benchmarks/schedule_study.py [--quick]`` (full: about a 
 cores; ``--quick``: one setting, fewer points, a few seconds, results files only). Writes
 ``benchmarks/results/schedule_study.{json,md}`` (or into ``$ROUNDPIPE_BENCH_RESULTS``); the full
 run also writes its section of ``docs/schedule_study.md`` and ``docs/figures/schedule_study-*.png``.
-No GPU; the simulator does not import torch (``_common`` does, for the machine record).
+No GPU; nothing here imports torch (the simulator does not, and ``_common`` only to build a model).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ fails when it fails; the summary page is built from the results on disk."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,42 @@ def test_the_summary_names_the_machine_and_each_result():
     runs = [{"name": "sim_speed", "command": "python benchmarks/sim_speed.py", "seconds": 1.0, "ok": True}]
     text = run_all.summary_markdown(runs, {"cpus": 2})
     assert "- cpus: 2" in text and "## sim_speed" in text
+
+
+def test_a_rerun_of_some_keeps_the_others_records_and_unknown_ones_say_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_all, "RESULTS", tmp_path)
+    assert [r["seconds"] for r in run_all.recorded_runs({})] == ["-"] * len(run_all.BENCHMARKS)
+    first, second = run_all.BENCHMARKS[0].name, run_all.BENCHMARKS[1].name
+    old = [{"name": first, "command": "python old", "seconds": 5.0, "ok": True},
+           {"name": second, "command": "python old", "seconds": 7.0, "ok": True}]  # fmt: skip
+    (tmp_path / "run_all.json").write_text(json.dumps({"runs": old}))
+    new = {"name": second, "command": "python new", "seconds": 9.0, "ok": False}
+    runs = run_all.recorded_runs({second: new})
+    assert [r["name"] for r in runs] == [b.name for b in run_all.BENCHMARKS]
+    assert runs[0] == old[0] and runs[1] == new and runs[2]["seconds"] == "-"
+    text = run_all.summary_markdown(runs, {"cpus": 2})
+    assert "| 5.0 | ok |" in text and "| 9.0 | FAILED |" in text
+
+
+def test_a_smoke_that_exits_0_without_writing_its_results_file_fails(tmp_path):
+    silent = run_all.Bench(
+        "choice_speed", "writes choice_speed.md only", quick=("--repeats", "1"), results=("nonesuch.md",)
+    )
+    result = run_all.run_one(silent, quick=True, results_dir=tmp_path)
+    assert result["status"] == 0 and not result["ok"] and result["missing_results"] == ["nonesuch.md"]
+    assert (tmp_path / "choice_speed.md").is_file()
+
+
+def test_only_a_smoke_redirects_the_results_so_a_measured_run_writes_the_docs_pages(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, env, **kwargs):
+        seen[kwargs["timeout"]] = env.get("ROUNDPIPE_BENCH_RESULTS")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(run_all.subprocess, "run", fake_run)
+    monkeypatch.setenv("ROUNDPIPE_BENCH_RESULTS", "/somewhere/else")
+    bench = run_all.Bench("policies", "a docs page", results=("policies.md",), timeout_s=1000)
+    run_all.run_one(bench, quick=True, results_dir=tmp_path)
+    run_all.run_one(bench, quick=False, results_dir=run_all.RESULTS)
+    assert seen == {300: str(tmp_path), 1000: None}

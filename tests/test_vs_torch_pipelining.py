@@ -89,3 +89,14 @@ def test_a_failing_rank_surfaces_instead_of_hanging(ranks):
     with pytest.raises(bench.RankFailed, match="rank 1 failed"):
         ranks.build("broken", "gpipe", (1, 99), True)  # rank 1's stage names layers the model lacks
     assert not ranks.alive()
+
+
+def test_the_goal_is_judged_and_a_reading_under_load_says_it_is_not_fair():
+    assert bench.judge(0.7, 1.5, 2, pinned=True) | {"text": ""} == {
+        "met": True, "fair": True, "median_load": 1.5, "cores": 2, "text": ""
+    }  # fmt: skip
+    assert bench.judge(1.2, 1.5, 2, pinned=True)["text"] == "missed"
+    loaded = bench.judge(0.7, 7.6, 2, pinned=True)
+    assert loaded["met"] and not loaded["fair"]
+    assert "not a fair reading" in loaded["text"] and "7.6" in loaded["text"] and "pinned" in loaded["text"]
+    assert "pinned" not in bench.judge(0.7, 7.6, 2, pinned=False)["text"]
