@@ -233,14 +233,6 @@ class DataParallel:
         self.collective("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.main))
         return out
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        box = [obj]
-        self.collective("broadcast_object", lambda: dist.broadcast_object_list(box, src=src, group=self.main))
-        return box[0]
-
-    def barrier(self) -> None:
-        self.collective("barrier", lambda: dist.barrier(group=self.main))
-
     def agree(self, fields: dict[str, Any]) -> None:
         """Check that every rank runs with the same ``fields`` (config, model); raise naming the
         first that differs."""

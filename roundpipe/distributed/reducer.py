@@ -94,8 +94,8 @@ class GradientReduction:
         buckets: list[Bucket],
         known_nonfinite: Callable[[], bool],
         step_groups: Callable[[tuple[int, ...]], None] | None,
+        names: list[str],
         recorder=None,
-        names: list[str] | None = None,
     ):
         self.dp, self.store, self.buckets = dp, store, buckets
         self._recorder, self._names = recorder, names
@@ -122,8 +122,7 @@ class GradientReduction:
         """Issue bucket ``b``'s collectives: one in place per large gradient (no copy of it exists),
         one for the small ones packed together with the non-finite flag."""
         entries = self.store.entries
-        large = [k for k in b.keys if 4 * entries[k].grad.numel() >= IN_PLACE_BYTES]
-        small = [k for k in b.keys if 4 * entries[k].grad.numel() < IN_PLACE_BYTES]
+        large, small = _in_place(self.store, b)
         flag = torch.tensor([1.0 if self._known_nonfinite() else 0.0])
         packed = torch.cat([entries[k].grad.reshape(-1) for k in small] + [flag])
         what = f"summing the gradients of {self._label(b)}"
@@ -207,7 +206,7 @@ class GradientReduction:
             )
 
     def _label(self, b: Bucket) -> str:
-        names = self._names or [str(i) for i in range(max(b.groups) + 1)]
+        names = self._names
         return names[b.groups[0]] if len(b.groups) == 1 else f"{names[b.groups[-1]]}..{names[b.groups[0]]}"
 
     def abandon(self) -> None:
@@ -222,8 +221,7 @@ def broadcast_masters(dp: DataParallel, store: ParameterStore, b: Bucket, group=
     the next step's uploads wait for this step to end."""
     entries = store.entries
     owner = b.owner == dp.rank
-    large = [k for k in b.keys if 4 * entries[k].master.numel() >= IN_PLACE_BYTES]
-    small = [k for k in b.keys if 4 * entries[k].master.numel() < IN_PLACE_BYTES]
+    large, small = _in_place(store, b)
     with torch.no_grad():
         if owner:
             packed = torch.cat([entries[k].master.data.reshape(-1) for k in small] + [torch.zeros(1)])
@@ -256,3 +254,11 @@ def broadcast_masters(dp: DataParallel, store: ParameterStore, b: Bucket, group=
             store.refresh_compute(b.keys)
 
     return finish
+
+
+def _in_place(store: ParameterStore, b: Bucket) -> tuple[list[int], list[int]]:
+    """Bucket ``b``'s entries summed or sent in place (fp32, at least ``IN_PLACE_BYTES``), and the
+    small ones packed together."""
+    large = [k for k in b.keys if 4 * store.entries[k].grad.numel() >= IN_PLACE_BYTES]
+    in_place = set(large)
+    return large, [k for k in b.keys if k not in in_place]
