@@ -39,9 +39,16 @@ SEQ = 4096
 # Brute force reference
 
 
-def _brute_force(times, stages, w, a, p, budget, reserve):
+def _draining(w, d, cap: int) -> int:
+    """The most gradients any run of layers of weights ``<= cap`` has (the search's drain bound)."""
+    n = len(w)
+    return max((sum(d[i:j]) for i in range(n) for j in range(i + 1, n + 1) if sum(w[i:j]) <= cap), default=0)
+
+
+def _brute_force(times, stages, w, a, p, budget, reserve, d=None):
     """Min bottleneck over all contiguous partitions into ``stages`` that pass the memory rule."""
     n = len(times)
+    d = d or [0] * n
     best = None
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)
@@ -49,8 +56,9 @@ def _brute_force(times, stages, w, a, p, budget, reserve):
         weights = [sum(w[i:j]) for i, j in spans]
         if budget is not None:
             prefetch = max(weights)
+            draining = _draining(w, d, prefetch)
             if any(
-                weights[s] + prefetch + sum(a[i:j]) + max(p[i:j]) + reserve > budget
+                weights[s] + prefetch + draining + sum(a[i:j]) + max(p[i:j]) + reserve > budget
                 for s, (i, j) in enumerate(spans)
             ):
                 continue
@@ -70,17 +78,20 @@ def _instances(draw):
     w = draw(st.lists(size, min_size=n, max_size=n))
     a = draw(st.lists(size, min_size=n, max_size=n))
     p = draw(st.lists(size, min_size=n, max_size=n))
-    budget = draw(st.none() | st.integers(0, 400))
+    d = draw(st.lists(size, min_size=n, max_size=n) | st.just([0] * n))  # gradients left downloading
+    budget = draw(st.none() | st.integers(0, 500))
     reserve = draw(st.integers(0, 20))
-    return times, stages, w, a, p, budget, reserve
+    return times, stages, w, a, p, d, budget, reserve
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_instances())
 def test_partitioner_bottleneck_equals_brute_force_optimum(instance):
-    times, stages, w, a, p, budget, reserve = instance
-    expected = _brute_force(times, stages, w, a, p, budget, reserve) if stages <= len(times) else None
-    kw = dict(weight_bytes=w, added_bytes=a, peak_bytes=p, budget=budget, reserve_bytes=reserve)
+    times, stages, w, a, p, d, budget, reserve = instance
+    expected = _brute_force(times, stages, w, a, p, budget, reserve, d) if stages <= len(times) else None
+    kw = dict(
+        weight_bytes=w, added_bytes=a, peak_bytes=p, drain_bytes=d, budget=budget, reserve_bytes=reserve
+    )
     if expected is None:
         with pytest.raises(PlanError):
             optimal_partition(times, stages, **kw)
@@ -93,16 +104,21 @@ def test_partitioner_bottleneck_equals_brute_force_optimum(instance):
     assert result.stage_times == tuple(math.fsum(times[i:j]) for i, j in spans)
     if budget is not None:
         weights = [sum(w[i:j]) for i, j in spans]
+        drains = [sum(d[i:j]) for i, j in spans]
+        draining = _draining(w, d, max(weights))
         searched = tuple(
-            wt + max(weights) + sum(a[i:j]) + max(p[i:j]) + reserve for wt, (i, j) in zip(weights, spans)
+            wt + max(weights) + draining + sum(a[i:j]) + max(p[i:j]) + reserve
+            for wt, (i, j) in zip(weights, spans)
         )
-        assert (
-            max(searched) <= budget
-        )  # the search's (sufficient) rule: the largest stage as everyone's prefetch
-        # Reported peaks: each stage with the largest *other* stage as its prefetch (never more).
+        # The search's (sufficient) rule: the largest stage as everyone's prefetch, and the most
+        # gradients a run of layers no heavier has as everyone's draining predecessor.
+        assert max(searched) <= budget
+        # Reported peaks: each stage with the largest *other* stage's weights and gradients (never more).
         others = [max(weights[:s] + weights[s + 1 :], default=0) for s in range(len(weights))]
+        down = [max(drains[:s] + drains[s + 1 :], default=0) for s in range(len(drains))]
         peaks = tuple(
-            wt + o + sum(a[i:j]) + max(p[i:j]) + reserve for wt, o, (i, j) in zip(weights, others, spans)
+            wt + o + g + sum(a[i:j]) + max(p[i:j]) + reserve
+            for wt, o, g, (i, j) in zip(weights, others, down, spans)
         )
         assert result.stage_peaks == peaks and all(x <= y for x, y in zip(peaks, searched))
 

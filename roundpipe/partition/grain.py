@@ -10,7 +10,8 @@ fill and drain of ``N - 1`` slots at each end, so the step time is proportional 
 
 (``S`` rounded up to whole rounds of ``N`` deals for a step that drains; see :func:`objective`.) More stages shorten ``t_max`` (and the fill) but add slots to pad; a stage holds whole layers, so
 ``t_max`` cannot go below the slowest layer, and a stage's memory (its weights, the prefetched next
-stage, a backward stage's gradients and saved activations) must fit the device.
+stage, a backward stage's gradients and saved activations, an earlier stage's gradients still
+downloading) must fit the device.
 
 **Structure.** ``S`` counts deals: the forward stages before the head, the backward stages before
 the head, and the *fused head stage*: the last forward and the last backward stage are the same
@@ -19,13 +20,17 @@ run forward and backward back to back without recompute on one device (the runti
 A decoder layer in the fused stage costs its backward-with-recompute time, the head its forward +
 backward. ``c`` is chosen as small as ``t_max`` allows ("filled as far as it pays").
 
-**Search (exact for the objective).** For each fused start ``c`` the fewest-stage question is
-answered once per stage count: ``B_f(k)`` and ``B_b(k)``, the optimal bottleneck of ``k`` forward
-(backward) stages over ``[0, c)`` under the memory limits (``optimal_partition``, exact). The
-objective of ``(k_f, k_b)`` is ``(M * (k_f + k_b + 1) + N * (N - 1)) * max(B_f(k_f), B_b(k_b),
-U(c))`` with ``U(c)`` the fused stage's time; every pair is scored and the best few are returned
-with their balanced partitions, for the simulator to judge (it sees copies, hops and the real
-fill, which the objective does not).
+**Search (exact for the objective under the search's memory rule).** For each fused start ``c``
+the fewest-stage question is answered once per stage count: ``B_f(k)`` and ``B_b(k)``, the optimal
+bottleneck of ``k`` forward (backward) stages over ``[0, c)`` under the memory limits
+(``optimal_partition``, exact for its sufficient rule, with the fused stage as every stage's
+possible neighbour). The objective of ``(k_f, k_b)`` is ``(M * (k_f + k_b + 1) + N * (N - 1)) *
+max(B_f(k_f), B_b(k_b), U(c))`` with ``U(c)`` the fused stage's time; every pair is scored and the
+best few are returned with their balanced partitions, each checked against the full rule (a
+pair none of whose cuts fits gives way to its level's next), for the simulator to judge (it sees
+copies, hops and the real fill, which the objective does not). So the first grain is at least as
+good as the best the sufficient rule allows and never better than the best that fits
+(``tests/test_grain.py``, brute force).
 
 Pure Python: no torch import.
 """
@@ -84,18 +89,18 @@ def objective(microbatches: int, num_devices: int, deals: int, t_max: float, ste
     return (microbatches * max(slots, num_devices) + num_devices * (num_devices - 1)) * t_max
 
 
-def _bottlenecks(times: Sequence[float], vectors, budget, reserve, names, what) -> list[float]:
+def _bottlenecks(times: Sequence[float], vectors, budget, reserve, names, what, outside) -> list[float]:
     """``out[k]``: the optimal bottleneck of ``k`` stages over ``times`` (inf when none fits);
     stops at the stage count where the slowest single layer is reached (more cannot help).
     Cached: head shard counts and microbatch counts with the same layers share the tables."""
     if budget is None:  # memory ignored: the table depends on the times alone
         return list(_free_bottleneck_table(tuple(float(x) for x in times)))
-    w, a, p = (tuple(int(x) for x in v) for v in vectors)
-    return list(_bottleneck_table(tuple(times), w, a, p, budget, reserve, tuple(names), what))
+    w, a, p, d = (tuple(int(x) for x in v) for v in vectors)
+    return list(_bottleneck_table(tuple(times), w, a, p, d, budget, reserve, tuple(names), what, outside))
 
 
 @lru_cache(maxsize=256)
-def _bottleneck_table(times, w, a, p, budget, reserve, names, what) -> tuple[float, ...]:
+def _bottleneck_table(times, w, a, p, d, budget, reserve, names, what, outside) -> tuple[float, ...]:
     n = len(times)
     out = [math.inf] * (n + 1)
     floor = max(times) if times else 0.0
@@ -103,8 +108,8 @@ def _bottleneck_table(times, w, a, p, budget, reserve, names, what) -> tuple[flo
     while k <= n:
         try:
             res = optimal_partition(
-                times, k, weight_bytes=w, added_bytes=a, peak_bytes=p, budget=budget,
-                reserve_bytes=reserve, names=names, what=what,
+                times, k, weight_bytes=w, added_bytes=a, peak_bytes=p, drain_bytes=d, budget=budget,
+                reserve_bytes=reserve, names=names, what=what, outside=outside,
             )  # fmt: skip
         except PlanError as err:
             fewest = getattr(err, "min_stages", None)
@@ -163,18 +168,18 @@ def _free_bottleneck_table(times: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _partition(times, k, vectors, budget, reserve, n, ascending) -> tuple[int, ...]:
+def _partition(times, k, vectors, budget, reserve, n, ascending, outside) -> tuple[int, ...]:
     # Without a budget the bytes play no part in the cut: leave them out, so that microbatch
     # counts (whose activation bytes differ) share the cached cuts.
-    w, a, p = ((), (), ()) if budget is None else (tuple(int(x) for x in v) for v in vectors)
-    return _cut(tuple(float(x) for x in times), k, w, a, p, budget, reserve, ascending) + (n,)
+    w, a, p, d = ((), (), (), ()) if budget is None else (tuple(int(x) for x in v) for v in vectors)
+    return _cut(tuple(float(x) for x in times), k, w, a, p, d, budget, reserve, ascending, outside) + (n,)
 
 
 @lru_cache(maxsize=1024)
-def _cut(times, k, w, a, p, budget, reserve, ascending) -> tuple[int, ...]:
+def _cut(times, k, w, a, p, d, budget, reserve, ascending, outside) -> tuple[int, ...]:
     res = optimal_partition(
-        times, k, weight_bytes=w or None, added_bytes=a or None, peak_bytes=p or None, budget=budget,
-        reserve_bytes=reserve, ascending=ascending,
+        times, k, weight_bytes=w or None, added_bytes=a or None, peak_bytes=p or None,
+        drain_bytes=d or None, budget=budget, reserve_bytes=reserve, ascending=ascending, outside=outside,
     )  # fmt: skip
     return res.partition.bounds  # then the fused head stage [len(times), n)
 
@@ -210,14 +215,22 @@ def grain_choices(
     head_start = next((i for i, c in enumerate(costs) if not c.recompute), n)
     names = [c.name for c in costs]
     fwd_vec, bwd_vec = memory_vectors(costs, "forward"), memory_vectors(costs, "backward")
+    # The fused stage [c, n) is either partition's neighbour too: its weights and gradients bound
+    # the prefix stages' prefetch and draining gradients as theirs do.
+    w_b, d_b = bwd_vec[0], bwd_vec[3]
+    fused_out = [(sum(w_b[c:]), sum(d_b[c:])) for c in range(n + 1)]
     scored: list[tuple[float, int, int, int, float]] = []  # (objective, c, k_f, k_b, t_max)
     for c in range(min(head_start, n - 1), max(-1, head_start - MAX_FUSED_LAYERS - 1), -1):
         u = math.fsum(fused[c:])
         if c == 0:
             scored.append((objective(microbatches, num_devices, 1, u, steady), 0, 0, 0, u))
             continue
-        bf = _bottlenecks(f[:c], [v[:c] for v in fwd_vec], budget, reserve_bytes, names[:c], "forward")
-        bb = _bottlenecks(b[:c], [v[:c] for v in bwd_vec], budget, reserve_bytes, names[:c], "backward")
+        bf = _bottlenecks(
+            f[:c], [v[:c] for v in fwd_vec], budget, reserve_bytes, names[:c], "forward", fused_out[c]
+        )
+        bb = _bottlenecks(
+            b[:c], [v[:c] for v in bwd_vec], budget, reserve_bytes, names[:c], "backward", fused_out[c]
+        )
         # Tables never grow with the stage count, so once a side is no slower than the rest, more
         # stages on it keep t_max and only add deals: dominated on their level, not scored.
         for kf in range(1, c + 1):
@@ -233,45 +246,60 @@ def grain_choices(
             if bf[kf] <= u:
                 break
     # The best pair per slowest-deal level, best levels first: the objective pads every deal to
-    # t_max, so grains of other levels are the alternatives worth simulating.
+    # t_max, so grains of other levels are the alternatives worth simulating. Where none of a
+    # pair's cuts fits the full rule (the fused stage's own neighbours), the level's next pair is tried.
     scored.sort()
-    levels: dict[float, tuple] = {}
+    levels: dict[float, list[tuple]] = {}
     for entry in scored:
-        levels.setdefault(round(entry[4], 12), entry)
-    ranked = sorted(levels.values())
+        levels.setdefault(round(entry[4], 12), []).append(entry)
     out: list[GrainChoice] = []
     seen: set[tuple] = set()
-    for _obj, c, kf, kb, t in ranked:
-        for variant in ("smooth", "ascending", "packed"):
-            if len(out) >= limit:
+    for entries in sorted(levels.values()):
+        for _obj, c, kf, kb, t in entries:
+            found = len(out)
+            for variant in ("smooth", "ascending", "packed"):
+                if len(out) >= limit:
+                    break
+                grain = _variant(variant, c, kf, kb, t, costs, f, b, fwd_vec, bwd_vec, fused_out, budget,
+                                 reserve_bytes)  # fmt: skip
+                if grain is None or grain in seen:
+                    continue
+                seen.add(grain)
+                fwd, bwd = grain
+                deals = fwd.num_stages + bwd.num_stages - 1
+                out.append(
+                    GrainChoice(fwd, bwd, t, deals, objective(microbatches, num_devices, deals, t, steady), c)
+                )
+            if len(out) > found or len(out) >= limit:
                 break
-            if c == 0:
-                fwd = bwd = Partition((0, n))
-            elif variant == "packed":  # stages filled to t_max from the head down, memory checked below
-                fwd, bwd = Partition(_packed(f[:c], t) + (n,)), Partition(_packed(b[:c], t) + (n,))
-            else:
-                fv, bv = [v[:c] for v in fwd_vec], [v[:c] for v in bwd_vec]
-                ascending = variant == "ascending"
-                fwd = Partition(_partition(f[:c], kf, fv, budget, reserve_bytes, n, ascending))
-                bwd = Partition(_partition(b[:c], kb, bv, budget, reserve_bytes, n, ascending))
-            if budget is not None:
-                fwd = _merge_idle(fwd, f, lambda p, bwd=bwd: _fits(costs, p, bwd, budget, reserve_bytes))
-                bwd = _merge_idle(bwd, b, lambda p, fwd=fwd: _fits(costs, fwd, p, budget, reserve_bytes))
-            if (fwd, bwd) in seen:
-                continue
-            if budget is not None and not _fits(costs, fwd, bwd, budget, reserve_bytes):
-                continue
-            seen.add((fwd, bwd))
-            deals = fwd.num_stages + bwd.num_stages - 1
-            out.append(
-                GrainChoice(fwd, bwd, t, deals, objective(microbatches, num_devices, deals, t, steady), c)
-            )
     if not out:
         raise PlanError(
             f"no stage grain of the {n} layers fits the per-device budget of {budget:,} bytes with the head "
             "in one fused stage; use more head shards, a smaller microbatch, or LoRA"
         )
+    # Merging an idle stage can take a deal off a grain of a later level: best objective first.
+    out.sort(key=lambda g: g.objective)
     return out
+
+
+def _variant(variant, c, kf, kb, t, costs, f, b, fwd_vec, bwd_vec, fused_out, budget, reserve):
+    """The (forward, backward) partitions of one scored pair cut the ``variant`` way, or None where
+    they do not fit ``budget`` by the full rule."""
+    n = len(costs)
+    if c == 0:
+        fwd = bwd = Partition((0, n))
+    elif variant == "packed":  # stages filled to t_max from the head down, memory checked below
+        fwd, bwd = Partition(_packed(f[:c], t) + (n,)), Partition(_packed(b[:c], t) + (n,))
+    else:
+        fv, bv = [v[:c] for v in fwd_vec], [v[:c] for v in bwd_vec]
+        ascending = variant == "ascending"
+        fwd = Partition(_partition(f[:c], kf, fv, budget, reserve, n, ascending, fused_out[c]))
+        bwd = Partition(_partition(b[:c], kb, bv, budget, reserve, n, ascending, fused_out[c]))
+    if budget is None:
+        return fwd, bwd
+    fwd = _merge_idle(fwd, f, lambda p, bwd=bwd: _fits(costs, p, bwd, budget, reserve))
+    bwd = _merge_idle(bwd, b, lambda p, fwd=fwd: _fits(costs, fwd, p, budget, reserve))
+    return (fwd, bwd) if _fits(costs, fwd, bwd, budget, reserve) else None
 
 
 def _packed(times: Sequence[float], bound: float) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 **Problem.** Cut ``n`` layers with times ``t`` into exactly ``S`` contiguous stages, minimising the
 largest stage time (the bottleneck), such that every stage fits the per-device memory budget::
 
-    weights(stage) + prefetch + added(stage) + max(peak over the stage's layers) + reserve <= budget
+    weights(stage) + prefetch + draining + added(stage) + max(peak over the stage's layers) + reserve <= budget
 
 - ``weights``: the stage's weights on the device.
 - ``prefetch``: the weights of the next stage, uploaded while this one computes. Which stage comes
@@ -11,6 +11,12 @@ largest stage time (the bottleneck), such that every stage fits the per-device m
   ``s + 1``), so the check takes the **largest stage** of the partition, which bounds every choice
   of next stage and holds for every policy. (A stage that is itself the largest is counted twice;
   the bound is then one stage-size conservative.)
+- ``draining``: in a backward stage, the fp32 gradient accumulator of the device's previous
+  backward stage, which may still be on its way down while this stage's fills (the runtime lets one
+  download overlap the next stage's compute, ``runtime/worker.py``). Bounded like the prefetch by
+  the largest other stage's; the search, which caps stage weights at ``C``, bounds it by the most
+  gradients any run of layers of weights ``<= C`` has (under bf16 full fine-tuning twice ``C``,
+  under LoRA next to nothing).
 - ``added``: bytes that add up over the stage's layers: in a backward stage the device gradients
   (compute dtype) and what autograd saves while the stage recomputes; in a forward stage nothing,
   except the head, whose forward runs with its backward (no recompute).
@@ -52,6 +58,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from itertools import accumulate
@@ -107,16 +114,21 @@ def optimal_partition(
     weight_bytes: Sequence[int] | None = None,
     added_bytes: Sequence[int] | None = None,
     peak_bytes: Sequence[int] | None = None,
+    drain_bytes: Sequence[int] | None = None,
     budget: int | None = None,
     reserve_bytes: int = 0,
     names: Sequence[str] | None = None,
     what: str = "",
     ascending: bool = False,
+    outside: tuple[int, int] = (0, 0),
 ) -> PartitionResult:
     """Cut layers into exactly ``num_stages`` contiguous stages with the smallest possible bottleneck.
 
     Per-layer inputs (all of length ``n``): ``times`` (seconds, >= 0), ``weight_bytes``,
-    ``added_bytes`` and ``peak_bytes`` as in the module docstring. ``budget=None`` ignores memory.
+    ``added_bytes``, ``peak_bytes`` and ``drain_bytes`` (the device gradients a stage of the layer
+    leaves downloading) as in the module docstring. ``outside``: ``(weight bytes, drain bytes)`` of
+    a stage the devices also run that is not among these layers (the grain's fused head stage): it
+    may be any stage's prefetch or draining predecessor too. ``budget=None`` ignores memory.
     ``names`` and ``what`` ("forward"/"backward") only make error messages readable.
     ``ascending``: among the partitions with the optimal bottleneck, prefer lighter early stages
     (stage ``s`` of ``S`` weighs ``2 - s / S`` in the sum of squares) instead of the smoothest: a
@@ -143,24 +155,34 @@ def optimal_partition(
     w = [int(x) for x in (weight_bytes or [0] * n)]
     a = [int(x) for x in (added_bytes or [0] * n)]
     p = [int(x) for x in (peak_bytes or [0] * n)]
-    if not len(w) == len(a) == len(p) == n:
-        raise PlanError("times, weight_bytes, added_bytes and peak_bytes must have one entry per layer")
+    d = [int(x) for x in (drain_bytes or [0] * n)]
+    if not len(w) == len(a) == len(p) == len(d) == n:
+        raise PlanError(
+            "times, weight_bytes, added_bytes, peak_bytes and drain_bytes must have one entry per layer"
+        )
     pt = [0.0, *accumulate(t)]
     pw = [0, *accumulate(w)]
     pa = [0, *accumulate(a)]
     mem_on = budget is not None
     budget_b = int(budget) if mem_on else 0
 
+    inner_drain = _drain_bound(w, d)
+
+    def draining(cap: int) -> int:
+        return max(inner_drain(cap), outside[1])
+
     if mem_on:
-        floor_c = max(w)
-        needs = [w[i] + floor_c + a[i] + p[i] + reserve_bytes for i in range(n)]
+        floor_c = max(*w, outside[0])
+        floor_d = draining(floor_c)
+        needs = [w[i] + floor_c + floor_d + a[i] + p[i] + reserve_bytes for i in range(n)]
         worst = max(range(n), key=needs.__getitem__)
         if needs[worst] > budget_b:
             raise _plan_error(
                 f"{label}layer {names[worst]!r} alone cannot fit one device: it needs {needs[worst]:,} bytes "
-                f"(weights {w[worst]:,} + prefetched next stage >= {floor_c:,} + gradients and saved "
-                f"activations {a[worst]:,} + working set {p[worst]:,} + workspace {reserve_bytes:,}) but the "
-                f"per-device budget is {budget_b:,} bytes; {LAYER_LEVERS}",
+                f"(weights {w[worst]:,} + prefetched next stage >= {floor_c:,} + an earlier stage's "
+                f"gradients still downloading {floor_d:,} + gradients and saved activations {a[worst]:,} "
+                f"+ working set {p[worst]:,} + workspace {reserve_bytes:,}) but the per-device budget is "
+                f"{budget_b:,} bytes; {LAYER_LEVERS}",
                 layer=names[worst],
                 needed=needs[worst],
                 budget=budget_b,
@@ -173,11 +195,11 @@ def optimal_partition(
         if not mem_on:
             return True
         wij = pw[j] - pw[i]
-        return wij <= cap and wij + cap + pa[j] - pa[i] + peak + reserve_bytes <= budget_b
+        return wij <= cap and wij + cap + draining(cap) + pa[j] - pa[i] + peak + reserve_bytes <= budget_b
 
     def greedy_count(bound: float, cap: int) -> int:
         """Fewest stages under (bound, cap); num_stages + 1 as soon as it exceeds num_stages."""
-        room = budget_b - reserve_bytes - cap
+        room = budget_b - reserve_bytes - cap - draining(cap)
         i = count = 0
         while i < n:
             j, peak = i, 0
@@ -198,7 +220,7 @@ def optimal_partition(
 
     if mem_on:
         interval_weights = {pw[j] - pw[i] for i in range(n) for j in range(i + 1, n + 1)}
-        caps = sorted(c for c in interval_weights if c >= floor_c)
+        caps = sorted({c for c in interval_weights if c >= floor_c} | {floor_c})
     else:
         caps = [0]
     bounds = sorted({pt[j] - pt[i] for i in range(n) for j in range(i + 1, n + 1)})
@@ -232,14 +254,38 @@ def optimal_partition(
     stage_weights = tuple(pw[j] - pw[i] for i, j in zip(cuts, cuts[1:]))
     prefetch = max(stage_weights)
     if mem_on:
-        nxt = prefetch_bounds(stage_weights)
+        spans = list(zip(cuts, cuts[1:]))
+        nxt = [max(x, outside[0]) for x in prefetch_bounds(stage_weights)]
+        down = [max(x, outside[1]) for x in prefetch_bounds([sum(d[i:j]) for i, j in spans])]
         peaks = tuple(
-            stage_weights[s] + nxt[s] + pa[j] - pa[i] + max(p[i:j]) + reserve_bytes
-            for s, (i, j) in enumerate(zip(cuts, cuts[1:]))
+            stage_weights[s] + nxt[s] + down[s] + pa[j] - pa[i] + max(p[i:j]) + reserve_bytes
+            for s, (i, j) in enumerate(spans)
         )
     else:
         peaks = tuple(0 for _ in stage_times)
     return PartitionResult(part, stage_times, stage_weights, peaks, prefetch)
+
+
+def _drain_bound(w: Sequence[int], d: Sequence[int]):
+    """``cap -> bytes``: the most gradients a stage of weights ``<= cap`` can leave downloading (the
+    largest ``d`` over every interval of layers whose weights are within ``cap``), which bounds what
+    the device's previous stage leaves under any partition the search allows."""
+    n = len(w)
+    if not any(d):
+        return lambda cap: 0
+    pw, pd = [0, *accumulate(w)], [0, *accumulate(d)]
+    spans = sorted((pw[j] - pw[i], pd[j] - pd[i]) for i in range(n) for j in range(i + 1, n + 1))
+    weights, most, top = [], [], 0
+    for wij, dij in spans:
+        top = max(top, dij)
+        weights.append(wij)
+        most.append(top)
+
+    def bound(cap: int) -> int:
+        k = bisect_right(weights, cap)
+        return most[k - 1] if k else 0
+
+    return bound
 
 
 def first_true(low: int, high: int, ok) -> int:
@@ -309,38 +355,46 @@ def _smoothest(
 # From model costs to stage memory
 
 
-def memory_vectors(costs: Sequence[LayerCost], phase: str) -> tuple[list[int], list[int], list[int]]:
-    """Per-layer ``(weight_bytes, added_bytes, peak_bytes)`` for the forward or backward partition.
+def memory_vectors(
+    costs: Sequence[LayerCost], phase: str
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per-layer ``(weight_bytes, added_bytes, peak_bytes, drain_bytes)`` for the forward or
+    backward partition.
 
     Forward stages run without autograd (only the stage input is kept, on the CPU): a layer adds
     nothing and peaks at its ``fwd_work_bytes``; the head is the exception, its forward runs with
     its backward, so it counts as in backward. Backward stages keep every layer's gradients and
-    saved activations (``added``) and one layer's transient at a time (``peak``).
+    saved activations (``added``) and one layer's transient at a time (``peak``), and leave their
+    gradients downloading while the device's next backward stage runs (``drain``).
     """
     if phase not in ("forward", "backward"):
         raise ConfigError(f"phase must be 'forward' or 'backward', got {phase!r}")
     weights = [c.param_bytes for c in costs]
-    added, peak = [], []
+    added, peak, drain = [], [], []
     for c in costs:
         if phase == "backward" or not c.recompute:
             added.append(c.grad_device_bytes + c.saved_bytes)
             peak.append(c.transient_bytes)
+            drain.append(c.grad_device_bytes)
         else:
             added.append(0)
             peak.append(c.fwd_work_bytes)
-    return weights, added, peak
+            drain.append(0)
+    return weights, added, peak, drain
 
 
 def stage_bytes(
     costs: Sequence[LayerCost], partition: Partition, phase: str, reserve_bytes: int = 0
 ) -> list[int]:
-    """Peak device bytes of every stage by the memory rule of this module (its prefetch: the
-    largest other stage, :func:`prefetch_bounds`)."""
-    w, a, p = memory_vectors(costs, phase)
+    """Peak device bytes of every stage by the memory rule of this module (its prefetch and its
+    draining gradients: the largest other stage's, :func:`prefetch_bounds`)."""
+    w, a, p, d = memory_vectors(costs, phase)
     spans = [(partition.bounds[s], partition.bounds[s + 1]) for s in range(partition.num_stages)]
     nxt = prefetch_bounds([sum(w[i:j]) for i, j in spans])
+    down = prefetch_bounds([sum(d[i:j]) for i, j in spans])
     return [
-        sum(w[i:j]) + nxt[s] + sum(a[i:j]) + max(p[i:j]) + reserve_bytes for s, (i, j) in enumerate(spans)
+        sum(w[i:j]) + nxt[s] + down[s] + sum(a[i:j]) + max(p[i:j]) + reserve_bytes
+        for s, (i, j) in enumerate(spans)
     ]
 
 
@@ -356,12 +410,13 @@ def pair_peak_bytes(
 
 
 def prefetch_bounds(stage_weights: Sequence[int]) -> list[int]:
-    """Per stage, what its device may hold prefetched: the largest *other* stage's weights.
+    """Per stage, what its device may hold prefetched: the largest *other* stage's weights (given
+    stage gradients instead: what may still be downloading from the device's previous stage).
 
     The next stage a device runs is another stage (or the same one again, whose weights are
-    already there), so the largest other stage bounds it for every policy. The search itself uses
-    the largest stage for all (a stage that is the largest counted twice): a sufficient check, so
-    every partition it returns also fits this one.
+    already there), so the largest other stage bounds it for every policy; so for the previous
+    one. The search itself uses the largest stage for all (a stage that is the largest counted
+    twice): a sufficient check, so every partition it returns also fits this one.
     """
     if len(stage_weights) < 2:
         return [0] * len(stage_weights)
@@ -377,17 +432,21 @@ def last_stage_bytes(
 
     RoundPipe runs ``F.j B.j`` of the two last stages (both end with the head) back to back on one
     device, so it holds the weights of their union; while they run it prefetches a backward stage
-    (bounded by the largest backward stage). Gradients and saved activations are those of the last
-    backward stage; the working set is the larger of the two stages'.
+    (bounded by the largest backward stage) and may still be downloading the gradients of another
+    backward stage it ran before (under a policy that runs one first; the largest other backward
+    stage's). Gradients and saved activations are those of the last backward stage; the working
+    set is the larger of the two stages'.
     """
     n = len(costs)
     fa, ba = forward.bounds[-2], backward.bounds[-2]
-    w_f, _, p_f = memory_vectors(costs, "forward")
-    w_b, a_b, p_b = memory_vectors(costs, "backward")
-    prefetch = max(sum(w_b[i:j]) for i, j in zip(backward.bounds, backward.bounds[1:]))
+    w_f, _, p_f, _ = memory_vectors(costs, "forward")
+    w_b, a_b, p_b, d_b = memory_vectors(costs, "backward")
+    spans = list(zip(backward.bounds, backward.bounds[1:]))
+    prefetch = max(sum(w_b[i:j]) for i, j in spans)
+    draining = max((sum(d_b[i:j]) for i, j in spans[:-1]), default=0)
     union = range(min(fa, ba), n)
     peak = max([p_b[i] for i in range(ba, n)] + [p_f[i] for i in range(fa, ba)])
-    return sum(w_b[i] for i in union) + prefetch + sum(a_b[ba:n]) + peak + reserve_bytes
+    return sum(w_b[i] for i in union) + prefetch + draining + sum(a_b[ba:n]) + peak + reserve_bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,9 +675,12 @@ def _partition_phase(
     min_stages: int = 1,
 ) -> PartitionResult:
     """Partition one phase; ``stages=None`` picks the smallest multiple of devices that fits."""
-    w, a, p = memory_vectors(costs, phase)
+    w, a, p, d = memory_vectors(costs, phase)
     names = [c.name for c in costs]
-    kw = dict(weight_bytes=w, added_bytes=a, peak_bytes=p, budget=budget, reserve_bytes=reserve, names=names)
+    kw = dict(
+        weight_bytes=w, added_bytes=a, peak_bytes=p, drain_bytes=d, budget=budget, reserve_bytes=reserve,
+        names=names,
+    )  # fmt: skip
     if stages is not None:
         return optimal_partition(times, stages, what=phase, **kw)
     n = len(costs)

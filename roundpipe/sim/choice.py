@@ -318,30 +318,30 @@ def _partitions(policy, partition, per_token, costs, tokens_mb, d, m, options, b
         )
         return [(g.forward, g.backward) for g in grains]
     stages = stage_count(policy, d, options, n)
-    vectors = ((), (), ()) if budget is None else memory_vectors(layer_costs, "backward")
+    vectors = ((), (), (), ()) if budget is None else memory_vectors(layer_costs, "backward")
     both = tuple(f + b for f, b in zip(fwd_t, bwd_t))
     part = _balanced(both, stages, *(tuple(v) for v in vectors), budget, tuple(c.name for c in layer_costs))
     return [(part, part)]
 
 
 @lru_cache(maxsize=256)
-def _balanced(times, stages, w, a, p, budget, names) -> Partition:
+def _balanced(times, stages, w, a, p, d, budget, names) -> Partition:
     """One partition for forward and backward (weight-bound policies), balancing both times."""
     return optimal_partition(
         times, stages, weight_bytes=w or None, added_bytes=a or None, peak_bytes=p or None,
-        budget=budget, names=names, what="forward+backward",
+        drain_bytes=d or None, budget=budget, names=names, what="forward+backward",
     ).partition  # fmt: skip
 
 
 def _binding(costs: Sequence[LayerCost], budget: int | None) -> int | None:
     """``budget``, or None where no stage of any partition can exceed it (every layer's weights
-    twice, every gradient and saved activation, the largest working set): the same partitions,
-    found without the memory search."""
+    twice, every gradient and saved activation, every gradient again as downloading, the largest
+    working set): the same partitions, found without the memory search."""
     if budget is None:
         return None
-    w, a, p = memory_vectors(costs, "backward")
-    _, _, p_fwd = memory_vectors(costs, "forward")
-    return None if 2 * sum(w) + sum(a) + max(p + p_fwd) <= budget else budget
+    w, a, p, d = memory_vectors(costs, "backward")
+    p_fwd = memory_vectors(costs, "forward")[2]
+    return None if 2 * sum(w) + sum(a) + sum(d) + max(p + p_fwd) <= budget else budget
 
 
 def speedup(faster: Candidate, slower: Candidate | None) -> float:
