@@ -13,7 +13,7 @@ from tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.config import known_policies
-from roundpipe.errors import ConfigError, PlanError
+from roundpipe.errors import ConfigError, DeviceMemoryError, PlanError
 from roundpipe.partition.cost import LayerCost
 from roundpipe.partition.grain import grain_choices
 from roundpipe.presets import load_hardware
@@ -23,6 +23,8 @@ from roundpipe.sim.choice import choose
 from roundpipe.sim.engine import SimOptions
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import LayerWork, Workload
+from roundpipe.testing import faults
+from roundpipe.testing.faults import Fault
 
 torch.set_num_threads(1)
 
@@ -272,19 +274,35 @@ def test_no_candidate_is_a_plan_error_naming_why():
 
 def test_a_device_as_small_as_one_layer_per_stage_needs_still_trains_on_the_defaults():
     """Under a tight capacity the choice keeps every candidate stage within the estimated bytes;
-    what it runs stays within the device."""
+    what it runs stays within the device, also when every gradient download is slow, so that the
+    previous stage's fp32 gradients are still on the device while the next stage's fill (CI once
+    ran out of memory there: the plans' memory rule did not count them)."""
     from memory_oracle import microbatches_of, next_task_inputs, working_set
 
     model = make_model("qwen3", num_layers=3)
     batch = make_batch(batch=4)
     with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1")) as probe:
         two_layers = sum(sorted(probe.store.layer_bytes)[-2:])
+        downloading = max(probe.store.layer_bytes)  # fp32 full fine-tuning: gradients = weights
     split = microbatches_of(batch, 2)
-    need = two_layers + working_set(model, split) + next_task_inputs(model, split)
-    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", device_capacity=need)) as pipe:
-        assert _fb(pipe, batch).loss > 0
-        assert pipe.plan.why["policy"].startswith("auto: ")
-        assert all(d.memory.peak <= need for d in pipe.backend.devices)
+    need = two_layers + downloading + working_set(model, split) + next_task_inputs(model, split)
+    slow_downloads = Fault("grads", kind="stall", seconds=0.05, times=10_000)
+    for plan in ([], [slow_downloads]):
+        config = roundpipe.RunConfig(devices="cpu:2", device_capacity=need)
+        with faults.injected(*plan), roundpipe.wrap(model, config) as pipe:
+            assert _fb(pipe, batch).loss > 0
+            assert pipe.plan.why["policy"].startswith("auto: ")
+            assert all(d.memory.peak <= need for d in pipe.backend.devices)
+    assert slow_downloads.fired > 0
+    # Without room for the gradients still downloading no plan fits: refused before any work, not
+    # out of memory half-way through a step.
+    config = roundpipe.RunConfig(devices="cpu:2", device_capacity=need - downloading)
+    with (
+        faults.injected(Fault("grads", kind="stall", seconds=0.05, times=10_000)),
+        roundpipe.wrap(model, config) as pipe,
+        pytest.raises(DeviceMemoryError, match="Levers"),
+    ):
+        _fb(pipe, batch)
 
 
 def test_when_no_candidate_fits_the_estimates_auto_runs_the_least_memory_plan(monkeypatch):

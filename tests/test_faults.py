@@ -34,6 +34,7 @@ CASES = {
     "backward error": (Fault("backward", microbatch=0), StageError, {"microbatch": 0}),
     "upload error": (Fault("upload", device="cpu:1"), StageError, {"device": "cpu:1"}),
     "download error": (Fault("download", device="cpu:0"), StageError, {"device": "cpu:0"}),
+    "gradient download error": (Fault("grads", device="cpu:1"), StageError, {"device": "cpu:1"}),
     "device out of memory": (Fault("forward", kind="oom", layer="layers.0"), DeviceOutOfMemory, {"layer": "layers.0"}),
     "optimizer error": (Fault("optimizer", layer="layers.0"), OptimizerError, {"layer": "layers.0"}),
     "worker stall": (Fault("forward", kind="stall", layer="layers.1", seconds=1.6), WatchdogTimeout, {}),

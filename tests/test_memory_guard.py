@@ -107,11 +107,26 @@ def test_cpu_free_bytes_is_the_capacity_less_what_is_alive(monkeypatch):
 def test_an_automatic_plan_is_checked_once_it_is_chosen(monkeypatch):
     """policy/partition/num_microbatches "auto": the first batch is profiled, then the chosen plan
     is checked before it runs."""
+    free: dict[int, int | None] = {}
+    _fake_free(monkeypatch, free)
+    batch = make_batch(batch=4)
+    with roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(devices="cpu:2")) as pipe:
+        pipe.profile(batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"])
+        free[1] = 10_000
+        with pytest.raises(DeviceMemoryError, match=r"^cpu:1 has .* free but the plan needs") as caught:
+            _fb(pipe, batch)
+        assert pipe.layer_times is not None and pipe.last_plan is None
+        assert "(profile," not in str(caught.value)
+
+
+def test_the_profiling_step_is_checked_too(monkeypatch):
+    """The first batch's profiling step (one layer per task) is a plan as well: refused before it
+    runs where it does not fit, not out of memory in it."""
     _fake_free(monkeypatch, {1: 10_000})
     with roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(devices="cpu:2")) as pipe:
-        with pytest.raises(DeviceMemoryError, match=r"^cpu:1 has .* free but the plan needs"):
+        with pytest.raises(DeviceMemoryError, match=r"^cpu:1 has .* free but the plan needs .*\(profile, "):
             _fb(pipe, make_batch(batch=4))
-        assert pipe.layer_times is not None and pipe.last_plan is None
+        assert pipe.layer_times is None and pipe.last_plan is None
 
 
 def test_the_switch_starts_a_refused_plan_anyway(monkeypatch):

@@ -72,13 +72,18 @@ def test_a_worker_holds_only_the_running_layer_and_the_prefetched_one(microbatch
 
 def test_a_device_as_small_as_two_layers_plus_one_working_set_still_trains():
     """Capacity counts what is really alive (temporaries included): two layers' weights, what one
-    microbatch needs in plain PyTorch and the next task's incoming hand-offs are enough."""
+    microbatch needs in plain PyTorch, the next task's incoming hand-offs and the previous stage's
+    fp32 gradients still on their way down are enough."""
     model = make_model("qwen3", num_layers=3)
     batch = make_batch(batch=4)
     probe = roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1"))
     split = microbatches_of(batch, 2)
+    downloading = max(probe.store.layer_bytes)  # fp32 full fine-tuning: gradients = weights
     need = (
-        sum(sorted(probe.store.layer_bytes)[-2:]) + working_set(model, split) + next_task_inputs(model, split)
+        sum(sorted(probe.store.layer_bytes)[-2:])
+        + downloading
+        + working_set(model, split)
+        + next_task_inputs(model, split)
     )
     probe.close()
     with roundpipe.wrap(

@@ -1,9 +1,9 @@
 """Before a plan first runs: does every device have the memory the plan needs free?
 
 The figure is the planner's own: the partitioner's memory rule (``partition/partitioner.py``:
-a stage's weights, the largest other stage prefetched, the fp32 gradient accumulators and saved
-activations of a backward stage, one layer's working set; the device running the last forward and
-backward stages together holds their union) over the layer bytes the planner estimates for the
+a stage's weights, the largest other stage prefetched and another's gradients still downloading,
+the fp32 gradient accumulators and saved activations of a backward stage, one layer's working set;
+the device running the last forward and backward stages together holds their union) over the layer bytes the planner estimates for the
 plan's largest microbatch (``Planner._layer_costs``), which is what an automatic partition is cut to
 fit. A device's planned peak is the largest of the stages it runs; under a policy that rotates its
 deal from step to step (roundpipe) every device runs every stage sooner or later, so each is

@@ -345,22 +345,29 @@ class Planner:
         its first step. A decision not made by ``decide`` (no batch shape) is not checked."""
         shape = next((k for k, d in self._decisions.items() if d is decision), None)
         m = decision.num_microbatches
-        if shape is None or not m or not memory_guard.enabled():
+        if shape is None or not m:
             return
-        key = (decision.policy, decision.forward.bounds, decision.backward.bounds, m, shape)
+        self.check_table_memory(plan.table, m, shape)
+
+    def check_table_memory(self, table, m: int, shape: tuple[int, int]) -> None:
+        """:meth:`_check_memory` for one schedule table of ``m`` microbatches of a batch of
+        ``shape`` (samples, tokens per sample); also the profiling step's, which no decision makes."""
+        if not memory_guard.enabled():
+            return
+        key = (table.policy, table.forward.bounds, table.backward.bounds, m, shape)
         if key in self._memory_checked:
             return
         batch, seq_len = shape
         samples = -(-batch // m)  # the largest microbatch of an uneven split
-        spec = POLICIES.get(plan.table.policy)
+        spec = POLICIES.get(table.policy)
         rotates = self.config.schedule is None and spec is not None and spec.rotates
-        peaks = memory_guard.device_peaks(self._layer_costs(samples * seq_len), plan.table, rotates)
+        peaks = memory_guard.device_peaks(self._layer_costs(samples * seq_len), table, rotates)
         memory_guard.check(
             peaks,
             [d.free_bytes() for d in self.devices],
             self.device_names,
-            plan=f"{plan.table.policy}, {m} microbatch{'' if m == 1 else 'es'} of up to {samples} x {seq_len} tokens",
-            levers=lambda peak: "; ".join(self._memory_levers(peak, plan.table.policy, batch, seq_len, m)),
+            plan=f"{table.policy}, {m} microbatch{'' if m == 1 else 'es'} of up to {samples} x {seq_len} tokens",
+            levers=lambda peak: "; ".join(self._memory_levers(peak, table.policy, batch, seq_len, m)),
         )
         self._memory_checked.add(key)
 

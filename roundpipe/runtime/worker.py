@@ -505,15 +505,26 @@ class Worker:
         dev, streams = self.device, self.streams
         host_grads = Slot()
 
+        first = self.pipe.adapter.layers[layers.start].name
+
         def download():
-            grads, acc.value = acc.value, None
-            host_grads.value = {k: dev.to_host(g) for k, g in grads.items()}
-            dev.ledger.release(list(grads.values()), f"grads:{layers}", "grads")
-            del grads
+            try:
+                faults.point("grads", step=step.index, device=dev.name, layer=first)
+                grads, acc.value = acc.value, None
+                host_grads.value = {k: dev.to_host(g) for k, g in grads.items()}
+                dev.ledger.release(list(grads.values()), f"grads:{layers}", "grads")
+                del grads
+            except RoundpipeError:
+                raise
+            except BaseException as e:
+                raise StageError(
+                    f"downloading the gradients of {first}.. failed: {e}", layer=first, device=dev.name,
+                    task=f"grads:{first}", step=step.index,
+                ) from e  # fmt: skip
 
         grads_stream = streams["d2h_grads"]
         grads_stream.wait_event(streams["compute"].record_event())
-        grads_stream.submit(download, (f"grads:{self.pipe.adapter.layers[layers.start].name}", "download"))
+        grads_stream.submit(download, (f"grads:{first}", "download"))
         downloaded = grads_stream.record_event()
         self._grads_downloaded.append(downloaded)
         step.on_grads(layers, host_grads, count, downloaded)

@@ -15,6 +15,8 @@ the context's value):
   ``microbatch``, ``device``); ``backward``: a backward stage's autograd call (the same, ``layer``
   is the stage's first layer);
 - ``upload`` / ``download``: a hand-off's copy to / from a device (``step``, ``device``);
+  ``grads``: a backward stage's fp32 gradient accumulator going down (``step``, ``device``,
+  ``layer`` the stage's first layer), before it is copied: a ``stall`` there is a slow download;
 - ``optimizer``: the host stepping one layer's parameters (``layer``);
 - ``data``: the trainer taking a step's batches (``step``); ``checkpoint``: writing a checkpoint
   (``step``);
@@ -53,7 +55,7 @@ from dataclasses import dataclass, field
 
 from roundpipe.errors import ConfigError, DeviceOutOfMemory
 
-POINTS = ("forward", "backward", "upload", "download", "optimizer", "data", "checkpoint", "compute")
+POINTS = ("forward", "backward", "upload", "download", "grads", "optimizer", "data", "checkpoint", "compute")
 KINDS = ("error", "oom", "stall", "kill", "nan", "slow")
 FILTERS = ("step", "layer", "microbatch", "device")
 ENV = "ROUNDPIPE_FAULTS"
