@@ -28,7 +28,8 @@ times; backward stages carry gradients and saved activations, so under a budget 
 layers.
 
 **Algorithm (exact, not a heuristic).** For a bottleneck bound ``B`` and a cap ``C`` on every
-stage's weights (so ``prefetch <= C``), whether a stage ``[i, j)`` is allowed is monotone: a
+stage's weights (so ``prefetch <= C`` and ``draining <= D(C)``, the most gradients a run of
+layers of weights ``<= C`` has), whether a stage ``[i, j)`` is allowed is monotone: a
 sub-interval of an allowed interval is allowed. For such constraints, greedily extending each
 stage as far as allowed yields the fewest stages (exchange argument: the greedy's k-th stage ends
 no earlier than the k-th stage of any valid partition), and a valid partition with fewer than
