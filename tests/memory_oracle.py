@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from roundpipe.models import adapt_model
 from roundpipe.runtime.inputs import split_batch
+from roundpipe.testing.faults import Fault
 
 
 def microbatches_of(batch: dict, microbatches: int, vocab_size: int = 256) -> list:
@@ -108,3 +109,15 @@ def next_task_inputs(model, microbatches: list) -> int:
         + sum(t.numel() * t.element_size() for t in vars(m).values() if t is not None)
         for m in microbatches
     )
+
+
+def gradients_downloading(store) -> int:
+    """Bytes an earlier stage (one layer) may leave on a device while its gradients go down: the
+    runtime lets one download overlap the next stage. fp32 full fine-tuning: gradients = weights."""
+    return max(store.layer_bytes)
+
+
+def slow_gradient_downloads() -> Fault:
+    """A fault that stalls every gradient download 50 ms, so that the previous stage's gradients
+    are surely still on the device while the next stage's fill."""
+    return Fault("grads", kind="stall", seconds=0.05, times=10_000)

@@ -24,7 +24,6 @@ from roundpipe.sim.engine import SimOptions
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import LayerWork, Workload
 from roundpipe.testing import faults
-from roundpipe.testing.faults import Fault
 
 torch.set_num_threads(1)
 
@@ -277,16 +276,22 @@ def test_a_device_as_small_as_one_layer_per_stage_needs_still_trains_on_the_defa
     what it runs stays within the device, also when every gradient download is slow, so that the
     previous stage's fp32 gradients are still on the device while the next stage's fill (CI once
     ran out of memory there: the plans' memory rule did not count them)."""
-    from memory_oracle import microbatches_of, next_task_inputs, working_set
+    from memory_oracle import (
+        gradients_downloading,
+        microbatches_of,
+        next_task_inputs,
+        slow_gradient_downloads,
+        working_set,
+    )
 
     model = make_model("qwen3", num_layers=3)
     batch = make_batch(batch=4)
     with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1")) as probe:
         two_layers = sum(sorted(probe.store.layer_bytes)[-2:])
-        downloading = max(probe.store.layer_bytes)  # fp32 full fine-tuning: gradients = weights
+        downloading = gradients_downloading(probe.store)
     split = microbatches_of(batch, 2)
     need = two_layers + downloading + working_set(model, split) + next_task_inputs(model, split)
-    slow_downloads = Fault("grads", kind="stall", seconds=0.05, times=10_000)
+    slow_downloads = slow_gradient_downloads()
     for plan in ([], [slow_downloads]):
         config = roundpipe.RunConfig(devices="cpu:2", device_capacity=need)
         with faults.injected(*plan), roundpipe.wrap(model, config) as pipe:
@@ -298,7 +303,7 @@ def test_a_device_as_small_as_one_layer_per_stage_needs_still_trains_on_the_defa
     # out of memory half-way through a step.
     config = roundpipe.RunConfig(devices="cpu:2", device_capacity=need - downloading)
     with (
-        faults.injected(Fault("grads", kind="stall", seconds=0.05, times=10_000)),
+        faults.injected(slow_gradient_downloads()),
         roundpipe.wrap(model, config) as pipe,
         pytest.raises(DeviceMemoryError, match="Levers"),
     ):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from memory_oracle import microbatches_of, next_task_inputs, working_set
+from memory_oracle import gradients_downloading, microbatches_of, next_task_inputs, working_set
 from tiny_models import make_batch, make_model
 
 import roundpipe
@@ -78,7 +78,7 @@ def test_a_device_as_small_as_two_layers_plus_one_working_set_still_trains():
     batch = make_batch(batch=4)
     probe = roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1"))
     split = microbatches_of(batch, 2)
-    downloading = max(probe.store.layer_bytes)  # fp32 full fine-tuning: gradients = weights
+    downloading = gradients_downloading(probe.store)
     need = (
         sum(sorted(probe.store.layer_bytes)[-2:])
         + downloading

@@ -13,7 +13,13 @@ import time
 
 import pytest
 import torch
-from memory_oracle import microbatches_of, next_task_inputs, working_set
+from memory_oracle import (
+    gradients_downloading,
+    microbatches_of,
+    next_task_inputs,
+    slow_gradient_downloads,
+    working_set,
+)
 from tiny_models import make_batch, make_model
 
 import roundpipe
@@ -23,7 +29,6 @@ from roundpipe.errors import StreamProtocolError
 from roundpipe.runtime import memory_guard
 from roundpipe.runtime.worker import Worker
 from roundpipe.testing import faults
-from roundpipe.testing.faults import Fault
 
 torch.set_num_threads(1)
 
@@ -194,11 +199,11 @@ def test_what_is_alive_on_a_device_stays_within_two_stages_and_one_working_set(m
     config = roundpipe.RunConfig(
         devices="cpu:4", num_microbatches=microbatches, policy="roundpipe", partition=None
     )  # one layer per stage
-    slow = [Fault("grads", kind="stall", seconds=0.05, times=10_000)] if microbatches == 2 else []
+    slow = [slow_gradient_downloads()] if microbatches == 2 else []
     with faults.injected(*slow), roundpipe.wrap(model, config) as pipe:
         pipe.configure_optimizer(lr=1e-3)
         two_stages = 2 * max(pipe.store.layer_bytes)  # one layer per stage
-        downloading = max(pipe.store.layer_bytes)  # fp32 full fine-tuning: gradients = weights
+        downloading = gradients_downloading(pipe.store)
         peaks = []
         for _ in range(4):
             pipe.forward_backward(

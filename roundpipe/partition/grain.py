@@ -215,22 +215,15 @@ def grain_choices(
     head_start = next((i for i, c in enumerate(costs) if not c.recompute), n)
     names = [c.name for c in costs]
     fwd_vec, bwd_vec = memory_vectors(costs, "forward"), memory_vectors(costs, "backward")
-    # The fused stage [c, n) is either partition's neighbour too: its weights and gradients bound
-    # the prefix stages' prefetch and draining gradients as theirs do.
-    w_b, d_b = bwd_vec[0], bwd_vec[3]
-    fused_out = [(sum(w_b[c:]), sum(d_b[c:])) for c in range(n + 1)]
     scored: list[tuple[float, int, int, int, float]] = []  # (objective, c, k_f, k_b, t_max)
     for c in range(min(head_start, n - 1), max(-1, head_start - MAX_FUSED_LAYERS - 1), -1):
         u = math.fsum(fused[c:])
         if c == 0:
             scored.append((objective(microbatches, num_devices, 1, u, steady), 0, 0, 0, u))
             continue
-        bf = _bottlenecks(
-            f[:c], [v[:c] for v in fwd_vec], budget, reserve_bytes, names[:c], "forward", fused_out[c]
-        )
-        bb = _bottlenecks(
-            b[:c], [v[:c] for v in bwd_vec], budget, reserve_bytes, names[:c], "backward", fused_out[c]
-        )
+        near = _fused_neighbour(bwd_vec, c)
+        bf = _bottlenecks(f[:c], [v[:c] for v in fwd_vec], budget, reserve_bytes, names[:c], "forward", near)
+        bb = _bottlenecks(b[:c], [v[:c] for v in bwd_vec], budget, reserve_bytes, names[:c], "backward", near)
         # Tables never grow with the stage count, so once a side is no slower than the rest, more
         # stages on it keep t_max and only add deals: dominated on their level, not scored.
         for kf in range(1, c + 1):
@@ -260,8 +253,7 @@ def grain_choices(
             for variant in ("smooth", "ascending", "packed"):
                 if len(out) >= limit:
                     break
-                grain = _variant(variant, c, kf, kb, t, costs, f, b, fwd_vec, bwd_vec, fused_out, budget,
-                                 reserve_bytes)  # fmt: skip
+                grain = _variant(variant, c, kf, kb, t, costs, f, b, fwd_vec, bwd_vec, budget, reserve_bytes)
                 if grain is None or grain in seen:
                     continue
                 seen.add(grain)
@@ -282,7 +274,13 @@ def grain_choices(
     return out
 
 
-def _variant(variant, c, kf, kb, t, costs, f, b, fwd_vec, bwd_vec, fused_out, budget, reserve):
+def _fused_neighbour(bwd_vec, c: int) -> tuple[int, int]:
+    """The fused stage ``[c, n)``'s weights and gradients: either partition's stages before it may
+    hold them as a neighbour's (prefetched, still downloading), as they may another stage's."""
+    return sum(bwd_vec[0][c:]), sum(bwd_vec[3][c:])
+
+
+def _variant(variant, c, kf, kb, t, costs, f, b, fwd_vec, bwd_vec, budget, reserve):
     """The (forward, backward) partitions of one scored pair cut the ``variant`` way, or None where
     they do not fit ``budget`` by the full rule."""
     n = len(costs)
@@ -292,9 +290,9 @@ def _variant(variant, c, kf, kb, t, costs, f, b, fwd_vec, bwd_vec, fused_out, bu
         fwd, bwd = Partition(_packed(f[:c], t) + (n,)), Partition(_packed(b[:c], t) + (n,))
     else:
         fv, bv = [v[:c] for v in fwd_vec], [v[:c] for v in bwd_vec]
-        ascending = variant == "ascending"
-        fwd = Partition(_partition(f[:c], kf, fv, budget, reserve, n, ascending, fused_out[c]))
-        bwd = Partition(_partition(b[:c], kb, bv, budget, reserve, n, ascending, fused_out[c]))
+        ascending, near = variant == "ascending", _fused_neighbour(bwd_vec, c)
+        fwd = Partition(_partition(f[:c], kf, fv, budget, reserve, n, ascending, near))
+        bwd = Partition(_partition(b[:c], kb, bv, budget, reserve, n, ascending, near))
     if budget is None:
         return fwd, bwd
     fwd = _merge_idle(fwd, f, lambda p, bwd=bwd: _fits(costs, p, bwd, budget, reserve))
@@ -320,7 +318,7 @@ def _merge_idle(part: Partition, times: Sequence[float], fits) -> Partition:
     """Merge a stage that takes no time (an embedding alone) into a neighbour before the fused head
     stage, where ``fits`` allows it: a deal fewer for nothing. The search's memory rule counts the
     largest stage as every stage's prefetch; the final check (each stage with the largest *other*
-    stage, ``partitioner.prefetch_bounds``) sometimes has room for it."""
+    stage, ``partitioner.largest_others``) sometimes has room for it."""
     bounds = list(part.bounds)
     s = 0
     while s < len(bounds) - 3:  # stages before the last (the fused head stage)

@@ -62,6 +62,7 @@ import math
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from itertools import accumulate
 from typing import Any
 
@@ -167,7 +168,7 @@ def optimal_partition(
     mem_on = budget is not None
     budget_b = int(budget) if mem_on else 0
 
-    inner_drain = _drain_bound(w, d)
+    inner_drain = _drain_bound(tuple(w), tuple(d))
 
     def draining(cap: int) -> int:
         return max(inner_drain(cap), outside[1])
@@ -196,11 +197,11 @@ def optimal_partition(
         if not mem_on:
             return True
         wij = pw[j] - pw[i]
-        return wij <= cap and wij + cap + draining(cap) + pa[j] - pa[i] + peak + reserve_bytes <= budget_b
+        return wij <= cap and wij + held[cap] + pa[j] - pa[i] + peak + reserve_bytes <= budget_b
 
     def greedy_count(bound: float, cap: int) -> int:
         """Fewest stages under (bound, cap); num_stages + 1 as soon as it exceeds num_stages."""
-        room = budget_b - reserve_bytes - cap - draining(cap)
+        room = budget_b - reserve_bytes - held[cap]
         i = count = 0
         while i < n:
             j, peak = i, 0
@@ -224,6 +225,8 @@ def optimal_partition(
         caps = sorted({c for c in interval_weights if c >= floor_c} | {floor_c})
     else:
         caps = [0]
+    # What a device holds of its neighbours under each cap: the prefetch and the draining gradients.
+    held = {cap: cap + draining(cap) for cap in caps}
     bounds = sorted({pt[j] - pt[i] for i in range(n) for j in range(i + 1, n + 1)})
     # Compare in prefix-sum arithmetic, as the search does: a layer's time is pt[i + 1] - pt[i].
     single = max(pt[i + 1] - pt[i] for i in range(n))
@@ -256,8 +259,8 @@ def optimal_partition(
     prefetch = max(stage_weights)
     if mem_on:
         spans = list(zip(cuts, cuts[1:]))
-        nxt = [max(x, outside[0]) for x in prefetch_bounds(stage_weights)]
-        down = [max(x, outside[1]) for x in prefetch_bounds([sum(d[i:j]) for i, j in spans])]
+        nxt = [max(x, outside[0]) for x in largest_others(stage_weights)]
+        down = [max(x, outside[1]) for x in largest_others([sum(d[i:j]) for i, j in spans])]
         peaks = tuple(
             stage_weights[s] + nxt[s] + down[s] + pa[j] - pa[i] + max(p[i:j]) + reserve_bytes
             for s, (i, j) in enumerate(spans)
@@ -267,7 +270,8 @@ def optimal_partition(
     return PartitionResult(part, stage_times, stage_weights, peaks, prefetch)
 
 
-def _drain_bound(w: Sequence[int], d: Sequence[int]):
+@lru_cache(maxsize=64)
+def _drain_bound(w: tuple[int, ...], d: tuple[int, ...]):
     """``cap -> bytes``: the most gradients a stage of weights ``<= cap`` can leave downloading (the
     largest ``d`` over every interval of layers whose weights are within ``cap``), which bounds what
     the device's previous stage leaves under any partition the search allows."""
@@ -388,11 +392,11 @@ def stage_bytes(
     costs: Sequence[LayerCost], partition: Partition, phase: str, reserve_bytes: int = 0
 ) -> list[int]:
     """Peak device bytes of every stage by the memory rule of this module (its prefetch and its
-    draining gradients: the largest other stage's, :func:`prefetch_bounds`)."""
+    draining gradients: the largest other stage's, :func:`largest_others`)."""
     w, a, p, d = memory_vectors(costs, phase)
     spans = [(partition.bounds[s], partition.bounds[s + 1]) for s in range(partition.num_stages)]
-    nxt = prefetch_bounds([sum(w[i:j]) for i, j in spans])
-    down = prefetch_bounds([sum(d[i:j]) for i, j in spans])
+    nxt = largest_others([sum(w[i:j]) for i, j in spans])
+    down = largest_others([sum(d[i:j]) for i, j in spans])
     return [
         sum(w[i:j]) + nxt[s] + down[s] + sum(a[i:j]) + max(p[i:j]) + reserve_bytes
         for s, (i, j) in enumerate(spans)
@@ -410,20 +414,21 @@ def pair_peak_bytes(
     return max(*stages, last_stage_bytes(costs, forward, backward, reserve_bytes))
 
 
-def prefetch_bounds(stage_weights: Sequence[int]) -> list[int]:
-    """Per stage, what its device may hold prefetched: the largest *other* stage's weights (given
-    stage gradients instead: what may still be downloading from the device's previous stage).
+def largest_others(stage_values: Sequence[int]) -> list[int]:
+    """Per stage, the largest *other* stage's value: given stage weights, what its device may hold
+    prefetched; given stage gradients, what may still be downloading from the device's previous
+    stage.
 
     The next stage a device runs is another stage (or the same one again, whose weights are
     already there), so the largest other stage bounds it for every policy; so for the previous
     one. The search itself uses the largest stage for all (a stage that is the largest counted
     twice): a sufficient check, so every partition it returns also fits this one.
     """
-    if len(stage_weights) < 2:
-        return [0] * len(stage_weights)
-    order = sorted(range(len(stage_weights)), key=stage_weights.__getitem__, reverse=True)
-    first, second = stage_weights[order[0]], stage_weights[order[1]]
-    return [second if s == order[0] else first for s in range(len(stage_weights))]
+    if len(stage_values) < 2:
+        return [0] * len(stage_values)
+    order = sorted(range(len(stage_values)), key=stage_values.__getitem__, reverse=True)
+    first, second = stage_values[order[0]], stage_values[order[1]]
+    return [second if s == order[0] else first for s in range(len(stage_values))]
 
 
 def last_stage_bytes(
