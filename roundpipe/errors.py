@@ -47,6 +47,12 @@ class DeviceOutOfMemory(RoundpipeError, MemoryError):
         nbytes: bytes requested; in_use: bytes already held; capacity: the device's capacity.
     """
 
+    # Where it happened, when a worker knows (a task's compute or download): else None.
+    task: str | None = None
+    layer: str | None = None
+    microbatch: int | None = None
+    step: int | None = None
+
     def __init__(self, device: str, what: str, nbytes: int, in_use: int, capacity: int):
         self.device, self.what, self.nbytes, self.in_use, self.capacity = (
             device,

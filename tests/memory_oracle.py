@@ -100,15 +100,25 @@ def working_set(model, microbatches: list) -> int:
     return worst + context
 
 
-def next_task_inputs(model, microbatches: list) -> int:
-    """Bytes of what the next task brings onto a device while the current one computes (the runtime
-    keeps two tasks in flight): a hidden-state activation and its gradient, and the raw inputs
-    of its microbatch."""
+def hand_offs_in_flight(model, microbatches: list) -> int:
+    """Bytes of the hand-offs a device holds beside the running task's work: what the next task
+    brings on while the current one computes (a hidden-state activation and its gradient, and the
+    raw inputs of its microbatch) and what the previous task produced, kept until its download is
+    done (an activation and a gradient: they are freed on the compute stream after it, as on CUDA)."""
     return max(
-        2 * m.input_ids.numel() * model.config.hidden_size * 4  # fp32 [b, T, H], twice
+        4 * m.input_ids.numel() * model.config.hidden_size * 4  # fp32 [b, T, H]: 2 coming, 2 going
         + sum(t.numel() * t.element_size() for t in vars(m).values() if t is not None)
         for m in microbatches
     )
+
+
+def device_of(need: int) -> int:
+    """The capacity of a virtual device that holds a plan of ``need`` bytes: ``need`` plus what its
+    caching allocator may reserve beyond them (``AllocatorRules.overhead``)."""
+    from roundpipe.backend.cpu import ALLOCATING_STREAMS
+    from roundpipe.backend.cpu_allocator import capacity_for
+
+    return capacity_for(need, ALLOCATING_STREAMS)
 
 
 def gradients_downloading(store) -> int:

@@ -277,9 +277,10 @@ def test_a_device_as_small_as_one_layer_per_stage_needs_still_trains_on_the_defa
     previous stage's fp32 gradients are still on the device while the next stage's fill (CI once
     ran out of memory there: the plans' memory rule did not count them)."""
     from memory_oracle import (
+        device_of,
         gradients_downloading,
+        hand_offs_in_flight,
         microbatches_of,
-        next_task_inputs,
         slow_gradient_downloads,
         working_set,
     )
@@ -290,10 +291,10 @@ def test_a_device_as_small_as_one_layer_per_stage_needs_still_trains_on_the_defa
         two_layers = sum(sorted(probe.store.layer_bytes)[-2:])
         downloading = gradients_downloading(probe.store)
     split = microbatches_of(batch, 2)
-    need = two_layers + downloading + working_set(model, split) + next_task_inputs(model, split)
+    need = two_layers + downloading + working_set(model, split) + hand_offs_in_flight(model, split)
     slow_downloads = slow_gradient_downloads()
     for plan in ([], [slow_downloads]):
-        config = roundpipe.RunConfig(devices="cpu:2", device_capacity=need)
+        config = roundpipe.RunConfig(devices="cpu:2", device_capacity=device_of(need))
         with faults.injected(*plan), roundpipe.wrap(model, config) as pipe:
             assert _fb(pipe, batch).loss > 0
             assert pipe.plan.why["policy"].startswith("auto: ")
@@ -301,7 +302,7 @@ def test_a_device_as_small_as_one_layer_per_stage_needs_still_trains_on_the_defa
     assert slow_downloads.fired > 0
     # Without room for the gradients still downloading no plan fits: refused before any work, not
     # out of memory half-way through a step.
-    config = roundpipe.RunConfig(devices="cpu:2", device_capacity=need - downloading)
+    config = roundpipe.RunConfig(devices="cpu:2", device_capacity=device_of(need - downloading))
     with (
         faults.injected(slow_gradient_downloads()),
         roundpipe.wrap(model, config) as pipe,

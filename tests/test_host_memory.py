@@ -22,6 +22,7 @@ from roundpipe.backend.host_memory import (
     HostMemory,
     make_allocator,
     pow2_ceil,
+    size_class,
 )
 from roundpipe.errors import ConfigError
 from roundpipe.models import adapt_model
@@ -305,9 +306,9 @@ def test_pinned_mode_prefers_the_backends_real_reserved_figure():
 
 
 # ---------------------------------------------------------------------------------- the pool
-def arena_pool(chunk_bytes: int = 1 << 16) -> tuple[HostBufferPool, RecordingBackend]:
+def arena_pool() -> tuple[HostBufferPool, RecordingBackend]:
     backend = RecordingBackend()
-    return HostBufferPool(make_allocator(backend, "arena", chunk_bytes=chunk_bytes)), backend
+    return HostBufferPool(make_allocator(backend, "arena")), backend
 
 
 def test_pool_reuses_a_released_buffer_only_after_its_event_has_happened():
@@ -327,14 +328,20 @@ def test_pool_reuses_a_released_buffer_only_after_its_event_has_happened():
     assert pool.acquires == 4 and pool.reuses == 2 and pool.buffers == 2
 
 
-def test_pool_does_not_reuse_a_buffer_of_another_size_and_rejects_bad_releases():
+def test_pool_serves_a_request_from_its_size_class_or_a_little_larger_and_rejects_bad_releases():
     pool, _ = arena_pool()
-    a = pool.acquire((1000,), torch.bfloat16)
+    a = pool.acquire((1000,), torch.bfloat16)  # 2000 B: the 2048 B class
     pool.release(a)
-    b = pool.acquire((4096,), torch.bfloat16)
-    assert b.data_ptr() != a.data_ptr()
+    b = pool.acquire((990,), torch.bfloat16)  # 1980 B: the same class, the same buffer
+    assert b.data_ptr() == a.data_ptr()
+    pool.release(b)
+    c = pool.acquire((1600,), torch.bfloat16)  # 3200 B: no free buffer of 3200..4000 B, a new one
+    assert c.data_ptr() != a.data_ptr()
+    pool.release(c)
+    d = pool.acquire((1400,), torch.bfloat16)  # 2800 B: the 3200 B buffer is at most 1.25x that
+    assert d.data_ptr() == c.data_ptr()
     with pytest.raises(ValueError, match="did not hand out"):
-        pool.release(a)  # released twice
+        pool.release(b)  # released twice
     with pytest.raises(ValueError, match="did not hand out"):
         pool.release(torch.empty(4096, dtype=torch.bfloat16))  # not the pool's
     z = pool.acquire((0, 3), torch.int64)
@@ -342,25 +349,99 @@ def test_pool_does_not_reuse_a_buffer_of_another_size_and_rejects_bad_releases()
     pool.release(z)  # zero-size: nothing to give back
 
 
-def test_pool_grows_by_registered_chunks_and_reports_what_it_reserved():
+def test_size_classes_are_at_most_a_sixteenth_larger_than_the_request():
+    for n in [1, 63, 64, 1000, 1025, 4097, 70_001, 1 << 20, (1 << 20) + 1, 3_000_000, 123_456_789]:
+        c = size_class(n)
+        assert c >= n and c % 64 == 0
+        assert c <= max(64, n * 17 / 16 + 64)
+
+
+def test_pool_buffers_are_registered_one_by_one_and_given_back_beyond_the_headroom():
     backend = RecordingBackend()
-    memory = HostMemory(backend, "arena", chunk_bytes=4096)
-    held = [memory.pool.acquire((250,), torch.float32) for _ in range(8)]  # 1000 -> 1024 B each
-    big = memory.pool.acquire((3000,), torch.float32)  # larger than a chunk: a chunk of its own
+    memory = HostMemory(backend, "arena")
+    held = [memory.pool.acquire((250,), torch.float32) for _ in range(8)]  # 1000 B -> 1024 B each
+    big = memory.pool.acquire((3000,), torch.float32)  # 12000 B -> the 12288 B class
     st = memory.stats()
-    assert [b for _, _, b in backend.calls] == [4096, 4096, 12032]
-    assert st["pool_reserved_bytes"] == 4096 + 4096 + 12032 and st["pool_allocations"] == 3
+    assert [b for _, _, b in backend.calls] == [1024] * 8 + [12288]  # registered as made
+    assert st["pool_reserved_bytes"] == 8 * 1024 + 12288 and st["pool_allocations"] == 9
     assert st["pool_requested_bytes"] == st["pool_in_use_bytes"] == 8 * 1000 + 12000
     for t in held + [big]:
         memory.pool.release(t)
     assert memory.stats()["pool_in_use_bytes"] == 0
+    # A request that fits no free buffer: the least recently used ones go first, so that what the
+    # pool reserves stays within 1.25x the most it ever had in use (20000 B).
+    huge = memory.pool.acquire((6000,), torch.float32)  # 24000 B: a 24576 B buffer
+    st = memory.stats()
+    assert st["pool_reserved_bytes"] <= 1.25 * st["pool_peak_in_use_bytes"]
+    assert st["pool_freed"] > 0 and ("unregister", held[0].data_ptr(), 1024) in backend.calls
+    memory.pool.release(huge)
     memory.close()
     assert backend.registered == {}
 
 
+def test_pool_reserved_bytes_stay_within_the_headroom_over_variable_sizes():
+    """Random request sizes over many rounds, some buffers given back with events that happen only
+    later: the pool never reserves more than 1.25x the most it had in use at once."""
+    pool, _ = arena_pool()
+    rng = random.Random(0)
+    pending: list[FakeEvent] = []
+    worst = 0.0
+    for _ in range(200):
+        held = [pool.acquire((rng.randint(1, 20_000),), torch.float32) for _ in range(rng.randint(1, 6))]
+        for t in held:
+            ev = FakeEvent(done=rng.random() < 0.5)
+            pending.append(ev)
+            pool.release(t, ev)
+        while len(pending) > 8:
+            pending.pop(0).done = True
+        worst = max(worst, pool.reserved_bytes / pool.peak_in_use_bytes)
+    assert worst <= 1.25
+    assert 0 < pool.reuses < pool.acquires and pool.freed > 0
+
+
+def test_a_pinned_buffer_given_back_while_its_copy_may_be_pending_is_caught():
+    """On CUDA a download writes its host buffer after the closure that queued it has returned: the
+    buffer may go back to the pool only with an event recorded after the copy."""
+    from roundpipe.errors import StreamProtocolError
+
+    backend = CpuBackend(1, sanitize=True)
+    try:
+        memory = HostMemory(backend, "arena")
+        backend.host_buffers = memory.pool
+        dev = backend.devices[0]
+        compute, d2h = dev.streams["compute"], dev.streams["d2h"]
+        held = {}
+
+        def produce():
+            held["dev"] = torch.ones(64)
+            dev.hand_over(held["dev"], d2h)
+            dev.ledger.reserve(held["dev"], "out", "activations")
+
+        def download():
+            held["host"] = dev.to_host(held["dev"])
+            dev.ledger.release(held.pop("dev"), "out", "activations")
+
+        compute.submit(produce)
+        d2h.wait_event(compute.record_event())
+        gate = __import__("threading").Event()
+        d2h.enqueue(gate.wait)  # the d2h stream is busy: the download has surely not run yet
+        d2h.submit(download)
+        done = d2h.record_event()
+        with pytest.raises(StreamProtocolError, match="went back to the pool without an event"):
+            memory.pool.release(held["host"])  # no event, nothing synchronized: caught
+        with pytest.raises(StreamProtocolError, match="not recorded after that copy"):
+            memory.pool.release(held["host"], compute.record_event())  # an event the copy is not before
+        memory.pool.release(held["host"], done)  # the download's own event: fine
+        gate.set()
+        done.synchronize()
+        memory.close()
+    finally:
+        backend.close()
+
+
 @pytest.mark.parametrize("mode", HOST_MEMORY_MODES)
 def test_pool_never_hands_one_buffer_to_two_owners_under_concurrent_use(mode):
-    pool = HostMemory(CpuBackend(1), mode, chunk_bytes=1 << 14).pool
+    pool = HostMemory(CpuBackend(1), mode).pool
     live: set[int] = set()
     live_lock = threading.Lock()
     errors: list[str] = []

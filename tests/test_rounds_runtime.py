@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from memory_oracle import microbatches_of, next_task_inputs, working_set
+from memory_oracle import hand_offs_in_flight, microbatches_of, working_set
 from reference import (
     EPS,
     LR,
@@ -214,7 +214,7 @@ def test_a_stage_dealt_to_the_same_device_every_round_keeps_one_accumulator_and_
     ref(**batch, use_cache=False).loss.backward()
     want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
     split = microbatches_of(batch, 6)
-    need = working_set(model, split) + next_task_inputs(model, split)
+    need = working_set(model, split) + hand_offs_in_flight(model, split)
     config = roundpipe.RunConfig(devices="cpu:3", num_microbatches=6, round_size=3, **ONE_LAYER_PER_STAGE)
     with roundpipe.wrap(model, config) as pipe:
         pipe.forward_backward(**batch)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from memory_oracle import gradients_downloading, microbatches_of, next_task_inputs, working_set
+from memory_oracle import device_of, gradients_downloading, hand_offs_in_flight, microbatches_of, working_set
 from tiny_models import make_batch, make_model
 
 import roundpipe
@@ -83,12 +83,14 @@ def test_a_device_as_small_as_two_layers_plus_one_working_set_still_trains():
         sum(sorted(probe.store.layer_bytes)[-2:])
         + downloading
         + working_set(model, split)
-        + next_task_inputs(model, split)
+        + hand_offs_in_flight(model, split)
     )
     probe.close()
     with roundpipe.wrap(
         model,
-        roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, device_capacity=need, **ONE_LAYER_PER_STAGE),
+        roundpipe.RunConfig(
+            devices="cpu:2", num_microbatches=2, device_capacity=device_of(need), **ONE_LAYER_PER_STAGE
+        ),
     ) as pipe:
         out = _fb(pipe, batch)
         assert out.loss > 0
@@ -311,7 +313,7 @@ def test_a_stalled_step_becomes_a_watchdog_error_naming_what_each_worker_waits_f
     def stall(module, args, output):
         if not stalled:
             stalled.append(1)
-            time.sleep(3.0)  # a hung kernel, as far as the pipeline can tell
+            time.sleep(3.0)  # a forward that hangs while it is issued, as a stuck hook would on CUDA
 
     batch = make_batch(batch=4)
     with roundpipe.wrap(
@@ -324,6 +326,6 @@ def test_a_stalled_step_becomes_a_watchdog_error_naming_what_each_worker_waits_f
         assert time.monotonic() - t0 < 5
         msg = str(info.value)
         assert "no progress for 1s" in msg and "cpu:0:" in msg and "cpu:1:" in msg
-        assert "compute running F1.0" in msg  # the stalled task (layers.0 is stage 1), on cpu:1
-        assert "waiting for an event" in msg  # and the streams that depend on it say so
+        assert "compute issuing F1.0" in msg  # the stalled task (layers.0 is stage 1), on cpu:1
+        assert "waiting for act[2]" in msg  # and the worker that depends on it says so
         assert _fb(pipe, batch).loss > 0  # and the pipeline recovers

@@ -24,6 +24,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from roundpipe.errors import DeviceOutOfMemory
+
 # Copies go on separate streams by urgency, so an urgent copy never queues behind a bulk one:
 # activations the next compute needs (h2d) > the next stage's weights (h2d_weights, cut into
 # chunks) on the way up; activations and losses (d2h) > weight gradients (d2h_grads) on the way down.
@@ -34,6 +36,24 @@ STREAM_PRIORITIES = {"compute": 0, "h2d": -1, "h2d_weights": 0, "d2h": -1, "d2h_
 
 def tensor_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def as_device_error(e: BaseException, device: Device, what: str) -> BaseException:
+    """``e`` as the caller should see it: the allocator's out-of-memory error (CUDA's, or the cpu
+    backend's model of it) becomes ``DeviceOutOfMemory`` naming the device and what was placed;
+    anything else is returned as it is. The one place both backends and the workers turn it."""
+    if not isinstance(e, torch.OutOfMemoryError):
+        return e
+    memory = device.memory
+    out = DeviceOutOfMemory(
+        device.name,
+        getattr(e, "what", None) or what,
+        getattr(e, "nbytes", 0),
+        memory.in_use,
+        memory.capacity or 0,
+    )
+    out.__cause__ = e
+    return out
 
 
 def _as_list(tensors) -> list[torch.Tensor]:
@@ -150,10 +170,12 @@ class Stream(ABC):
 
 
 class DeviceMemory(ABC):
-    """What a device really holds: bytes of live device tensors (measured, never kept by hand)."""
+    """What a device really holds, as its caching allocator reports it (measured, never kept by hand):
+    ``in_use`` / ``peak`` the bytes allocated to live tensors, ``reserved`` / ``reserved_peak`` the
+    bytes the allocator holds from the device (allocated plus cached)."""
 
     capacity: int | None
-    measured: bool = True  # False where nothing watches the tensors (the cpu backend unsanitized)
+    measured: bool = True
 
     @property
     @abstractmethod
@@ -162,6 +184,18 @@ class DeviceMemory(ABC):
     @property
     @abstractmethod
     def peak(self) -> int: ...
+
+    @property
+    def reserved(self) -> int:
+        return self.in_use
+
+    @property
+    def reserved_peak(self) -> int:
+        return self.peak
+
+    def stats(self) -> dict:
+        """The allocator's figures (``torch.cuda.memory_stats`` names where there is one)."""
+        return {}
 
     @abstractmethod
     def reset_peak(self) -> None: ...
@@ -218,6 +252,11 @@ class Device(ABC):
         configured capacity less what is alive on the device."""
         return None
 
+    def allocation_slack(self) -> int:
+        """Bytes the device's caching allocator may reserve beyond what a plan counts (partly used
+        segments); ``free_bytes`` has already taken them off, and a planner's budget should too."""
+        return 0
+
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor on this device (filled by ``copy_in`` chunks)."""
         return torch.empty(shape, dtype=dtype, device=self.torch_device)
@@ -252,6 +291,9 @@ class Backend(ABC):
     devices: list[Device]
     aborted: bool = False
     recording: bool = False
+    # Host syncs since the last reset (``cpu_clock.HostSyncs``): counted by the cpu backend; None
+    # where the backend cannot count them (CUDA: ``torch.cuda.set_sync_debug_mode`` reports them).
+    host_syncs = None
 
     def start_recording(self) -> None:
         """Begin a timeline: spans of labelled work are kept from now on (times from now)."""
@@ -281,6 +323,12 @@ class Backend(ABC):
             return self.host_buffers.acquire(tuple(shape), dtype)
         return torch.empty(shape, dtype=dtype)
 
+    def completed_clock(self, event) -> dict | None:
+        """What is known to have run once ``event`` has happened (None: what the calling thread has
+        seen run), as a vector clock of issued work per stream; None where the backend cannot tell
+        (CUDA). The host buffer pool checks releases against it."""
+        return None
+
     def host_release(self, t: torch.Tensor, event=None) -> None:
         """Give a ``host_empty`` buffer back once ``event`` (None: now) says no copy reads it."""
         if self.host_buffers is not None:
@@ -301,6 +349,10 @@ class Backend(ABC):
             RuntimeWarning,
             stacklevel=2,
         )
+
+    def synchronized(self) -> None:  # noqa: B027 (optional hook)
+        """Called once the host has waited for every stream: the cpu backend orders all work issued
+        so far before what comes next (its sanitizer's clocks)."""
 
     def check_empty(self) -> None:  # noqa: B027 (optional hook)
         """After a step: raise ``StreamProtocolError`` if a device still holds a tensor (the

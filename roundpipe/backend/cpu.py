@@ -1,13 +1,19 @@
-"""Virtual devices on the CPU: the backend every test runs on, faithful to CUDA's rules.
+"""Virtual devices on the CPU, on CUDA's clock: the backend every test runs on.
 
-Each stream is a thread draining a FIFO of closures, so work on different streams and devices
-really runs concurrently and really waits on events; copies are real copies. Every closure runs
-under the stream sanitizer (``sanitizer.py``), which measures the device memory that is alive
-(``DeviceOutOfMemory`` past the capacity) and, with checking on (``sanitize=True`` or
-``ROUNDPIPE_SANITIZE=1``, as in every test), rejects what CUDA's caching allocator and stream
-semantics would break: a tensor used on a stream it was not handed over to, an access not ordered
-by an event. An error raised by a closure poisons its stream: later events recorded on it, and
-streams that wait on those events, fail with the same error, as a sticky CUDA error would.
+A closure submitted to a stream runs at once on the issuing thread, as on CUDA; the operations it
+makes are queued, and each stream's thread runs them later, in order, after the stream's waits
+(``cpu_clock.py``). So everything a closure does on the host (allocate, free, take or give back a
+pinned buffer, book the ledger) happens when it is issued, while the "GPU" may be far behind, and a
+host-side effect that would be wrong on CUDA is wrong here too. Device memory comes from a model of
+CUDA's caching allocator (``cpu_allocator.py``): per-stream pools, ``record_stream``, reserved bytes,
+the retry path and out-of-memory at the capacity. Reading device data on the host is a host sync:
+it waits for the stream and is counted (``backend.host_syncs``). With checking on
+(``sanitize=True`` or ``ROUNDPIPE_SANITIZE=1``, as in every test) the stream sanitizer
+(``sanitizer.py``) rejects what CUDA's stream semantics would break.
+
+Errors are sticky as on CUDA: an error of an issued closure or of a queued kernel poisons its
+stream; later events recorded on it carry the error, streams that wait on those events inherit it,
+and ``synchronize`` re-raises it.
 """
 
 from __future__ import annotations
@@ -22,8 +28,19 @@ from contextlib import contextmanager
 
 import torch
 
-from roundpipe.backend.base import STREAM_NAMES, STREAM_PRIORITIES, Backend, Device, Event, Stream
-from roundpipe.backend.sanitizer import LiveMemory, Sanitizer, StreamMode, host_allocation
+from roundpipe.backend.base import (
+    STREAM_NAMES,
+    STREAM_PRIORITIES,
+    Backend,
+    Device,
+    DeviceMemory,
+    Event,
+    Stream,
+    as_device_error,
+)
+from roundpipe.backend.cpu_allocator import AllocatorRules, CachingAllocator
+from roundpipe.backend.cpu_clock import HostSyncs, IssueMode, call_site, host_allocation, task_generator
+from roundpipe.backend.sanitizer import Sanitizer
 from roundpipe.errors import StreamProtocolError
 from roundpipe.testing import faults
 
@@ -32,12 +49,28 @@ class Aborted(RuntimeError):
     """A wait was cut short because the pipeline is shutting down after another failure."""
 
 
+def known_clock(backend: CpuBackend) -> dict:
+    """What the calling thread knows has run on ``backend``'s streams (the events it waited for), as
+    a vector clock. Kept per backend, so that it dies with it."""
+    clock = getattr(backend.known, "clock", None)
+    if clock is None:
+        clock = backend.known.clock = {}
+    return clock
+
+
+def _learn(backend: CpuBackend, clock: dict) -> None:
+    mine = known_clock(backend)
+    for stream, t in clock.items():
+        if t > mine.get(stream, 0):
+            mine[stream] = t
+
+
 class CpuEvent(Event):
-    def __init__(self, backend: CpuBackend):
+    def __init__(self, backend: CpuBackend, clock: dict):
         self._backend = backend
         self._done = threading.Event()
         self.error: BaseException | None = None
-        self.clock: dict = {}  # the recording stream's vector clock when it fired (sanitizer)
+        self.clock = clock  # the recording stream's vector clock when it was recorded (issue time)
 
     def fire(self, error: BaseException | None) -> None:
         self.error = error
@@ -50,6 +83,7 @@ class CpuEvent(Event):
         while not self._done.wait(0.05):
             if self._backend.aborted:
                 raise Aborted("wait abandoned: the pipeline is aborting")
+        _learn(self._backend, self.clock)
 
     def synchronize(self) -> None:
         self.wait()
@@ -57,115 +91,165 @@ class CpuEvent(Event):
             raise self.error
 
 
-_STOP = object()
+# Markers in a stream's queue (kernels are queued as callables).
+_RECORD, _WAIT, _BEGIN, _END, _POISON, _SLEEP, _RESET, _STOP = range(8)
 
 
 class CpuStream(Stream):
     def __init__(self, device: CpuDevice, name: str, priority: int):
         super().__init__(device, name, priority)
-        self._queue: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self.current: tuple[str, float] | None = None  # what the thread is doing now, since when
-        self.clock: dict[CpuStream, int] = {}  # vector clock: closures of each stream ordered before now
-        self._mode = StreamMode(self, device.backend.sanitizer) if device.backend.watching else None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None  # issue side: a closure failed (skip later ones)
+        self._failed: BaseException | None = None  # stream side: a kernel or a wait failed
+        self.clock: dict[CpuStream, int] = {}  # vector clock of issued closures ordered before now
+        self.issuing: tuple[str, float] | None = None  # the closure being issued, since when
+        self.current: tuple[str, float] | None = None  # what the stream's thread runs, since when
+        self._mode = IssueMode(self)
         self._thread = threading.Thread(
             target=self._loop, name=f"roundpipe-{device.name}-{name}", daemon=True
         )
         self._thread.start()
 
+    # ------------------------------------------------------------------ issue side (any thread)
     def submit(
         self, fn: Callable[[], None], label: tuple[str, str] | None = None, name: str | None = None
     ) -> None:
-        self._queue.put(("run", (fn, label, name or (label[0] if label else "unnamed work"))))
+        if self._error is not None:
+            return  # a poisoned stream runs nothing more until reset, as on CUDA
+        name = name or (label[0] if label else "unnamed work")
+        backend = self.device.backend
+        self.clock[self] = self.clock.get(self, 0) + 1
+        if label is not None:
+            self._queue.put((_BEGIN, label))
+        self.issuing = (name, time.perf_counter())
+        try:
+            with faults.stalls_on(self.sleep):
+                self._mode.run(fn, name)
+        except BaseException as e:  # carried to whoever synchronizes, never swallowed
+            e = as_device_error(e, self.device, name)
+            self._error = e
+            self._queue.put((_POISON, e))
+            if not isinstance(e, Aborted):
+                backend.report(e)
+        finally:
+            self.issuing = None
+        if label is not None:
+            self._queue.put((_END, label))
+
+    def enqueue(self, kernel: Callable[[], None]) -> None:
+        """Queue work the stream's thread runs in order (the issue mode's kernels)."""
+        self._queue.put(kernel)
+
+    def sleep(self, seconds: float) -> None:
+        """Make the stream itself stall (a hung kernel), not the thread that issues to it."""
+        self._queue.put((_SLEEP, seconds))
 
     def record_event(self) -> CpuEvent:
-        ev = CpuEvent(self.device.backend)
-        self._queue.put(("record", ev))
+        ev = CpuEvent(self.device.backend, dict(self.clock))
+        self._queue.put((_RECORD, ev))
         return ev
 
     def wait_event(self, event: Event) -> None:
-        self._queue.put(("wait", event))
+        clock = self.clock
+        for stream, t in event.clock.items():
+            if t > clock.get(stream, 0):
+                clock[stream] = t
+        self._queue.put((_WAIT, event))
+
+    def wait_until_issued(self) -> None:
+        """Block the calling thread until the stream has run everything issued to it so far."""
+        ev = self.record_event()
+        ev.wait()
+        if ev.error is not None:
+            raise ev.error
 
     def describe(self) -> str:
         """What this stream is doing, for the watchdog's message."""
+        now = time.perf_counter()
+        parts = []
+        issuing = self.issuing
+        if issuing is not None:
+            parts.append(f"issuing {issuing[0]} for {now - issuing[1]:.1f}s")
         cur = self.current
-        now = "idle" if cur is None else f"{cur[0]} for {time.perf_counter() - cur[1]:.1f}s"
-        return f"{self.name} {now}, {self._queue.qsize()} queued"
+        parts.append("idle" if cur is None else f"{cur[0]} for {now - cur[1]:.1f}s")
+        return f"{self.name} {', '.join(parts)}, {self._queue.qsize()} queued"
+
+    # ------------------------------------------------------------------ the stream's thread
+    def _loop(self) -> None:
+        torch.set_num_threads(1)  # one intra-op thread per worker stream (docs/design.md §4)
+        torch.set_grad_enabled(False)  # kernels compute; autograd happened when they were issued
+        backend = self.device.backend
+        get = self._queue.get
+        begun: tuple[str, float] | None = None
+        while True:
+            item = get()
+            if type(item) is not tuple:  # a kernel
+                if self._failed is None:
+                    try:
+                        item()
+                    except BaseException as e:
+                        self._failed = e
+                        backend.report(e)
+                del item
+                continue
+            op = item[0]
+            if op == _RECORD:
+                item[1].fire(self._failed)
+            elif op == _BEGIN:
+                begun = (item[1][0], time.perf_counter())
+                self.current = (f"running {begun[0]}", begun[1])
+            elif op == _END:
+                label = item[1]
+                if begun is not None and begun[0] == label[0]:
+                    if self.name == "compute":
+                        faults.after_compute(self.device.name, begun[1])  # a slow fault (free when off)
+                    if backend.recording:
+                        t0 = backend.recording_origin
+                        backend.record_span(
+                            (self.device.index, self.name, label[0], label[1], begun[1] - t0,
+                             time.perf_counter() - t0)
+                        )  # fmt: skip
+                begun, self.current = None, None
+            elif op == _WAIT:
+                if self._failed is None:
+                    self.current = ("waiting for an event of another stream", time.perf_counter())
+                    try:
+                        item[1].wait()
+                        if item[1].error is not None:
+                            self._failed = item[1].error
+                    except Aborted as e:
+                        self._failed = e
+                    self.current = None
+            elif op == _POISON:
+                if self._failed is None:
+                    self._failed = item[1]
+            elif op == _SLEEP:
+                self.current = ("stalled", time.perf_counter())
+                time.sleep(item[1])
+                self.current = None
+            elif op == _RESET:
+                self._failed = None
+                item[1].set()
+            elif op == _STOP:
+                return
+
+    # ------------------------------------------------------------------ lifetime
+    def reset(self) -> None:
+        """Drain the stream (waits cut short by the abort) and clear its errors."""
+        done = threading.Event()
+        self._queue.put((_RESET, done))
+        done.wait()
+        self._error = None
 
     def stop(self, timeout: float | None = None) -> None:
-        """End the stream's thread once its queue is done (``timeout``: stop waiting for a closure
+        """End the stream's thread once its queue is done (``timeout``: stop waiting for a kernel
         that never returns; the daemon thread then ends with the process)."""
         self._queue.put((_STOP, None))
         self._thread.join(timeout)
 
-    def _loop(self) -> None:
-        torch.set_num_threads(1)  # one intra-op thread per worker stream (docs/design.md §4)
-        while True:
-            op, arg = self._queue.get()
-            if op is _STOP:
-                return
-            self.current = None
-            if op == "record":
-                arg.clock = dict(self.clock)
-                arg.fire(self._error)
-            elif self._error is not None:
-                # A poisoned stream skips work until it is reset, and drops the closure now: kept
-                # in ``arg`` while the loop waits for the next one, what it captured (device tensors
-                # of the failed step) would stay alive until the next step.
-                arg = None
-                continue
-            elif op == "wait":
-                self.current = ("waiting for an event of another stream", time.perf_counter())
-                try:
-                    arg.wait()
-                    if arg.error is not None:
-                        self._error = arg.error
-                    for stream, t in arg.clock.items():
-                        if t > self.clock.get(stream, 0):
-                            self.clock[stream] = t
-                except Aborted as e:
-                    self._error = e
-            else:
-                fn, label, name = arg
-                del arg
-                backend = self.device.backend
-                start = time.perf_counter()
-                self.current = (f"running {name}", start)
-                try:
-                    if self._mode is None:
-                        fn()
-                    else:
-                        self._mode.run(fn, name)
-                except BaseException as e:  # carried to whoever synchronizes, never swallowed
-                    self._error = e
-                    if not isinstance(e, Aborted):
-                        backend.report(e)
-                del fn  # what the closure captured must not outlive it (live memory counts it)
-                if label is not None and self.name == "compute":
-                    faults.after_compute(self.device.name, start)  # a slow fault (free when off)
-                if label is not None and backend.recording:
-                    t0 = backend.recording_origin
-                    backend.record_span(
-                        (
-                            self.device.index,
-                            self.name,
-                            label[0],
-                            label[1],
-                            start - t0,
-                            time.perf_counter() - t0,
-                        )
-                    )
 
-    def reset(self) -> None:
-        self.synchronize_quietly()
-        self._error = None
-
-    def synchronize_quietly(self) -> None:
-        ev = self.record_event()
-        ev._done.wait()
-
-
-STOP_TIMEOUT_S = 10.0  # how long close waits for a stream's running closure to return
+STOP_TIMEOUT_S = 10.0  # how long close waits for a stream's running kernel to return
+ALLOCATING_STREAMS = 1  # the streams whose closures allocate device memory: compute alone
 
 
 class PinnedBytes:
@@ -209,21 +293,73 @@ class PinnedBytes:
 PINNED = PinnedBytes()
 
 
+class AllocatorMemory(DeviceMemory):
+    """A virtual device's memory as CUDA reports it: allocated (``in_use``, ``peak``) and reserved
+    bytes of its caching allocator (``cpu_allocator.py``)."""
+
+    measured = True
+
+    def __init__(self, allocator: CachingAllocator):
+        self.allocator = allocator
+
+    @property
+    def capacity(self) -> int | None:
+        return self.allocator.capacity
+
+    @property
+    def in_use(self) -> int:
+        return self.allocator.allocated
+
+    @property
+    def peak(self) -> int:
+        return self.allocator.peak_allocated
+
+    @property
+    def reserved(self) -> int:
+        return self.allocator.reserved
+
+    @property
+    def reserved_peak(self) -> int:
+        return self.allocator.peak_reserved
+
+    def stats(self) -> dict:
+        return self.allocator.stats()
+
+    def reset_peak(self) -> None:
+        self.allocator.reset_peaks()
+
+
 class CpuDevice(Device):
-    def __init__(self, backend: CpuBackend, index: int, capacity: int | None):
+    def __init__(self, backend: CpuBackend, index: int, capacity: int | None, rules: AllocatorRules | None):
         name = f"cpu:{index}"
         super().__init__(backend, index, name, torch.device("cpu"), backend.sanitizer)
-        self.memory = LiveMemory(name, capacity, measured=backend.watching)
+        self.allocator = CachingAllocator(
+            self,
+            capacity,
+            rules or AllocatorRules.for_capacity(capacity),
+            registry=backend.blocks,
+            on_sync=lambda what: backend.host_syncs.add(what, call_site()),
+            on_free=backend.sanitizer.check_free,
+        )
+        self.memory = AllocatorMemory(self.allocator)
         self.streams = {n: CpuStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
 
     def free_bytes(self) -> int | None:
-        """The capacity less the bytes alive on the device (None without a capacity: unbounded)."""
+        """The capacity less the bytes allocated on the device and the allocator's slack (its cached
+        segments count as free, as on CUDA; None without a capacity: unbounded)."""
         capacity = self.memory.capacity
-        return None if capacity is None else max(0, capacity - self.memory.in_use)
+        if capacity is None:
+            return None
+        return max(0, capacity - self.memory.in_use - self.allocation_slack())
+
+    def allocation_slack(self) -> int:
+        """What the caching allocator may reserve beyond the bytes a plan counts: a partly used
+        segment of each size per stream that allocates (``AllocatorRules.overhead``)."""
+        return self.allocator.rules.overhead(ALLOCATING_STREAMS)
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         self.count_in(host)
-        out = torch.empty(host.shape, dtype=dtype or host.dtype)  # device memory: the sanitizer sees it
+        out = torch.empty(host.shape, dtype=dtype or host.dtype)  # device memory (the allocator's)
         out.copy_(host)
         return out
 
@@ -239,38 +375,57 @@ class CpuDevice(Device):
 
     @contextmanager
     def seeded(self, seed: int):
-        # The CPU generator is process-wide, so virtual devices take turns while seeded.
-        with self.backend.rng_lock, torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)  # the CPU's only, not a GPU's if there is one
+        # The block's random kernels draw from their own generator, in stream order: no lock is held
+        # while the work is issued, and a recomputation issued with the same seed draws the same.
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        with task_generator(generator):
             yield
 
 
 class CpuBackend(Backend):
-    """``cpu:N``: N virtual devices, each with its own stream threads and memory ledger."""
+    """``cpu:N``: N virtual devices, each with its own stream threads, allocator and memory ledger."""
 
     name = "cpu"
 
-    def __init__(self, num_devices: int, capacity: int | None = None, sanitize: bool | None = None):
+    def __init__(
+        self,
+        num_devices: int,
+        capacity: int | None = None,
+        sanitize: bool | None = None,
+        rules: AllocatorRules | None = None,
+    ):
         self.aborted = False
         self.errors: list[BaseException] = []
-        self.rng_lock = threading.RLock()
+        self.sticky: BaseException | None = None  # a sticky device error (``testing.faults``)
         if sanitize is None:
             sanitize = os.environ.get("ROUNDPIPE_SANITIZE", "") not in ("", "0")
-        self.sanitizer = Sanitizer(checking=sanitize)
-        # Watching every operation costs (Python sees each op: up to 2x on tiny layers, and the
-        # workers then contend for the GIL), so it is on only when something depends on it: the
-        # checks, or a capacity to enforce. Otherwise device memory is not measured (peak: None).
-        self.watching = bool(sanitize) or capacity is not None
-        self.devices = [CpuDevice(self, i, capacity) for i in range(num_devices)]
+        self.blocks: dict = {}  # storage data ptr -> allocated block, every device
+        self.known = threading.local()  # per thread: what it has seen run (``known_clock``)
+        self.sanitizer = Sanitizer(checking=bool(sanitize), blocks=self.blocks)
+        self.host_syncs = HostSyncs()
+        self.devices = [CpuDevice(self, i, capacity, rules) for i in range(num_devices)]
+
+    def completed_clock(self, event) -> dict | None:
+        """The vector clock of what is known to have run when ``event`` has happened (None: what the
+        calling thread has seen run); None for an event that carries no clock."""
+        if event is None:
+            return known_clock(self)
+        return getattr(event, "clock", None)
+
+    def block_of(self, t: torch.Tensor):
+        """The device block ``t`` lives in (None: host memory)."""
+        return self.blocks.get(t.untyped_storage().data_ptr())
 
     def check_empty(self) -> None:
+        self.sanitizer.raise_violations()
         for dev in self.devices:
             held = self.sanitizer.held(dev)
             if held:
                 listed = "; ".join(r.describe() for r in held[:5])
                 more = f" and {len(held) - 5} more" if len(held) > 5 else ""
                 raise StreamProtocolError(
-                    f"{dev.name} still holds {len(held)} tensors ({sum(r.nbytes for r in held):,} bytes) "
+                    f"{dev.name} still holds {len(held)} tensors ({sum(r.size for r in held):,} bytes) "
                     f"after the step: {listed}{more}. Workers are stateless: release everything a "
                     "step put on a device before it ends"
                 )
@@ -304,11 +459,37 @@ class CpuBackend(Backend):
     def abort(self) -> None:
         self.aborted = True
 
+    def synchronized(self) -> None:
+        """Every stream has run everything issued to it (the host waited for all of them, as after
+        ``torch.cuda.synchronize``): from now on all that work is ordered before anything issued."""
+        streams = [s for dev in self.devices for s in dev.streams.values()]
+        merged: dict = {}
+        for s in streams:
+            for other, t in s.clock.items():
+                if t > merged.get(other, 0):
+                    merged[other] = t
+        for s in streams:
+            s.clock.update(merged)
+
+    def report(self, error: BaseException) -> None:
+        cause = error
+        while cause is not None and self.sticky is None:
+            if getattr(cause, "sticky", False):
+                self.sticky = cause  # as a sticky CUDA error: nothing runs on this backend again
+            cause = cause.__cause__
+        super().report(error)
+
     def reset(self) -> None:
+        if self.sticky is not None:  # CUDA's reset synchronizes the device, which raises again
+            raise RuntimeError(
+                f"the device cannot be reset after a sticky error ({self.sticky}); as with a CUDA error "
+                "such as an illegal memory access, nothing can run on it in this process again"
+            )
         # Drain while still aborted, so a stream stuck on an event that will never fire lets go.
         for dev in self.devices:
             for s in dev.streams.values():
                 s.reset()
+        self.synchronized()
         self.sanitizer.abandon()
         self.aborted = False
         self.errors = []
@@ -317,4 +498,4 @@ class CpuBackend(Backend):
         self.aborted = True
         for dev in self.devices:
             for s in dev.streams.values():
-                s.stop(timeout=STOP_TIMEOUT_S)  # a closure stuck for good (a stalled worker) stays behind
+                s.stop(timeout=STOP_TIMEOUT_S)  # a kernel stuck for good (a stalled worker) stays behind

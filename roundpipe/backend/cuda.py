@@ -23,8 +23,11 @@ from roundpipe.backend.base import (
     DeviceMemory,
     Event,
     Stream,
+    as_device_error,
 )
-from roundpipe.errors import DeviceOutOfMemory
+from roundpipe.backend.cpu_allocator import CUDA_RULES
+
+ALLOCATING_STREAMS = 1  # the streams whose closures allocate device memory: compute alone
 
 
 class CudaEvent(Event):
@@ -66,10 +69,7 @@ class CudaStream(Stream):
                     end.record(self.stream)
                     backend._pending_spans.append((self.device, self.name, label, start, end))
         except BaseException as e:  # same semantics as the cpu backend: poison, carry to the waiter
-            if isinstance(e, torch.cuda.OutOfMemoryError):
-                dev = self.device
-                what = name or (label[0] if label else "work on " + self.name)
-                e = DeviceOutOfMemory(dev.name, what, 0, dev.memory.in_use, dev.memory.capacity or 0)
+            e = as_device_error(e, self.device, name or (label[0] if label else "work on " + self.name))
             self._error = e
             self.device.backend.report(e)
 
@@ -105,6 +105,31 @@ class CudaMemory(DeviceMemory):
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.gpu)
 
+    @property
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.gpu)
+
+    @property
+    def reserved_peak(self) -> int:
+        return torch.cuda.max_memory_reserved(self.gpu)
+
+    def stats(self) -> dict:
+        s = torch.cuda.memory_stats(self.gpu)
+        return {
+            "allocated_bytes": s.get("allocated_bytes.all.current", 0),
+            "allocated_bytes_peak": s.get("allocated_bytes.all.peak", 0),
+            "requested_bytes": s.get("requested_bytes.all.current", 0),
+            "requested_bytes_peak": s.get("requested_bytes.all.peak", 0),
+            "reserved_bytes": s.get("reserved_bytes.all.current", 0),
+            "reserved_bytes_peak": s.get("reserved_bytes.all.peak", 0),
+            "active_bytes": s.get("active_bytes.all.current", 0),
+            "active_bytes_peak": s.get("active_bytes.all.peak", 0),
+            "segments": s.get("segment.all.current", 0),
+            "segment_allocations": s.get("segment.all.allocated", 0),
+            "num_alloc_retries": s.get("num_alloc_retries", 0),
+            "num_ooms": s.get("num_ooms", 0),
+        }
+
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.gpu)
 
@@ -123,11 +148,16 @@ class CudaDevice(Device):
     def free_bytes(self) -> int:
         """What the driver has free on the GPU plus what the caching allocator holds for this
         process unused (roundpipe's own cached blocks are usable), shared out among the workers
-        of the GPU."""
+        of the GPU, less the allocator's slack."""
         gpu = self.torch_device
         free, _total = torch.cuda.mem_get_info(gpu)
         cached = torch.cuda.memory_reserved(gpu) - torch.cuda.memory_allocated(gpu)
-        return (free + max(0, cached)) // self.backend.workers_per_gpu
+        return max(0, (free + max(0, cached)) // self.backend.workers_per_gpu - self.allocation_slack())
+
+    def allocation_slack(self) -> int:
+        """Partly used segments of the caching allocator (``AllocatorRules.overhead``, CUDA's
+        constants) for each stream that allocates."""
+        return CUDA_RULES.overhead(ALLOCATING_STREAMS)
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         self.count_in(host)

@@ -129,10 +129,15 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def build_context(
-        self, context_module: nn.Module, inputs: MicrobatchInputs, dtype: torch.dtype
+        self,
+        context_module: nn.Module,
+        inputs: MicrobatchInputs,
+        dtype: torch.dtype,
+        mask_all_ones: bool | None = None,
     ) -> LayerContext:
         """Build masks and position embeddings for ``inputs`` (already on the worker's device).
 
         ``context_module`` is a device copy of ``self.context_module``; ``dtype`` is the dtype of
-        the hidden states the blocks will see (masks and rotary tables follow it, as in HF).
+        the hidden states the blocks will see (masks and rotary tables follow it, as in HF);
+        ``mask_all_ones``: no token is padded, as the host copy of the mask says (None: unknown).
         """

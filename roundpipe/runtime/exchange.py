@@ -23,6 +23,9 @@ class Slot:
     def __init__(self, value: Any = None):
         self.value = value
 
+    def fill(self, value: Any) -> None:
+        self.value = value
+
 
 class HandOff(Slot):
     """A host tensor handed from one task to its consumers (an activation or a gradient).
@@ -68,6 +71,20 @@ class AllDone:
 
     def query(self) -> bool:
         return all(e.query() for e in self.events)
+
+    @property
+    def clock(self) -> dict | None:
+        """What is known to have run once every event has happened (their clocks merged); None if
+        one of them carries no clock."""
+        merged: dict = {}
+        for e in self.events:
+            clock = getattr(e, "clock", None)
+            if clock is None:
+                return None
+            for stream, t in clock.items():
+                if t > merged.get(stream, 0):
+                    merged[stream] = t
+        return merged
 
 
 class AbortedWait(RuntimeError):

@@ -77,6 +77,7 @@ class Executor:
             try:
                 for ev in final_events:
                     ev.synchronize()
+                self.backend.synchronized()
                 self.hostq.drain()
                 self.backend.check_empty()  # stateless workers: nothing stays on a device
                 return
@@ -158,7 +159,10 @@ class Executor:
         except BaseException as e:
             late.append(e)
         late = list(self.backend.errors) + late
-        self.backend.reset()
+        try:
+            self.backend.reset()
+        except BaseException as e:  # a sticky device error: the device itself is unusable now
+            self.broken = f"the device cannot be reset ({type(e).__name__}: {e})"
         for w in self.workers:
             w.reset()
             w.device.ledger.clear()

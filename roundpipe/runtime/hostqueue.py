@@ -27,10 +27,14 @@ class HostQueue:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], None], event: Event | None = None) -> None:
+    def submit(self, fn: Callable[[], None], event: Event | None = None) -> threading.Event:
+        """Queue ``fn`` to run once ``event`` has happened; returns what is set once the job is over
+        (run, failed, or skipped after an earlier failure): the back-pressure a producer waits on."""
         with self._idle:
             self._pending += 1
-        self._queue.put((event, fn))
+        over = threading.Event()
+        self._queue.put((event, fn, over))
+        return over
 
     @property
     def pending(self) -> int:
@@ -49,13 +53,13 @@ class HostQueue:
             raise err
 
     def close(self) -> None:
-        self._queue.put((None, _STOP))
+        self._queue.put((None, _STOP, None))
         self._thread.join()
 
     def _loop(self) -> None:
         torch.set_num_threads(1)
         while True:
-            event, fn = self._queue.get()
+            event, fn, over = self._queue.get()
             if fn is _STOP:
                 return
             try:
@@ -66,6 +70,8 @@ class HostQueue:
             except BaseException as e:  # carried to the caller by drain()
                 self.error = e
             finally:
+                over.set()
+                del event, fn, over  # what the job captured (host gradient buffers) goes now
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()

@@ -433,7 +433,7 @@ class Pipeline:
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
         table = profiling_table(len(self.adapter.layers), len(self.backend.devices), len(microbatches))
         self._planner.check_table_memory(table, len(microbatches), tuple(input_ids.shape))
-        plan = build_flow_plan(table, fuse=False)
+        plan = build_flow_plan(table, fuse=False, frozen=self.store.frozen_prefix)
         spans = []
         self.weight_bound = False
         for _ in range(steps):

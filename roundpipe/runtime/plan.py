@@ -55,10 +55,10 @@ class FlowPlan:
         return self.table.forward.num_layers
 
 
-def build_flow_plan(table: ScheduleTable, fuse: bool = True) -> FlowPlan:
+def build_flow_plan(table: ScheduleTable, fuse: bool = True, frozen: int = 0) -> FlowPlan:
     """``fuse=False`` (profiling, and a loss that needs every forward before any backward) runs the
     head's F and B as separate tasks even when adjacent, and every forward task over its whole
-    stage.
+    stage. ``frozen``: the first layers that train nothing (``schedule.flow.stage_work``).
 
     Raises:
         NotImplementedError: the table has ``I`` or ``W`` tasks (a split backward).
@@ -66,5 +66,5 @@ def build_flow_plan(table: ScheduleTable, fuse: bool = True) -> FlowPlan:
     for t in table.tasks():
         if t.kind not in EXECUTED_KINDS:
             raise NotImplementedError(f"task kind {t.kind} ({t}) is not executed by this runtime yet")
-    ops = device_flows(table, fuse=fuse, full_forward=not fuse)
+    ops = device_flows(table, fuse=fuse, full_forward=not fuse, frozen=frozen)
     return FlowPlan(table, [[TaskFlow.of(op) for op in row] for row in ops], consumer_counts(ops))

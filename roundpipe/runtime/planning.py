@@ -66,6 +66,9 @@ class Planner:
         self.store = store
         self.device_names = tuple(d.name for d in backend.devices)
         self.capacity = backend.devices[0].memory.capacity
+        # What a plan may use of a device: its capacity less its allocator's slack (None: unbounded).
+        slack = backend.devices[0].allocation_slack()
+        self.usable = None if self.capacity is None else max(0, self.capacity - slack)
         self.devices = backend.devices  # asked for their free bytes before a plan first runs
         self._memory_checked: set[tuple] = set()  # plans (and batch shapes) whose memory fits
         self.layer_times: dict[str, tuple[float, float]] | None = None
@@ -176,7 +179,7 @@ class Planner:
                 times, tokens, self._layer_costs, num_devices=d, batch=batch, seq_len=seq_len,
                 policies=policies, options=options, partition=partition,
                 microbatches=None if c.num_microbatches == "auto" else c.num_microbatches,
-                budget=None if self.capacity is None else int(self.capacity * BUDGET_SHARE),
+                budget=None if self.usable is None else int(self.usable * BUDGET_SHARE),
             )  # fmt: skip
         except PlanError as err:
             if (c.policy, c.partition) != ("auto", "auto"):
@@ -335,7 +338,9 @@ class Planner:
             # A loss over every forward: the head's F and B run apart (a fused pair would be a
             # backward waiting for the forwards of its own kind) and every forward over its whole
             # stage (so that no backward is the first to run a layer's forward).
-            plan = self._plans[key] = build_flow_plan(table, fuse=not self.forwards_first)
+            plan = self._plans[key] = build_flow_plan(
+                table, fuse=not self.forwards_first, frozen=self.store.frozen_prefix
+            )
         self._check_memory(decision, plan)
         return plan
 
@@ -359,9 +364,7 @@ class Planner:
             return
         batch, seq_len = shape
         samples = -(-batch // m)  # the largest microbatch of an uneven split
-        spec = POLICIES.get(table.policy)
-        rotates = self.config.schedule is None and spec is not None and spec.rotates
-        peaks = memory_guard.device_peaks(self._layer_costs(samples * seq_len), table, rotates)
+        peaks = self.planned_peaks(table, m, shape)
         memory_guard.check(
             peaks,
             [d.free_bytes() for d in self.devices],
@@ -370,6 +373,16 @@ class Planner:
             levers=lambda peak: "; ".join(self._memory_levers(peak, table.policy, batch, seq_len, m)),
         )
         self._memory_checked.add(key)
+
+    def planned_peaks(self, table, m: int, shape: tuple[int, int]) -> list:
+        """Per device, the planned peak bytes of ``table`` run on ``m`` microbatches of a batch of
+        ``shape`` (a ``memory_guard.StagePeak``, or None for a device that runs nothing): the
+        partitioner's memory rule over the estimated layer bytes of the largest microbatch."""
+        batch, seq_len = shape
+        samples = -(-batch // m)  # the largest microbatch of an uneven split
+        spec = POLICIES.get(table.policy)
+        rotates = self.config.schedule is None and spec is not None and spec.rotates
+        return memory_guard.device_peaks(self._layer_costs(samples * seq_len), table, rotates)
 
     def _memory_levers(self, peak, policy: str, batch: int, seq_len: int, m: int) -> list[str]:
         """What lowers a device's planned peak, by ``RunConfig`` key (and the recipe's)."""

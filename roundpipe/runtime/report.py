@@ -39,6 +39,8 @@ class Recorder:
         for d in self.backend.devices:
             d.memory.reset_peak()
             d.ledger.reset_peak()
+        if self.backend.host_syncs is not None:
+            self.backend.host_syncs.reset()
         self._bytes_at_start = {d.index: (d.bytes_in, d.bytes_out) for d in self.backend.devices}
         self._host_spans = []
         self.backend.start_recording()
@@ -84,8 +86,11 @@ class Recorder:
                     "bubble_fraction": (max(0.0, wall - busy) / wall) if wall else 0.0,
                     "bytes_to_device": d.bytes_in - start_in,
                     "bytes_to_host": d.bytes_out - start_out,
-                    # measured: live tensors (cpu, when watched), the allocator (CUDA); else None
+                    # measured by the caching allocator (CUDA's, or the cpu backend's model of it):
+                    # bytes allocated to live tensors, and bytes reserved from the device
                     "peak_bytes": d.memory.peak if d.memory.measured else None,
+                    "reserved_peak_bytes": d.memory.reserved_peak if d.memory.measured else None,
+                    "allocator": d.memory.stats(),
                     "planned_peak_bytes": d.ledger.peak,  # what the runtime booked in its ledger
                 }
             )
@@ -96,6 +101,9 @@ class Recorder:
             "host_busy_s": host,
             "host_handoff_peak_bytes": self.host_memory.peak,
             "host_memory": self.host_stats() if self.host_stats is not None else {},
+            # reads of device data on the host in the last step (each stalls the issuing thread until
+            # its stream drains): how many and where; None where the backend cannot count them
+            "host_syncs": None if self.backend.host_syncs is None else self.backend.host_syncs.report(),
         }
 
     def timeline(self, policy: str):

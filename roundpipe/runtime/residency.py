@@ -1,8 +1,9 @@
 """Which layers' weights a device holds, and the uploads and releases that keep it so.
 
-A layer's weights are uploaded on the device's ``h2d_weights`` stream, cut into chunks of
-``copy_chunk_bytes`` so that an urgent activation copy (on its own stream) is never stuck behind a
-whole layer, and released in ``compute``-stream order after the last task that used them. The
+A layer's weights are allocated on the ``compute`` stream (as every device allocation is), uploaded
+on the device's ``h2d_weights`` stream, cut into chunks of ``copy_chunk_bytes`` so that an urgent
+activation copy (on its own stream) is never stuck behind a whole layer, and released in
+``compute``-stream order after the last task that used them. The
 resident set is the current task's layers plus, with prefetch, the next task's; weight-bound
 tables also keep layers the device runs again within the weight cache budget (Belady: the one
 needed furthest ahead goes first). Residency thus follows from the table and a budget, with no
@@ -54,11 +55,6 @@ class WeightResidency:
             evict = self._beyond_budget(keep, evict, remaining)
         for i in evict:
             self._release(i)
-        if evict:
-            # Every later upload (needed now or prefetched) may only take memory the released layers
-            # gave back, i.e. it waits until the compute that last used them is done.
-            streams = self.device.streams
-            streams["h2d_weights"].wait_event(streams["compute"].record_event())
         for i in need:
             if i not in self.layers:
                 self._upload(i)
@@ -107,13 +103,15 @@ class WeightResidency:
             for piece in pieces:
                 src = store.piece_source(piece)
                 trainable = store.entries[piece[0]].trainable
-                t = nn.Parameter(dev.empty(src.shape, src.dtype), requires_grad=trainable)
-                dev.hand_over(t, compute)
-                tensors[piece] = t
+                tensors[piece] = nn.Parameter(dev.empty(src.shape, src.dtype), requires_grad=trainable)
             dev.ledger.reserve(list(tensors.values()), f"weights:{name}", "weights")
             slot.value = tensors
 
-        stream.submit(allocate, name=f"weights:{name}")
+        # Allocated on compute, as every device allocation is (one caching-allocator pool, freed and
+        # reused in compute order): the copies start once compute has reached the allocation, so
+        # after the tasks that used the memory the released layers gave back.
+        compute.submit(allocate, name=f"weights:{name}")
+        stream.wait_event(compute.record_event())
         chunk = self.pipe.config.copy_chunk_bytes
         for piece in pieces:
             src = store.piece_source(piece)  # for its shape; each copy reads the source when it runs

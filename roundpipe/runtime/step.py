@@ -100,10 +100,11 @@ class StepRun:
         self.nonfinite += checks.found(flags, self._updates.names)
         self._updates.store.host.pool.release(flags)  # the host thread was its last reader
 
-    def on_grads(self, layers: range, host_grads: Slot, contributions: int, event) -> None:
+    def on_grads(self, layers: range, host_grads: Slot, contributions: int, event):
         """Worker thread: queue adding a backward stage's weight gradients, summed over
-        ``contributions`` microbatches on the device, into the fp32 buffers."""
-        self._hostq.submit(lambda: self._accumulate(layers, host_grads, contributions), event)
+        ``contributions`` microbatches on the device, into the fp32 buffers; returns what is set
+        once the host has done so (and given the download buffers back)."""
+        return self._hostq.submit(lambda: self._accumulate(layers, host_grads, contributions), event)
 
     def _accumulate(self, layers: range, host_grads: Slot, contributions: int) -> None:
         """Host thread: add gradients into the fp32 buffers; step groups that became final.

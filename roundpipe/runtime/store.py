@@ -302,6 +302,15 @@ class ParameterStore:
                     keys[k] = None
         return list(keys)
 
+    @property
+    def frozen_prefix(self) -> int:
+        """How many leading layers train nothing (the embedding under LoRA): no gradient is handed
+        down into them (``schedule.flow.stage_work``'s ``frozen``)."""
+        for i in range(len(self.bindings)):
+            if self.trainable_keys((i,)):
+                return i
+        return len(self.bindings)
+
     def layer_pieces(self, layer: int) -> list[Piece]:
         """Distinct pieces a layer's upload holds (in first-use order)."""
         return list(dict.fromkeys(b.piece for b in self.bindings[layer]))

@@ -24,9 +24,11 @@ import torch
 from torch import nn
 
 from roundpipe.backend import Device
+from roundpipe.backend.base import as_device_error
 from roundpipe.errors import DeviceOutOfMemory, RoundpipeError, StageError
 from roundpipe.models.base import MicrobatchInputs
-from roundpipe.runtime.exchange import HandOff, Slot
+from roundpipe.models.mask_facts import host_all_ones
+from roundpipe.runtime.exchange import AbortedWait, HandOff, Slot
 from roundpipe.runtime.numerics import TaskChecks
 from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.residency import Resident, WeightResidency
@@ -40,6 +42,24 @@ if TYPE_CHECKING:
 # streams already keep two tasks in flight; one more issued ahead lets a consumer on another device
 # find its hand-offs issued in time (with 2 the cpu:2 scaling benchmark lost ~10%).
 ISSUE_AHEAD = 3
+
+
+def task_error(e: BaseException, device: Device, message: str, **where) -> BaseException:
+    """What a failure inside a closure becomes for the caller (the one place this is decided): the
+    allocator running out (CUDA's or the cpu backend's model) is ``DeviceOutOfMemory`` naming the
+    device and the task; a roundpipe error stays as it is; anything else is a ``StageError`` with
+    ``message`` and ``where`` it happened (task, stage, layer, microbatch, step), caused by ``e``."""
+    e = as_device_error(e, device, str(where.get("task", "?")))
+    if isinstance(e, DeviceOutOfMemory):
+        if getattr(e, "task", None) is None:
+            e.task, e.layer = where.get("task"), where.get("layer")
+            e.microbatch, e.step = where.get("microbatch"), where.get("step")
+        return e
+    if isinstance(e, RoundpipeError):
+        return e
+    err = StageError(message, device=device.name, **where)
+    err.__cause__ = e
+    return err
 
 
 def make_shell(module: nn.Module) -> nn.Module:
@@ -162,32 +182,79 @@ class Worker:
     def _ensure_context_module(self) -> Slot:
         """The rotary tables' module on this device (buffers only), uploaded once per step."""
         if self._context_module is None:
+            module = self.pipe.adapter.context_module
             slot = Slot()
-            dev, module = self.device, self.pipe.adapter.context_module
-            compute = self.streams["compute"]
+            sources = [
+                (target, n, t.detach(), is_param)
+                for sub_name, sub in module.named_modules()
+                for target in (sub_name,)
+                for table, is_param in ((sub._buffers, False), (sub._parameters, True))
+                for n, t in table.items()
+                if t is not None
+            ]
+            copied = self._upload([t for _, _, t, _ in sources], "context module", "context")
 
-            def upload():
+            def assemble():  # compute stream, after the copies
                 m = make_shell(module)
-                for sub_name, sub in module.named_modules():
-                    target = m.get_submodule(sub_name)
-                    for n, b in sub._buffers.items():
-                        if b is not None:
-                            target._buffers[n] = dev.to_device(b)
-                    for n, p in sub._parameters.items():
-                        if p is not None:
-                            target._parameters[n] = nn.Parameter(
-                                dev.to_device(p.detach()), requires_grad=False
-                            )
-                tensors = device_tensors(m)
-                for t in tensors:
-                    dev.hand_over(t, compute)
-                dev.ledger.reserve(tensors, "context module", "context")
+                for (target, n, _, is_param), t in zip(sources, copied.value):
+                    owner = m.get_submodule(target)
+                    if is_param:
+                        owner._parameters[n] = nn.Parameter(t, requires_grad=False)
+                    else:
+                        owner._buffers[n] = t
+                copied.value = None
                 slot.value = m
 
-            self.streams["h2d"].submit(upload, name="context module")
-            compute.wait_event(self.streams["h2d"].record_event())
+            self.streams["compute"].submit(assemble, name="context module")
             self._context_module = slot
         return self._context_module
+
+    def _upload(
+        self, sources: list, what: str, tag: str, *, after=None, label=None, task=None, single=False
+    ) -> Slot:
+        """Copy host tensors (None: skipped) onto this device; returns the slot of the device tensors
+        (a list in order, or the one tensor when ``single``) that compute may read from here on.
+
+        Every device allocation is made on the compute stream, so that a device's memory is one
+        caching-allocator pool, freed and reused in compute order: the copies run on ``h2d`` after
+        compute has reached the allocation (and after ``after``, the event of the download that
+        fills the host tensors), and compute waits for them before it goes on. ``task``: the step
+        and task of a hand-off upload (its ``upload`` fault point; a failure names the task)."""
+        dev, streams = self.device, self.streams
+        compute, h2d = streams["compute"], streams["h2d"]
+        slot = Slot()
+
+        def allocate():
+            made = [None if t is None else dev.empty(t.shape, t.dtype) for t in sources]
+            dev.ledger.reserve(made, what, tag)
+            slot.value = made[0] if single else made
+
+        compute.submit(allocate, name=f"allocate {what}")
+        h2d.wait_event(compute.record_event())
+        if after is not None:
+            h2d.wait_event(after)
+
+        def copy():
+            if task is not None:
+                step, name, mb = task
+                try:
+                    faults.point("upload", step=step, device=dev.name)
+                except BaseException as e:
+                    raise task_error(
+                        e,
+                        dev,
+                        f"upload of {what} for {name} failed: {e}",
+                        task=name,
+                        microbatch=mb,
+                        step=step,
+                    ) from e
+            for dst, src in zip((slot.value,) if single else slot.value, sources):
+                if src is not None:
+                    dev.copy_in(dst, src)
+
+        h2d.submit(copy, label, name=what)
+        compute.wait_event(h2d.record_event())
+        return slot
 
     def _context(self, step: StepRun, mb: int) -> tuple[Slot, Slot]:
         """Upload microbatch ``mb``'s inputs and build its layer context (masks, rotary tables) on
@@ -206,21 +273,19 @@ class Worker:
         inputs, ctx, held = Slot(), Slot(), Slot([])  # held: what the ledger books for them
         self._slots += [inputs, ctx, held]
         compute, h2d = self.streams["compute"], self.streams["h2d"]
+        uploaded = self._upload(staged, f"inputs.{mb}", "context")
+        copied = h2d.record_event()
+        for t in staged:
+            if t is not None:
+                backend.host_release(t, copied)
 
-        def upload():
-            inputs.value = MicrobatchInputs(*(None if t is None else dev.to_device(t) for t in staged))
-            copied = h2d.record_event()
-            for t in staged:
-                if t is not None:
-                    backend.host_release(t, copied)
-            tensors = device_tensors(inputs.value)
-            for t in tensors:
-                dev.hand_over(t, compute)
-            dev.ledger.reserve(tensors, f"inputs.{mb}", "context")
-            held.value.append(tensors)
+        all_ones = host_all_ones(step.microbatches[mb].attention_mask)  # the host knows: no sync
 
         def build():
-            c = adapter.build_context(module.value, inputs.value, dtype)
+            inputs.value = MicrobatchInputs(*uploaded.value)
+            held.value.append([t for t in uploaded.value if t is not None])
+            uploaded.value = None
+            c = adapter.build_context(module.value, inputs.value, dtype, mask_all_ones=all_ones)
             c.head_chunk_tokens = self.pipe.config.head_chunk_tokens
             seen = {t.untyped_storage().data_ptr() for t in (*held.value[0], *device_tensors(module.value))}
             tensors = device_tensors(c, seen)  # only what the build made: not the inputs or tables
@@ -228,8 +293,6 @@ class Worker:
             held.value.append(tensors)
             ctx.value = c
 
-        h2d.submit(upload, name=f"inputs.{mb}")
-        compute.wait_event(h2d.record_event())
         compute.submit(build, (f"ctx.{mb}", "context"))
         self._ctx = (mb, inputs, ctx, held)
         return inputs, ctx
@@ -260,7 +323,8 @@ class Worker:
         self._slots: list[Slot] = []  # what this step's tasks fill (emptied by reset after a failure)
         self._computed = []
         self._downloaded: list = []  # downloads-done event of each issued task
-        self._grads_downloaded: list = []  # downloads-done event of each flushed accumulator
+        self._outputs: list = []  # (downloaded, [(slot, what)]) of the tasks whose outputs are kept
+        self._draining: list = []  # (downloaded, slot, what) of each flushed gradient accumulator
         self._acc: Slot | None = None  # open weight-gradient accumulator (see _accumulator)
         self._acc_range, self._acc_count = range(0), 0
         ready = self.pipe.config.order == "ready"
@@ -272,6 +336,8 @@ class Worker:
             self._issue(step, flow, upcoming, remaining)
             self.tasks_done += 1
         self.flush_grads(step)
+        self._drop_outputs(keep=0)
+        self._drop_gradients(keep=0)
         self.release_all()
         self.status = "done"
 
@@ -326,15 +392,12 @@ class Worker:
         self._wait_for_the_device(label)
         residents = self.weights.ensure(layers_all, upcoming, remaining)
 
-        # At most two tasks in flight per device on the streams too: the inputs of this task (its
-        # hand-offs and its microbatch's inputs) may only arrive once the compute two tasks back is
-        # done, and this compute may only start once the downloads two tasks back are done;
-        # otherwise the copy streams run ahead and device memory grows with the microbatch count.
-        if len(self._computed) >= 2:
-            streams["h2d"].wait_event(self._computed[-2])
-        if len(self._downloaded) >= 2:
-            streams["compute"].wait_event(self._downloaded[-2])
-        inputs, ctx = self._context(step, mb)  # its microbatch inputs upload after those waits too
+        # At most two tasks in flight per device on the streams too: this compute starts once the
+        # downloads two tasks back are done, and frees those outputs first (so the device holds the
+        # outputs of two tasks at most); its inputs (hand-offs and the microbatch's) are allocated on
+        # compute after that, so their copies start once compute has reached them.
+        self._drop_outputs(keep=1)
+        inputs, ctx = self._context(step, mb)
 
         incoming = self._issue_incoming(step, flow, label)
         streams["compute"].wait_event(streams["h2d"].record_event())
@@ -383,34 +446,19 @@ class Worker:
                 self.flush_grads(step)
 
     def _issue_incoming(self, step: StepRun, flow: TaskFlow, label: str) -> dict[tuple, Slot]:
-        """Upload the task's incoming hand-offs (activation and/or gradient) on ``h2d``, in that
-        order, each handed over to ``compute`` and reserved until the compute releases it."""
-        dev, streams = self.device, self.streams
+        """Upload the task's incoming hand-offs (activation and/or gradient), in that order, each
+        reserved until the compute releases it (``_upload``)."""
+        h2d = self.streams["h2d"]
         incoming: dict[tuple, Slot] = {}
         for key in flow.consumes:
             self.status = f"{label}: waiting for {key[0]}[{key[1]}] of microbatch {key[2]}"
             host_slot, event = step.exchange.get(key)
-            dev_slot = Slot()
-            if event is not None:
-                streams["h2d"].wait_event(event)
             what = f"{key[0]}[{key[1]}].{key[2]}"
-
-            def up(host_slot=host_slot, dev_slot=dev_slot, what=what, mb=key[2]):
-                try:
-                    faults.point("upload", step=step.index, device=dev.name)
-                except BaseException as e:
-                    raise StageError(
-                        f"upload of {what} for {label} failed: {e}", task=label, microbatch=mb,
-                        device=dev.name, step=step.index,
-                    ) from e  # fmt: skip
-                t = dev.to_device(host_slot.value)
-                dev.hand_over(t, streams["compute"])
-                dev.ledger.reserve(t, what, "activations")
-                dev_slot.value = t
-                host_slot.take(after=streams["h2d"].record_event())  # the copy's end frees the host buffer
-
-            streams["h2d"].submit(up, (what, "upload"))
-            incoming[key] = dev_slot
+            incoming[key] = self._upload(
+                [host_slot.value], what, "activations", after=event, label=(what, "upload"),
+                task=(step.index, label, key[2]), single=True,
+            )  # fmt: skip
+            host_slot.take(after=h2d.record_event())  # the copy's end frees the host buffer
         return incoming
 
     def _issue_downloads(
@@ -431,51 +479,63 @@ class Worker:
             )
             for key in produced
         }
-        host_loss, host_stats, host_checks = Slot(), Slot(), Slot()
+        host_loss, host_stats, host_checks = Slot(), Slot(), Slot()  # filled by the download
         checks, checks_slot = checked
+
+        mb = flow.task.microbatch
+        # (device slot, what the ledger books it as, where its host copy goes)
+        outputs = [(stats_slot, f"router.{mb}", host_stats.fill)]
+        outputs += [(s, f"{key[0]}[{key[1]}].{key[2]}", host_out[key].fill) for key, s in produced.items()]
+        outputs += [
+            (loss_slot, f"loss.{mb}", host_loss.fill),
+            (checks_slot, f"checks.{mb}", host_checks.fill),
+        ]
 
         def download():
             try:
                 faults.point("download", step=step.index, device=dev.name)
-                if stats_slot.value is not None:
-                    stats, stats_slot.value = stats_slot.value, None
-                    host_stats.value = dev.to_host(stats)
-                    dev.ledger.release(stats, f"router.{flow.task.microbatch}", "activations")
-                    del stats
-                for key, s in produced.items():
-                    v, s.value = s.value, None
-                    host_out[key].fill(dev.to_host(v))
-                    dev.ledger.release(v, f"{key[0]}[{key[1]}].{key[2]}", "activations")
-                    del v
-                if loss_slot.value is not None:
-                    loss, loss_slot.value = loss_slot.value, None
-                    host_loss.value = dev.to_host(loss)
-                    dev.ledger.release(loss, f"loss.{flow.task.microbatch}", "activations")
-                    del loss
-                if checks_slot.value is not None:
-                    flags, checks_slot.value = checks_slot.value, None
-                    host_checks.value = dev.to_host(flags)
-                    dev.ledger.release(flags, f"checks.{flow.task.microbatch}", "activations")
-                    del flags
-            except RoundpipeError:
-                raise
+                for slot, _, fill in outputs:
+                    if slot.value is not None:
+                        fill(dev.to_host(slot.value))
             except BaseException as e:
-                raise StageError(
-                    f"download after {label} failed: {e}", task=label, microbatch=flow.task.microbatch,
-                    device=dev.name, step=step.index,
+                raise task_error(
+                    e, dev, f"download after {label} failed: {e}", task=label,
+                    microbatch=flow.task.microbatch, step=step.index,
                 ) from e  # fmt: skip
 
         streams["d2h"].submit(download, (f"out:{label}", "download"))
         done = streams["d2h"].record_event()
-        for key, s in host_out.items():
-            step.exchange.put(key, s, done, step.flow_plan.consumers[key])
+        # The device outputs stay until compute has waited for this download (``_drop_outputs``):
+        # freed in compute order, their memory is reused by compute with no record_stream.
+        self._outputs.append((done, [(slot, what) for slot, what, _ in outputs]))
+        # The host reads the task's flags (and adds its loss) in queue order, before any update
+        # that could carry a non-finite value: queued before the outputs reach another device.
         if flow.layers_bwd and flow.layers_bwd.stop == self.pipe.store_num_layers:
             step.on_loss(host_loss, done)
         step.on_checks(checks, host_checks, done)
         pairs = self._router_pairs(flow) if step.router is not None else []
         if pairs:
             step.router.put(pairs, host_stats, done)
+        for key, s in host_out.items():
+            step.exchange.put(key, s, done, step.flow_plan.consumers[key])
         return done
+
+    def _drop_outputs(self, keep: int) -> None:
+        """Free the device outputs of every downloaded task but the last ``keep``, on compute after
+        their downloads (a compute-stream free: reusable by compute's next allocation at once)."""
+        compute, dev = self.streams["compute"], self.device
+        while len(self._outputs) > keep:
+            done, slots = self._outputs.pop(0)
+            compute.wait_event(done)
+
+            def free(slots=slots):
+                for slot, what in slots:
+                    if slot.value is not None:
+                        v, slot.value = slot.value, None
+                        dev.ledger.release(v, what, "activations")
+                        del v
+
+            compute.submit(free, name="release outputs")
 
     def _accumulator(self, step: StepRun, flow: TaskFlow) -> Slot:
         """The device-side fp32 sum of this backward stage's weight gradients.
@@ -487,17 +547,18 @@ class Worker:
         if self._acc is not None and self._acc_range != flow.layers_bwd:
             self.flush_grads(step)
         if self._acc is None:
-            # At most one earlier accumulator may still be on its way down while this one fills:
-            # the host waits for the one before it (on CUDA the new one is allocated at issue time).
-            if len(self._grads_downloaded) >= 2:
-                self.status = f"{flow.task}: waiting for the gradients of two stages back to download"
-                self._grads_downloaded[-2].synchronize()
+            # At most one earlier accumulator may still be on its way down while this one fills: the
+            # host waits for the one before it and frees it on compute (on CUDA the new one is
+            # allocated when this task is issued, in compute's pool).
+            self.status = f"{flow.task}: waiting for the gradients of two stages back to download"
+            self._drop_gradients(keep=1)
             self._acc, self._acc_range, self._acc_count = Slot({}), flow.layers_bwd, 0
         return self._acc
 
     def flush_grads(self, step: StepRun) -> None:
         """Download the open accumulator and hand it to the host thread (worker thread): a dict
-        ``{(entry key, rows or None): fp32 gradient of those rows}``."""
+        ``{(entry key, rows or None): fp32 gradient of those rows}``. The device accumulator stays
+        until ``_drop_gradients`` frees it on compute, after its download."""
         if self._acc is None:
             return
         acc, layers, count = self._acc, self._acc_range, self._acc_count
@@ -510,15 +571,10 @@ class Worker:
         def download():
             try:
                 faults.point("grads", step=step.index, device=dev.name, layer=first)
-                grads, acc.value = acc.value, None
-                host_grads.value = {k: dev.to_host(g) for k, g in grads.items()}
-                dev.ledger.release(list(grads.values()), f"grads:{layers}", "grads")
-                del grads
-            except RoundpipeError:
-                raise
+                host_grads.value = {k: dev.to_host(g) for k, g in acc.value.items()}
             except BaseException as e:
-                raise StageError(
-                    f"downloading the gradients of {first}.. failed: {e}", layer=first, device=dev.name,
+                raise task_error(
+                    e, dev, f"downloading the gradients of {first}.. failed: {e}", layer=first,
                     task=f"grads:{first}", step=step.index,
                 ) from e  # fmt: skip
 
@@ -526,23 +582,48 @@ class Worker:
         grads_stream.wait_event(streams["compute"].record_event())
         grads_stream.submit(download, (f"grads:{first}", "download"))
         downloaded = grads_stream.record_event()
-        self._grads_downloaded.append(downloaded)
-        step.on_grads(layers, host_grads, count, downloaded)
+        added = step.on_grads(layers, host_grads, count, downloaded)
+        self._draining.append((downloaded, added, acc, f"grads:{layers}"))
+
+    def _drop_gradients(self, keep: int) -> None:
+        """Free the device accumulators of every flushed stage but the last ``keep``: the host waits
+        for each download (so compute does not), then compute frees it. With ``keep`` 1 the host
+        also waits until the host thread has added it (back-pressure: a slow optimizer thread holds
+        at most two stages' downloaded gradients per device, not every one the device makes)."""
+        compute, dev = self.streams["compute"], self.device
+        while len(self._draining) > keep:
+            downloaded, added, acc, what = self._draining.pop(0)
+            downloaded.synchronize()
+            if keep and added is not None:
+                while not added.wait(0.05):
+                    if self.pipe.backend.aborted:
+                        raise AbortedWait(f"abandoned waiting for the host to add {what}")
+            compute.wait_event(downloaded)
+
+            def free(acc=acc, what=what):
+                grads, acc.value = acc.value, None
+                dev.ledger.release(list(grads.values()), what, "grads")
+                del grads
+
+            compute.submit(free, name=f"release {what}")
 
     def _issue_empty(self, step: StepRun, flow: TaskFlow) -> None:
-        """A task with nothing to compute (the backward of a frozen embedding, a forward whose
-        outputs nobody needs): take its hand-offs so they are freed, and account a backward."""
+        """A task with nothing to compute (a forward whose outputs nobody needs, a backward the flow
+        left empty): take its hand-offs so they are freed, and account a backward. A hand-off's host
+        buffer goes back to the pool with an event after the download that fills it (the h2d stream
+        waits for it): on CUDA the download may still be writing it when this is issued."""
+        h2d = self.streams["h2d"]
         for key in flow.consumes:
             host_slot, event = step.exchange.get(key)
             if event is not None:
-                self.streams["h2d"].wait_event(event)
-            self.streams["h2d"].submit(host_slot.take, name=f"drop {key[0]}[{key[1]}].{key[2]}")
+                h2d.wait_event(event)
+            host_slot.take(after=h2d.record_event())
         if flow.task.kind == "B":
             step.on_grads(flow.layers_bwd, Slot(), 1, None)
 
     def _backward_needed(self, flow: TaskFlow) -> bool:
         r = flow.layers_bwd
-        return r.start > 0 or bool(self.pipe.store.trainable_keys(r)) or flow.fused_with is not None
+        return bool(flow.produces) or bool(self.pipe.store.trainable_keys(r)) or flow.fused_with is not None
 
     # ----------------------------------------------------------------- compute (compute stream)
     def _compute(
@@ -570,7 +651,7 @@ class Worker:
                     del got
                     key = ("act", i + 1, t.microbatch)
                     if key in produced:
-                        self._produce(produced[key], x, f"act[{i + 1}].{t.microbatch}", "d2h")
+                        self._produce(produced[key], x, f"act[{i + 1}].{t.microbatch}")
             if flow.layers_bwd:
                 layer_name = None
                 self._backward(
@@ -580,45 +661,39 @@ class Worker:
             if stats:
                 packed = torch.stack(stats)
                 stats.clear()
-                self._produce(stats_slot, packed, f"router.{t.microbatch}", "d2h")
+                self._produce(stats_slot, packed, f"router.{t.microbatch}")
                 del packed
             packed = checks.packed()
             if packed is not None:
-                self._produce(checks_slot, packed, f"checks.{t.microbatch}", "d2h")
+                self._produce(checks_slot, packed, f"checks.{t.microbatch}")
             del packed
             for key, s in incoming.items():
                 v, s.value = s.value, None
                 dev.ledger.release(v, f"{key[0]}[{key[1]}].{key[2]}", "activations")
                 del v
-        except DeviceOutOfMemory as e:  # say which task of which step ran out, and on what plan
-            if getattr(e, "task", None) is None:
-                e.task, e.layer, e.microbatch, e.step = str(t), layer_name, t.microbatch, step.index
-                e.add_note(
+        except BaseException as e:
+            placed = getattr(e, "task", None) is not None  # an inner handler said where already
+            err = task_error(
+                e, dev, f"{type(e).__name__} in {t.kind} of stage {t.stage}: {e}",
+                task=str(t) + (f"+{flow.fused_with}" if flow.fused_with else ""), stage=t.stage,
+                layer=layer_name, microbatch=t.microbatch, step=step.index,
+            )  # fmt: skip
+            if isinstance(err, DeviceOutOfMemory) and not placed:
+                err.add_note(
                     f"while running {t} (layer {layer_name}, microbatch {t.microbatch}) of step "
                     f"{step.index} under the {step.flow_plan.table.policy} plan of "
                     f"{step.flow_plan.table.num_microbatches} microbatches; see pipe.plan"
                 )
-            raise
-        except RoundpipeError:
-            raise
-        except BaseException as e:
-            stage = t.stage
-            raise StageError(
-                f"{type(e).__name__} in {t.kind} of stage {stage}: {e}",
-                task=str(t) + (f"+{flow.fused_with}" if flow.fused_with else ""),
-                stage=stage,
-                layer=layer_name,
-                microbatch=t.microbatch,
-                device=dev.name,
-                step=step.index,
-            ) from e
+            if err is e:
+                raise
+            raise err from e
         finally:
             checks.flags.clear()  # a failed task's flags are device tensors too (packed() clears them otherwise)
             self._unbind(flow.layers)
 
-    def _produce(self, slot: Slot, t: torch.Tensor, what: str, stream: str) -> None:
-        """Leave ``t`` for a download on ``stream``: hand it over and reserve it (compute stream)."""
-        self.device.hand_over(t, self.streams[stream])
+    def _produce(self, slot: Slot, t: torch.Tensor, what: str) -> None:
+        """Leave ``t`` for a download: reserve it (compute stream); ``_drop_outputs`` frees it on
+        compute once the download is done."""
         self.device.ledger.reserve(t, what, "activations")
         slot.value = t
 
@@ -649,7 +724,7 @@ class Worker:
         t = flow.task
         mb = t.microbatch
         r = flow.layers_bwd
-        grad_in = r.start > 0
+        grad_in = ("grad", r.start, mb) in produced  # someone below needs the input's gradient
         if grad_in:
             x = x.detach().requires_grad_(True)
         x0 = x
@@ -682,7 +757,7 @@ class Worker:
                             stats.append(step.router.loss.stats(got, ctx.inputs.attention_mask))
                     del got
                 if r.stop == pipe.store_num_layers:
-                    self._produce(loss_slot, y.detach(), f"loss.{mb}", "d2h")
+                    self._produce(loss_slot, y.detach(), f"loss.{mb}")
                     seed = y.new_full(y.shape, step.grad_seed)  # a fill kernel: no host-to-device copy
                 else:
                     seed = incoming[("grad", r.stop, mb)].value
@@ -708,10 +783,9 @@ class Worker:
         del y, seed, x
         if grad_in:
             gx, x0.grad = x0.grad, None
-            self._produce(produced[("grad", r.start, mb)], gx, f"grad[{r.start}].{mb}", "d2h")
+            self._produce(produced[("grad", r.start, mb)], gx, f"grad[{r.start}].{mb}")
         for p in made:
-            dev.hand_over(acc[p], self.streams["d2h_grads"])
-            dev.ledger.reserve(acc[p], f"grads:{t.stage}", "grads")
+            dev.ledger.reserve(acc[p], f"grads:{range(r.start, r.stop)}", "grads")
 
     def _router_term(self, step, flow, routed, stats, ctx) -> torch.Tensor:
         """The differentiable ``coef * aux`` share of the routers in ``routed`` (compute stream):
@@ -750,17 +824,13 @@ class Worker:
         try:
             return self._run_layer(step, i, weights, x, ctx, mb, checks)
         except BaseException as e:
-            if isinstance(e, RoundpipeError):
+            err = task_error(
+                e, self.device, f"{type(e).__name__} in {t.kind} of stage {t.stage}: {e}", task=str(t),
+                stage=t.stage, layer=self.pipe.adapter.layers[i].name, microbatch=mb, step=step.index,
+            )  # fmt: skip
+            if err is e:
                 raise
-            raise StageError(
-                f"{type(e).__name__} in {t.kind} of stage {t.stage}: {e}",
-                task=str(t),
-                stage=t.stage,
-                layer=self.pipe.adapter.layers[i].name,
-                microbatch=mb,
-                device=self.device.name,
-                step=step.index,
-            ) from e
+            raise err from e
 
 
 def _seed(base: int, step: int, layer: int, mb: int, rank: int | None = None) -> int:

@@ -140,25 +140,33 @@ def fused_pairs(table: ScheduleTable) -> list[tuple[Task, Task]]:
 
 
 # ----------------------------------------------------------------------------- ops
-def stage_work(table: ScheduleTable, kind: str, stage: int, *, full_forward: bool = False) -> StageWork:
+def stage_work(
+    table: ScheduleTable, kind: str, stage: int, *, full_forward: bool = False, frozen: int = 0
+) -> StageWork:
     """The work of an op of ``kind`` at ``stage`` (``"FB"``: the fused head, ``stage`` 1 when its
     backward is split into I and W, else 0).
 
     ``full_forward=True`` runs every forward task over its whole stage (the runtime's profiling
     run; the closed forms' textbook pipeline) instead of only as far as a hand-off needs; then no
     backward runs a forward that no F ran (``first_forward`` is False).
+
+    ``frozen``: the first ``frozen`` layers train nothing (LoRA leaves the embedding frozen). A
+    backward stage inside them has nothing to do (no work, no hand-offs), and no stage hands a
+    gradient down into them: the gradient w.r.t. the input of layer ``c`` is made only when a layer
+    below ``c`` trains (``c > frozen``).
     """
     fwd, bwd = table.forward, table.backward
     n = fwd.num_layers
     last_b = bwd.num_stages - 1
-    starts = list(bwd.bounds[1:-1])  # backward-stage starts inside the model, ascending
+    # Backward-stage starts inside the model, ascending, of the stages that run (not all frozen).
+    starts = [c for c, d in zip(bwd.bounds[1:-1], bwd.bounds[2:]) if d > frozen]
 
     def starts_inside(lo: int, hi: int) -> list[int]:
         return starts[bisect_right(starts, lo) : bisect_left(starts, hi)]
 
     if kind == "FB":
         a, c = fwd.bounds[fwd.num_stages - 1], bwd.bounds[last_b]
-        produces = [("act", b) for b in starts_inside(a, c)] + ([("grad", c)] if c > 0 else [])
+        produces = [("act", b) for b in starts_inside(a, c)] + ([("grad", c)] if c > frozen else [])
         return StageWork(
             "FB", range(a, c), range(c, n), recompute=False, consumes=(("act", a),) if a > 0 else (),
             produces=tuple(produces), weight_grads=not stage, split=bool(stage),
@@ -170,24 +178,27 @@ def stage_work(table: ScheduleTable, kind: str, stage: int, *, full_forward: boo
         consumes = (("act", a),) if a > 0 else ()
         return StageWork("F", range(a, run_to), consumes=consumes, produces=tuple(("act", b) for b in outs))
     c, d = bwd.bounds[stage], bwd.bounds[stage + 1]
+    if d <= frozen and stage < last_b:  # nothing below or in it trains: nothing to compute or move
+        return StageWork(kind)
     if kind in ("B", "I"):
         consumes = ([("act", c)] if c > 0 else []) + ([("grad", d)] if stage < last_b else [])
         return StageWork(
-            kind, bwd_layers=range(c, d), consumes=tuple(consumes), produces=(("grad", c),) if c > 0 else (),
-            weight_grads=kind == "B", first_forward=stage == last_b and not full_forward,
+            kind, bwd_layers=range(c, d), consumes=tuple(consumes),
+            produces=(("grad", c),) if c > frozen else (), weight_grads=kind == "B",
+            first_forward=stage == last_b and not full_forward,
         )  # fmt: skip
     # W: the weight gradients of a stage whose I ran before it
     return StageWork("W", bwd_layers=range(c, d), weight_grads=True)
 
 
 def device_flows(
-    table: ScheduleTable, *, fuse: bool = True, full_forward: bool = False
+    table: ScheduleTable, *, fuse: bool = True, full_forward: bool = False, frozen: int = 0
 ) -> list[list[FlowOp]]:
     """Per device, in row order, the ops that run ``table`` (see the module docstring).
 
     ``fuse=False`` runs the head's F and B as separate ops even when the rule would fuse them
-    (profiling times them apart); ``full_forward`` as in :func:`stage_work`. Ops of one kind and
-    stage share one :class:`StageWork` object.
+    (profiling times them apart); ``full_forward`` and ``frozen`` as in :func:`stage_work`. Ops of
+    one kind and stage share one :class:`StageWork` object.
     """
     last_f, last_b = table.forward.num_stages - 1, table.backward.num_stages - 1
     fusing = fuse and _head_fusable(table)
@@ -196,7 +207,9 @@ def device_flows(
     def work(kind: str, stage: int) -> StageWork:
         w = works.get((kind, stage))
         if w is None:
-            w = works[(kind, stage)] = stage_work(table, kind, stage, full_forward=full_forward)
+            w = works[(kind, stage)] = stage_work(
+                table, kind, stage, full_forward=full_forward, frozen=frozen
+            )
         return w
 
     make = tuple.__new__  # FlowOp(work, tasks) without the Python-level __new__: one per task

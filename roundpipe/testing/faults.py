@@ -29,7 +29,8 @@ when every step is one call) and the trainer's step for ``data`` and ``checkpoin
 
 Kinds: ``error`` raises :class:`InjectedFault` (a plain ``RuntimeError``: the code around the point
 treats it as it treats any failure there); ``oom`` raises ``DeviceOutOfMemory`` for the point's
-device; ``stall`` sleeps ``seconds`` (the watchdog's to catch); ``kill`` sends SIGKILL to the
+device; ``sticky`` raises :class:`StickyFault`, a device error that leaves the backend unusable (a
+CUDA error such as an illegal memory access: every later call fails, ``reset`` too); ``stall`` sleeps ``seconds`` (the watchdog's to catch); ``kill`` sends SIGKILL to the
 process; ``nan`` (``forward`` and ``backward`` only) makes ``point`` return True, and the caller
 poisons its tensor with NaN: the layer's output, or the gradient flowing into the backward stage.
 ``slow`` (only at ``compute``) makes the device a slower one: after each closure it sleeps
@@ -56,13 +57,21 @@ from dataclasses import dataclass, field
 from roundpipe.errors import ConfigError, DeviceOutOfMemory
 
 POINTS = ("forward", "backward", "upload", "download", "grads", "optimizer", "data", "checkpoint", "compute")
-KINDS = ("error", "oom", "stall", "kill", "nan", "slow")
+KINDS = ("error", "oom", "stall", "kill", "nan", "slow", "sticky")
 FILTERS = ("step", "layer", "microbatch", "device")
 ENV = "ROUNDPIPE_FAULTS"
 
 
 class InjectedFault(RuntimeError):
     """The failure a fault of kind ``error`` raises."""
+
+
+class StickyFault(InjectedFault):
+    """The failure a fault of kind ``sticky`` raises: like a CUDA error that leaves the device unusable
+    (an illegal memory access, a device-side assert), every later use of the backend fails, its
+    ``reset`` included (the cpu backend models it: ``CpuBackend.reset`` raises)."""
+
+    sticky = True
 
 
 @dataclass
@@ -87,8 +96,8 @@ class Fault:
             raise ConfigError(f"fault point {self.where!r} is not one of {', '.join(POINTS)}")
         if self.kind not in KINDS:
             raise ConfigError(f"fault kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if self.kind == "oom" and self.where in ("optimizer", "data", "checkpoint"):
-            raise ConfigError(f"an oom fault needs a device point, not {self.where!r}")
+        if self.kind in ("oom", "sticky") and self.where in ("optimizer", "data", "checkpoint"):
+            raise ConfigError(f"an {self.kind} fault needs a device point, not {self.where!r}")
         if self.kind == "nan" and self.where not in ("forward", "backward"):
             raise ConfigError(f"a nan fault needs a tensor point (forward or backward), not {self.where!r}")
         self._check_slow()
@@ -136,6 +145,20 @@ def _env_int(name: str) -> int:
 
 _PLAN: list[Fault] | None = None
 _LOCK = threading.Lock()
+_stalls = threading.local()  # where a stall sleeps: the issuing closure's stream on the cpu backend
+
+
+@contextlib.contextmanager
+def stalls_on(sleep):
+    """A ``stall`` fault at a point reached inside the block stalls through ``sleep(seconds)``: the cpu
+    backend passes its stream's, so a stalled download is a slow stream, as a slow copy on a GPU
+    is, not a slow thread that issues it."""
+    previous = getattr(_stalls, "sleep", None)
+    _stalls.sleep = sleep
+    try:
+        yield
+    finally:
+        _stalls.sleep = previous
 
 
 def point(where: str, **context) -> bool:
@@ -154,12 +177,14 @@ def point(where: str, **context) -> bool:
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "stall":
-        time.sleep(fault.seconds)
+        (getattr(_stalls, "sleep", None) or time.sleep)(fault.seconds)
         return False
     if fault.kind == "oom":
         raise DeviceOutOfMemory(
             context.get("device") or "?", f"an injected fault at {where} ({described})", 0, 0, 0
         )
+    if fault.kind == "sticky":
+        raise StickyFault(f"injected sticky device error at {where} ({described})")
     raise InjectedFault(f"injected fault at {where} ({described})")
 
 

@@ -1,0 +1,98 @@
+"""What transformers' SDPA mask builder reads off a padding mask, told from the host copy instead.
+
+``transformers.masking_utils.sdpa_mask`` leaves the causal mask to SDPA's ``is_causal`` when no
+token is padded, and to find out it reads the padding mask's values on its device
+(``_ignore_causal_mask_sdpa``: ``padding_mask.sum() == padding_mask.numel()``, turned into a Python
+bool). On a GPU that is a host sync: the worker thread waits until its stream has run everything it
+issued, twice per microbatch context, and the GPU idles while the worker then issues the next
+task. roundpipe has every microbatch's attention mask on the host before it uploads it, so it knows
+the answer without asking the device.
+
+:func:`padding_known` tells it: inside the block, on the calling thread, the mask builder's
+decisions for a training forward (as many queries as keys, no cache, no offsets) are taken from
+``all_ones`` and equal what transformers would decide from the values; every other call goes to
+transformers' own function. The wrappers are installed into ``transformers.masking_utils`` once, on
+first use, and change nothing outside such a block.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from contextlib import contextmanager
+
+_facts = threading.local()
+_install_lock = threading.Lock()
+
+
+@contextmanager
+def padding_known(all_ones: bool | None):
+    """Inside, the SDPA mask builder takes "no token is padded" from ``all_ones`` (None: it reads
+    the mask itself, as usual)."""
+    _install()
+    previous = getattr(_facts, "all_ones", None)
+    _facts.all_ones = all_ones
+    try:
+        yield
+    finally:
+        _facts.all_ones = previous
+
+
+def host_all_ones(attention_mask) -> bool:
+    """Whether every token of a host attention mask attends (None: no mask, so yes)."""
+    return attention_mask is None or bool(attention_mask.bool().all())
+
+
+def _known(padding_mask, q_length, kv_length, q_offset, kv_offset) -> bool | None:
+    """The host's answer when this is a training forward's mask and one was given, else None."""
+    all_ones = getattr(_facts, "all_ones", None)
+    if all_ones is None or padding_mask is None or q_length != kv_length:
+        return None
+    if not (type(q_offset) is int and type(kv_offset) is int and q_offset == kv_offset == 0):
+        return None
+    return all_ones if padding_mask.shape[-1] == kv_length else None
+
+
+def _install() -> None:
+    from transformers import masking_utils
+
+    with _install_lock:
+        causal = masking_utils._ignore_causal_mask_sdpa
+        if not getattr(causal, "_roundpipe", False):
+            masking_utils._ignore_causal_mask_sdpa = _causal_wrapper(causal)
+        bidirectional = getattr(masking_utils, "_ignore_bidirectional_mask_sdpa", None)
+        if bidirectional is not None and not getattr(bidirectional, "_roundpipe", False):
+            masking_utils._ignore_bidirectional_mask_sdpa = _bidirectional_wrapper(bidirectional)
+
+
+def _causal_wrapper(original):
+    @functools.wraps(original)
+    def ignore_causal_mask_sdpa(
+        padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None
+    ):
+        all_ones = _known(padding_mask, q_length, kv_length, q_offset, kv_offset)
+        if all_ones is None:
+            return original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
+        # transformers: no special pattern for a local window the keys reach; else as many queries
+        # as keys and nothing padded (or, from offset 0, nothing padded among the queries and
+        # nothing after them: the same thing when queries and keys are the same tokens).
+        if local_attention_size is not None and kv_length >= local_attention_size:
+            return False
+        return all_ones
+
+    ignore_causal_mask_sdpa._roundpipe = True
+    return ignore_causal_mask_sdpa
+
+
+def _bidirectional_wrapper(original):
+    from transformers import masking_utils
+
+    @functools.wraps(original)
+    def ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_attention_size=None):
+        all_ones = _known(padding_mask, kv_length, kv_length, 0, 0)
+        if all_ones is None or getattr(masking_utils, "_is_torch_xpu_available", False):
+            return original(padding_mask, kv_length, local_attention_size)
+        return all_ones and (local_attention_size is None or kv_length < local_attention_size)
+
+    ignore_bidirectional_mask_sdpa._roundpipe = True
+    return ignore_bidirectional_mask_sdpa
