@@ -395,3 +395,61 @@ def sanitize_new_threads():
     finally:
         threading.Thread.run = original_run
         shared.__class__ = base
+
+
+# ----------------------------------------------------------------------------- a slow GPU
+@contextmanager
+def slow_compute(factor: float = 3.0, sleep_cycles: int = 2_000_000):
+    """Make every compute closure's work run late, so that the host issues far ahead of it: what a
+    GPU slower than its host does, and what exposes a host-side effect that is right only when the
+    work before it has finished (a buffer reused, a pinned buffer given back).
+
+    On a GPU each compute closure is queued behind a ``torch.cuda._sleep`` of ``sleep_cycles``
+    (about a millisecond at 2 GHz); in a dry run a ``slow`` fault makes each compute closure take
+    ``factor`` times its time on the cpu devices' stream threads."""
+    if not on_gpu():
+        from roundpipe.testing import faults
+
+        with faults.injected(faults.Fault("compute", kind="slow", factor=factor)):
+            yield
+        return
+    from roundpipe.backend.cuda import CudaStream
+
+    submit = CudaStream.submit
+
+    def late(self, fn, label=None, name=None):
+        if self.name != "compute":
+            return submit(self, fn, label, name)
+
+        def behind_a_sleep():
+            torch.cuda._sleep(sleep_cycles)
+            fn()
+
+        return submit(self, behind_a_sleep, label, name)
+
+    CudaStream.submit = late
+    try:
+        yield
+    finally:
+        CudaStream.submit = submit
+
+
+@contextmanager
+def compute_waits_removed():
+    """Drop every wait the compute streams are given (the uploads of weights and inputs it must
+    wait for): the negative control of a stream checker, which must flag the unordered reads."""
+    if on_gpu():
+        from roundpipe.backend.cuda import CudaStream as stream_class
+    else:
+        from roundpipe.backend.cpu import CpuStream as stream_class
+    wait = stream_class.wait_event
+
+    def skipped(self, event):
+        if self.name != "compute":
+            wait(self, event)
+
+    stream_class.wait_event = skipped
+    try:
+        yield
+    finally:
+        stream_class.wait_event = wait

@@ -21,6 +21,7 @@ from gpu_check_support import (
     below_minimum,
     build_llama,
     build_or_skip,
+    compute_waits_removed,
     devices,
     equivalence_grid,
     measure_working_set,
@@ -31,6 +32,7 @@ from gpu_check_support import (
     planning_ledger,
     sanitize_new_threads,
     sanitizer_enabled,
+    slow_compute,
     transformers_has,
     versions_line,
     workers_per_gpu,
@@ -46,7 +48,7 @@ pytestmark = [
 
 try:
     from reference import assert_same_run, pipeline_train, reference_train
-    from tiny_models import make_batch, make_model
+    from tiny_models import make_batch, make_model, variable_length_batch
 
     import roundpipe
     from roundpipe.config import known_policies
@@ -216,6 +218,126 @@ def test_the_ledger_peak_bounds_what_is_really_allocated():
     assert real_peak < ledger_peak + 64 * MiB
 
 
+# ----------------------------------------------------------------------------- CUDA's clock
+# A closure runs when it is issued, while the GPU may be far behind (docs/design.md §4): the tests
+# below make the GPU slow, read device values on the host only where an error is raised, and vary
+# every hand-off's size, which is what exposed the defects of issue 21 on the cpu backend's model.
+
+
+def test_on_cudas_clock_a_slow_gpu_lora_run_with_the_embedding_alone_trains_like_plain_pytorch():
+    """LoRA llama, roundpipe, one layer per stage: the frozen embedding has a backward stage of its
+    own with nothing to do. Every compute is queued behind a sleep, so the host issues far ahead:
+    a pinned buffer given back while a download still wrote it, or a device buffer reused before the
+    work reading it ran, would change the numbers."""
+    model = build_or_skip(
+        "tests/tiny_models.make_model('llama')", lambda: make_model("llama", lora="default")
+    )
+    batch = make_batch(batch=8, padding="left")
+    want = reference_train(model, batch, STEPS)
+    with slow_compute():
+        got = pipeline_train(
+            model,
+            batch,
+            STEPS,
+            devices=devices("cuda:0x2"),
+            num_microbatches=4,
+            policy="roundpipe",
+            partition=None,
+        )
+    assert_same_run(got, want, **GPU_TOLERANCES)
+
+
+def test_on_cudas_clock_a_warm_step_with_an_attention_mask_makes_no_host_sync():
+    """Reading a device value on the host waits for the stream (the run-ahead collapses). With
+    ``torch.cuda.set_sync_debug_mode("error")`` around a warm step (left padding, an attention mask)
+    any such read raises where it happens; a dry run reads the cpu backend's count instead."""
+    model = build_or_skip("tests/tiny_models.make_model('llama')", lambda: make_model("llama"))
+    batch = make_batch(batch=8, padding="left")
+    config = roundpipe.RunConfig(devices=devices("cuda:0x2"), num_microbatches=4, policy="roundpipe")
+    with roundpipe.wrap(model, config) as pipe:
+        pipe.configure_optimizer(lr=1e-3)
+
+        def step():
+            out = pipe.forward_backward(
+                batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"]
+            )
+            pipe.step()
+            return out.loss
+
+        step()  # warm: the first step measures, plans and may read what later steps do not
+        if on_gpu():
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss = step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        else:
+            loss = step()
+            syncs = pipe.stats()["host_syncs"]
+            assert syncs["count"] == 0, syncs["sites"]
+    print(f"\nwarm step with an attention mask: loss {loss:.4f}, no host sync")
+
+
+def test_on_cudas_clock_the_pinned_pool_stays_within_its_headroom_over_variable_lengths():
+    """Lengths drawn per step change every hand-off's size: the pinned pool reuses size classes and
+    larger buffers and gives the least recently used back, so its reserved bytes stay within 1.25x
+    its peak in use (and it does not register new host memory with the driver every step)."""
+    model = build_or_skip("tests/tiny_models.make_model('llama')", lambda: make_model("llama", num_layers=2))
+    rng = torch.Generator().manual_seed(0)
+    config = roundpipe.RunConfig(
+        devices=devices("cuda:0x2"), num_microbatches=4, policy="roundpipe", partition=None
+    )
+    ratios = []
+    with roundpipe.wrap(model, config) as pipe:
+        pipe.configure_optimizer(lr=1e-3)
+        for _ in range(20):
+            batch = variable_length_batch(rng)
+            pipe.forward_backward(
+                batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"]
+            )
+            pipe.step()
+            host = pipe.stats()["host_memory"]
+            ratios.append(host["pool_reserved_bytes"] / host["pool_peak_in_use_bytes"])
+    print(
+        f"\npinned pool over 20 variable-length steps: reserved / peak in use at most {max(ratios):.3f} "
+        f"(last {ratios[-1]:.3f}); {host}"
+    )
+    assert max(ratios) <= 1.25, host
+    assert host["pool_in_use_bytes"] == 0, host
+
+
+def test_the_stream_sanitizer_flags_a_roundpipe_wait_removed():
+    """The negative control of the stream checks: with the compute streams' waits dropped (for the
+    weights and inputs uploaded on other streams) one step must be flagged, by PyTorch's CUDA
+    sanitizer on a GPU (``TORCH_CUDA_SANITIZER=1``), by the cpu backend's own checks in a dry run."""
+    if on_gpu() and not sanitizer_enabled():
+        pytest.skip("TORCH_CUDA_SANITIZER is not set: nothing would flag the missing wait")
+    if on_gpu():
+        from torch.cuda._sanitizer import CUDASanitizerErrors as flagged
+    else:
+        from roundpipe.errors import StreamProtocolError as flagged
+    model = build_or_skip("tests/tiny_models.make_model('llama')", lambda: make_model("llama", num_layers=2))
+    batch = make_batch(batch=4)
+    config = roundpipe.RunConfig(
+        devices=devices("cuda:0"), num_microbatches=2, policy="roundpipe", partition=None, sanitize=True
+    )
+    caught = None
+    with roundpipe.wrap(model, config) as pipe, compute_waits_removed():
+        try:
+            pipe.forward_backward(
+                batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"]
+            )
+        except Exception as e:
+            caught = e
+    chain = []
+    while caught is not None and len(chain) < 8:
+        chain.append(caught)
+        caught = caught.__cause__ or caught.__context__
+    assert any(isinstance(e, flagged) for e in chain), [f"{type(e).__name__}: {e}"[:300] for e in chain]
+    print(f"\nflagged: {type(chain[0]).__name__}: {str(chain[0])[:300]}")
+
+
 # ----------------------------------------------------------------------------- memory
 MEMORY_STEPS = 3
 _working_sets: dict = {}
@@ -283,8 +405,10 @@ def test_peak_memory_stays_within_two_stages_weights_and_a_working_set(big_llama
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-    peaks, ledger_peaks, reserved = [], [], []
+        base_reserved = torch.cuda.memory_reserved()
+    peaks, ledger_peaks, reserved, active, retries = [], [], [], [], []
     with roundpipe.wrap(model, config) as pipe:
+        slack = pipe.backend.devices[0].allocation_slack()  # partly used segments per worker
         pipe.configure_optimizer(lr=1e-5)
         layer_bytes = list(pipe.store.layer_bytes)
         names = [layer.name for layer in pipe.adapter.layers]
@@ -296,11 +420,24 @@ def test_peak_memory_stays_within_two_stages_weights_and_a_working_set(big_llama
             if gpu:
                 torch.cuda.synchronize()
                 peaks.append([torch.cuda.max_memory_allocated() - base])
-                reserved.append(torch.cuda.max_memory_reserved())
+                allocator = [torch.cuda.memory_stats()]  # the workers of a GPU share its allocator
+                above = (base, base_reserved)
             else:
                 peaks.append(
                     [max(d["peak_bytes"], dev.memory.peak) for d, dev in zip(stats, pipe.backend.devices)]
                 )
+                allocator = [dev.memory.stats() for dev in pipe.backend.devices]
+                allocator = [
+                    {"active_bytes.all.peak": a["active_bytes_peak"], "reserved_bytes.all.peak": a["reserved_bytes_peak"],
+                     "num_alloc_retries": a["num_alloc_retries"]}
+                    for a in allocator
+                ]  # fmt: skip
+                above = (0, 0)
+            # active: allocated plus blocks freed while a stream they were handed to may still use
+            # them; reserved: what the caching allocator holds from the device (the bytes that fit)
+            active.append([a["active_bytes.all.peak"] - above[0] for a in allocator])
+            reserved.append([a["reserved_bytes.all.peak"] - above[1] for a in allocator])
+            retries.append([a.get("num_alloc_retries", 0) for a in allocator])
             ledger_peaks.append([planning_ledger(dev).peak for dev in pipe.backend.devices])
             pipe.step()
         plan_text = _runtime_plan(pipe)
@@ -311,6 +448,7 @@ def test_peak_memory_stays_within_two_stages_weights_and_a_working_set(big_llama
     strict = weights + ws.total
     bound = plan * workers if gpu else plan  # a GPU's peak covers its workers; a cpu device its own
     measured = max(max(p) for p in peaks)
+    reserved_bound = bound + slack * (workers if gpu else 1)
 
     def mib(n):
         return f"{n / MiB:.1f}"
@@ -332,7 +470,11 @@ def test_peak_memory_stays_within_two_stages_weights_and_a_working_set(big_llama
             "  measured peak per step: "
             + "; ".join("/".join(mib(x) for x in p) for p in peaks)
             + f" MiB {'(GPU, above ' + mib(base) + ' MiB before)' if gpu else '(per device)'}",
-            *(["  reserved peak per step: " + "; ".join(mib(r) for r in reserved) + " MiB"] if gpu else []),
+            "  active peak per step  : " + "; ".join("/".join(mib(x) for x in p) for p in active) + " MiB",
+            "  reserved peak per step: "
+            + "; ".join("/".join(mib(x) for x in p) for p in reserved)
+            + f" MiB (bound + allocator slack {mib(slack)} MiB per worker: {mib(reserved_bound)} MiB)",
+            f"  num_alloc_retries     : {retries[-1]} (the allocator freed its cache and retried: a device sync)",
             "  ledger peak per step  : "
             + "; ".join("/".join(mib(x) for x in p) for p in ledger_peaks)
             + " MiB",
@@ -349,3 +491,5 @@ def test_peak_memory_stays_within_two_stages_weights_and_a_working_set(big_llama
         "the peak is below one layer's weights: measured on the wrong device?\n" + figures
     )
     assert measured <= bound, figures
+    assert max(max(p) for p in active) <= bound, figures
+    assert max(max(p) for p in reserved) <= reserved_bound, figures

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_batch, make_model
+from tiny_models import make_batch, make_model, variable_length_batch
 
 import roundpipe
 from roundpipe.config import known_policies
@@ -196,16 +196,6 @@ def test_a_sticky_device_error_surfaces_as_itself_and_leaves_the_pipeline_marked
 
 
 # ----------------------------------------------------------------------------- 4. the pinned pool
-def _variable_batch(rng: torch.Generator, rows: int = 8) -> dict:
-    """A batch of ``rows`` samples whose longest one is drawn per step (right padding): microbatches
-    are cut to their own longest sample, so every hand-off's size changes from step to step."""
-    length = int(torch.randint(4, 24, (1,), generator=rng))
-    ids = torch.randint(3, 256, (rows, length), generator=rng)
-    lengths = torch.randint(2, length + 1, (rows,), generator=rng)
-    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
-    return {"input_ids": ids * mask, "labels": torch.where(mask.bool(), ids, -100), "attention_mask": mask}
-
-
 @pytest.mark.slow
 def test_the_pinned_pool_stays_within_its_headroom_over_200_steps_of_variable_lengths():
     """Buffers were reused only at their exact byte size and never given back: with lengths drawn
@@ -218,7 +208,7 @@ def test_the_pinned_pool_stays_within_its_headroom_over_200_steps_of_variable_le
     with roundpipe.wrap(make_model("llama", num_layers=2), config) as pipe:
         pipe.configure_optimizer(lr=1e-3)
         for _ in range(200):
-            _train(pipe, _variable_batch(rng), steps=1)
+            _train(pipe, variable_length_batch(rng), steps=1)
             host = pipe.stats()["host_memory"]
             worst = max(worst, host["pool_reserved_bytes"] / host["pool_peak_in_use_bytes"])
         assert host["pool_in_use_bytes"] == 0  # nothing held between steps

@@ -15,7 +15,7 @@ import torch
 from tiny_models import make_batch, make_model
 
 import roundpipe
-from roundpipe.backend.cpu import PINNED
+from roundpipe.backend.cpu import PINNED, waiting
 from roundpipe.errors import DeviceOutOfMemory, OptimizerError, StageError, WatchdogTimeout
 from roundpipe.testing import faults
 from roundpipe.testing.faults import Fault, InjectedFault
@@ -114,17 +114,32 @@ def test_a_fault_surfaces_with_where_it_happened_and_the_step_is_redone_exactly(
         torch.testing.assert_close(got[name], fault_free[name], rtol=0, atol=0, msg=name)
 
 
-def test_an_update_that_failed_half_way_is_not_abandoned(model, batch):
+def test_an_update_that_failed_half_way_is_not_abandoned(model, batch, monkeypatch):
     """Eager updates (no clipping) step the upper layers during the backward: a failure in the
-    lowest stage's backward after that leaves the weights part old, part new."""
+    lowest stage's backward after that leaves the weights part old, part new. The lowest stage's
+    last backward is issued (and fails) only once an upper group has stepped: a closure runs when
+    it is issued, which may be before the host thread has stepped anything."""
     pipe = roundpipe.wrap(
         copy.deepcopy(model),
         roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, policy="1f1b", partition=None),
     )
+    point, waited = faults.point, []
+
+    def after_an_update(where, **context):
+        if where == "backward" and context.get("layer") == "embed" and context.get("microbatch") == 1:
+            deadline = time.monotonic() + 30
+            with waiting():  # the device's streams run meanwhile, as a GPU's would
+                while not pipe._updates.partial and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            waited.append(pipe._updates.partial)
+        return point(where, **context)
+
+    monkeypatch.setattr(faults, "point", after_an_update)
     with pipe:
         pipe.configure_optimizer(lr=1e-2)
         with faults.injected(Fault("backward", layer="embed", microbatch=1)), pytest.raises(StageError):
             _train(pipe, batch, 1)
+        assert waited and waited[0], f"no upper layer group stepped eagerly before the failure: {waited}"
         assert pipe.abandon_step() is False
 
 

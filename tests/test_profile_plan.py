@@ -17,14 +17,10 @@ torch.set_num_threads(1)
 
 
 def _direct_block_times(pipe, batch, layer_index: int, repeats: int = 13) -> tuple[float, float]:
-    """Wall-clock forward and backward (without recompute) of one block, outside the runtime's
-    tasks but on its first device's compute stream, so that what the backend adds to every
-    operation (the cpu backend's stream sanitizer) costs both sides alike."""
-    out = {}
-    stream = pipe.backend.devices[0].streams["compute"]
-    stream.submit(lambda: out.setdefault("times", _block_times(pipe, batch, layer_index, repeats)))
-    stream.synchronize()
-    return out["times"]
+    """Wall-clock forward and backward (without recompute) of one block in plain PyTorch, on the
+    caller's thread. (Not inside a closure on a device's stream: there, on CUDA's clock, the closure
+    runs when it is issued and the clock would time the issue, not the kernels.)"""
+    return _block_times(pipe, batch, layer_index, repeats)
 
 
 def _block_times(pipe, batch, layer_index: int, repeats: int) -> tuple[float, float]:
@@ -110,7 +106,9 @@ def test_profile_leaves_weights_and_gradients_untouched():
         times = pipe.profile(batch["input_ids"], batch["labels"], batch["attention_mask"], steps=1)
         assert set(times) == {layer.name for layer in pipe.adapter.layers}
         assert all(f > 0 and b >= 0 for f, b in times.values())
-        assert 0 < pipe.context_time < max(f for f, _ in times.values())  # measured, and small
+        # measured, and less than a whole forward pass (a tiny layer's forward is as cheap as the
+        # context's mask and rotary kernels: which of the two is larger depends on the load)
+        assert 0 < pipe.context_time < sum(f for f, _ in times.values())
         assert pipe.state_dict()["measured"]["context_s"] == pipe.context_time
         assert all(float(e.grad.abs().sum()) == 0 for e in pipe.store.entries if e.trainable)
         pipe.export_to(model)

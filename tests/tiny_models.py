@@ -184,6 +184,19 @@ def make_batch(
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def variable_length_batch(
+    generator: torch.Generator, rows: int = 8, vocab: int = VOCAB
+) -> dict[str, torch.Tensor]:
+    """A batch of ``rows`` samples whose longest one is drawn per call (4 to 23 tokens, right
+    padding): microbatches are cut to their own longest sample, so every hand-off's size changes
+    from step to step, as with real variable-length data."""
+    length = int(torch.randint(4, 24, (1,), generator=generator))
+    ids = torch.randint(3, vocab, (rows, length), generator=generator)
+    lengths = torch.randint(2, length + 1, (rows,), generator=generator)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    return {"input_ids": ids * mask, "labels": torch.where(mask.bool(), ids, -100), "attention_mask": mask}
+
+
 def make_timing_llama(*, vocab: int, num_layers: int, hidden: int = 256, seed: int = 0) -> nn.Module:
     """A Llama big enough that a layer's compute outweighs Python and timer noise (hidden 256,
     MLP 4x), for tests that compare measured times."""

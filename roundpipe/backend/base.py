@@ -20,7 +20,7 @@ import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -251,6 +251,11 @@ class Device(ABC):
         what PyTorch's caching allocator holds unused for this process; the cpu backend its
         configured capacity less what is alive on the device."""
         return None
+
+    def waiting(self) -> AbstractContextManager:
+        """Around a wait for another thread inside a closure of this device (the router statistics
+        of the batch): the cpu backend lets the device's streams run meanwhile."""
+        return nullcontext()
 
     def allocation_slack(self) -> int:
         """Bytes the device's caching allocator may reserve beyond what a plan counts (partly used

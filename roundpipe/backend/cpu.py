@@ -80,15 +80,37 @@ class CpuEvent(Event):
         return self._done.is_set()
 
     def wait(self) -> None:
-        while not self._done.wait(0.05):
-            if self._backend.aborted:
-                raise Aborted("wait abandoned: the pipeline is aborting")
+        if not self._done.is_set():
+            with waiting():  # a closure that waits lets its device's streams run meanwhile
+                while not self._done.wait(0.05):
+                    if self._backend.aborted:
+                        raise Aborted("wait abandoned: the pipeline is aborting")
         _learn(self._backend, self.clock)
 
     def synchronize(self) -> None:
         self.wait()
         if self.error is not None:
             raise self.error
+
+
+_issuer = threading.local()  # the device whose closure the calling thread is issuing, if any
+
+
+@contextmanager
+def waiting():
+    """While the calling thread waits inside a closure, its device's streams may run (see
+    ``CpuDevice.issuing``); a no-op on a thread that is not issuing."""
+    device = getattr(_issuer, "device", None)
+    if device is None:
+        yield
+        return
+    _issuer.device = None
+    device._open()
+    try:
+        yield
+    finally:
+        device._close()
+        _issuer.device = device
 
 
 # Markers in a stream's queue (kernels are queued as callables).
@@ -123,7 +145,7 @@ class CpuStream(Stream):
             self._queue.put((_BEGIN, label))
         self.issuing = (name, time.perf_counter())
         try:
-            with faults.stalls_on(self.sleep):
+            with self.device.issuing(), faults.stalls_on(self.sleep):
                 self._mode.run(fn, name)
         except BaseException as e:  # carried to whoever synchronizes, never swallowed
             e = as_device_error(e, self.device, name)
@@ -178,12 +200,18 @@ class CpuStream(Stream):
     def _loop(self) -> None:
         torch.set_num_threads(1)  # one intra-op thread per worker stream (docs/design.md §4)
         torch.set_grad_enabled(False)  # kernels compute; autograd happened when they were issued
-        backend = self.device.backend
+        device = self.device
+        backend = device.backend
         get = self._queue.get
         begun: tuple[str, float] | None = None
         while True:
             item = get()
             if type(item) is not tuple:  # a kernel
+                if device.closed:
+                    held = time.perf_counter()
+                    device.wait_open()
+                    if begun is not None:  # a span lasts as long as its kernels ran, not the gate
+                        begun = (begun[0], begun[1] + time.perf_counter() - held)
                 if self._failed is None:
                     try:
                         item()
@@ -196,6 +224,8 @@ class CpuStream(Stream):
             if op == _RECORD:
                 item[1].fire(self._failed)
             elif op == _BEGIN:
+                if device.closed:
+                    device.wait_open()
                 begun = (item[1][0], time.perf_counter())
                 self.current = (f"running {begun[0]}", begun[1])
             elif op == _END:
@@ -342,7 +372,49 @@ class CpuDevice(Device):
             on_free=backend.sanitizer.check_free,
         )
         self.memory = AllocatorMemory(self.allocator)
+        # The issue gate: while a closure of this device is being issued (Python work on the worker
+        # thread), its streams' threads hold back their kernels, and run them while the worker waits
+        # or does anything else. Both are Python threads: run together, every operation's release of
+        # the GIL would hand it over between them, which costs more than the work itself.
+        self._gate = threading.Condition()
+        self.closed = 0  # closures being issued now (worker threads of this device)
         self.streams = {n: CpuStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
+
+    @contextmanager
+    def issuing(self):
+        """Around a closure's issue on the calling thread (``CpuStream.submit``): the gate is closed,
+        unless the thread is issuing another closure of this device already (a closure may submit)."""
+        if getattr(_issuer, "device", None) is self:
+            yield
+            return
+        outer = getattr(_issuer, "device", None)
+        _issuer.device = self
+        self._close()
+        try:
+            yield
+        finally:
+            self._open()
+            _issuer.device = outer
+
+    def waiting(self):
+        """A closure of this device about to wait for another thread (``waiting``)."""
+        return waiting()
+
+    def _close(self) -> None:
+        with self._gate:
+            self.closed += 1
+
+    def _open(self) -> None:
+        with self._gate:
+            self.closed -= 1
+            if not self.closed:
+                self._gate.notify_all()
+
+    def wait_open(self) -> None:
+        """A stream's thread: wait until no closure of this device is being issued."""
+        with self._gate:
+            while self.closed and not self.backend.aborted:
+                self._gate.wait(0.05)
 
     def free_bytes(self) -> int | None:
         """The capacity less the bytes allocated on the device and the allocator's slack (its cached

@@ -160,11 +160,13 @@ class OpRule:
     def __init__(self, func):
         schema = func._schema
         tags = func.tags
-        self.args = tuple(
-            (i, a.name, a.alias_info is not None and a.alias_info.is_write)
+        every = [
+            (i, a.name, a.alias_info is not None and a.alias_info.is_write, str(a.type))
             for i, a in enumerate(schema.arguments)
-        )
-        writes = any(w for _, _, w in self.args)
+        ]
+        writes = any(w for _, _, w, _ in every)
+        # The arguments that can hold tensors (the only ones the issue mode looks at).
+        self.args = tuple((i, n, w) for i, n, w, t in every if "Tensor" in t)
         tensor_returns = [r for r in schema.returns if "Tensor" in str(r.type)]
         aliased = bool(schema.returns) and all(r.alias_info is not None for r in schema.returns)
         self.random = torch.Tag.nondeterministic_seeded in tags
@@ -411,7 +413,9 @@ class IssueMode(TorchDispatchMode):
                     if checking:
                         touched.append((block, written))
                 else:
-                    kv = v
+                    # Host memory (or no memory): the kernel keeps the bytes, never the program's
+                    # tensor, whose autograd graph would stay alive until the kernel has run.
+                    kv = v.detach()
                     if v.numel():
                         host_data = True
                         if pinned is not None:
@@ -431,6 +435,7 @@ class IssueMode(TorchDispatchMode):
                             continue
                         if x.numel():
                             host_data = True
+                        x = x.detach()
                     kl.append(x)
                 kv = _RefList(kl)
             else:

@@ -8,6 +8,7 @@ multi-worker protocol be tested on a single card.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -188,6 +189,25 @@ class CudaDevice(Device):
             yield
 
 
+def use_expandable_segments() -> bool:
+    """Turn on the caching allocator's expandable segments unless ``PYTORCH_CUDA_ALLOC_CONF`` says
+    otherwise; True when they are on. Stages of different sizes allocated one after another leave
+    fixed segments that no later, larger stage fits (reserved bytes grow past what is allocated
+    until the retry path synchronizes the device and frees them); an expandable segment per pool
+    serves any request its free space fits. The cpu backend models the same (``cpu_allocator``)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments" in conf:
+        return "expandable_segments:true" in conf.replace(" ", "").lower()
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (AttributeError, RuntimeError) as e:  # an older torch, or a platform without them
+        warnings.warn(
+            f"expandable segments could not be turned on ({e}): fixed segments", RuntimeWarning, stacklevel=2
+        )
+        return False
+    return True
+
+
 class CudaBackend(Backend):
     """``cuda``, ``cuda:0,1`` or ``cuda:0x2`` (two workers on GPU 0)."""
 
@@ -199,6 +219,7 @@ class CudaBackend(Backend):
         self.errors: list[BaseException] = []
         self.rng_lock = threading.RLock()
         self._fp16_accumulation_before: bool | None = None  # the process setting to restore on close
+        self.expandable_segments = use_expandable_segments()
         self.devices = [
             CudaDevice(self, i, gpu, capacity)
             for i, gpu in enumerate(g for g in gpus for _ in range(workers_per_gpu))

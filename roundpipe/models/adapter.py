@@ -191,6 +191,7 @@ class HeadShardLayer(Layer):
             softcap=softcap,
             norm=module["norm"] if first else None,
             positions=ctx.inputs.loss_positions,
+            check_labels=not ctx.labels_checked,
         )
 
 

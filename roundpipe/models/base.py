@@ -80,6 +80,9 @@ class LayerContext:
     layer_inputs: list[tuple[tuple, dict[str, Any]]] = field(default_factory=list)
     shift_labels: torch.Tensor | None = None
     head_chunk_tokens: int = 1024
+    # The labels were checked against the vocabulary where that reads no device value (the runtime
+    # checks the whole batch on the host, ``inputs.split_batch``); False: the head checks them.
+    labels_checked: bool = False
     # Router logits a block left for the load-balancing loss (``router_loss.py``), by layer index;
     # whoever runs the layer takes them out (the runtime right after each layer).
     router_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)

@@ -388,6 +388,7 @@ def vocab_shard_forward(
     softcap: float | None = None,
     norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
     positions: torch.Tensor | None = None,
+    check_labels: bool = True,
 ) -> torch.Tensor:
     """Run one vocabulary shard of the head + loss (see the module docstring for the format).
 
@@ -407,6 +408,9 @@ def vocab_shard_forward(
             (``base.loss_positions``): only they get logits; the others keep ``LSE = TARGET = 0``,
             which the last shard masks out. The packed tensor keeps every token, so the hand-off
             between shards does not depend on the labels. None: every token is computed.
+        check_labels: the first shard checks that the labels lie in the vocabulary (reading them);
+            the pipeline, which checked them on the host already, passes False: on a device that
+            read would be a host sync.
 
     Returns:
         ``last``: the 0-dim fp32 loss sum over the label tokens; else the packed fp32 [b, T, H + 2].
@@ -434,7 +438,7 @@ def vocab_shard_forward(
             f"labels of shape {tuple(shift_labels.shape)} do not match hidden states of shape "
             f"{tuple(hidden.shape)}; labels must be [batch, seq] like input_ids"
         )
-    if first and shift_labels.device.type == "cpu":  # checked where it costs no device sync
+    if first and check_labels:
         bad = (shift_labels != IGNORE_INDEX) & ((shift_labels < 0) | (shift_labels >= vocab))
         if bool(bad.any()):
             raise InputError(f"labels must be -100 or lie in [0, {vocab}) (the LM head's rows)")

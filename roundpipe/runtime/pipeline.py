@@ -454,7 +454,11 @@ class Pipeline:
 
     def stats(self) -> dict:
         """Figures of the last ``forward_backward``: per device busy (compute) time, idle (bubble)
-        time within the step, bytes copied each way, peak bytes held; and host-side time."""
+        time within the step, bytes copied each way, the caching allocator's allocated and reserved
+        peaks and figures (``allocator``), the ledger's planned peak; host-side time, the host
+        memory (``host_memory``: the store and the pinned hand-off pool, reserved and in use) and the
+        host syncs (``host_syncs``: how many device values the step read on the host, and where;
+        None on a backend that cannot count them). docs/guide.md lists every key."""
         return self._recorder.stats()
 
     def last_timeline(self):

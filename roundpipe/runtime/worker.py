@@ -287,6 +287,7 @@ class Worker:
             uploaded.value = None
             c = adapter.build_context(module.value, inputs.value, dtype, mask_all_ones=all_ones)
             c.head_chunk_tokens = self.pipe.config.head_chunk_tokens
+            c.labels_checked = True  # inputs.split_batch checked them on the host
             seen = {t.untyped_storage().data_ptr() for t in (*held.value[0], *device_tensors(module.value))}
             tensors = device_tensors(c, seen)  # only what the build made: not the inputs or tables
             dev.ledger.reserve(tensors, f"ctx.{mb}", "context")
@@ -794,7 +795,8 @@ class Worker:
         rl = step.router.loss
         own = set(self._router_pairs(flow))
         self.status = f"{flow.task}: waiting for the router statistics of the batch"
-        others = step.router.totals(own, lambda: self.pipe.backend.aborted)
+        with self.device.waiting():
+            others = step.router.totals(own, lambda: self.pipe.backend.aborted)
         totals = self.device.to_device(others)
         if stats:
             totals = totals + torch.stack(stats).sum(0)
