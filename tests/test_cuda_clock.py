@@ -150,6 +150,38 @@ def test_a_steady_step_makes_no_host_sync_with_padding_and_an_attention_mask(fam
     assert syncs["count"] == 0, syncs["sites"]
 
 
+def _packed_batch(rows: int = 4, seq: int = 12) -> dict:
+    """No attention mask; every other row packs two sequences (its position ids restart)."""
+    batch = make_batch(batch=rows, seq=seq, padding=None)
+    positions = torch.arange(seq).repeat(rows, 1)
+    positions[::2, seq // 2 :] -= seq // 2
+    return {**batch, "attention_mask": None, "position_ids": positions}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["no-mask", "packed-rows"])
+def test_a_steady_step_without_an_attention_mask_makes_no_host_sync(packed):
+    """Without an attention mask transformers looks for packed sequences in the position ids and
+    read on the device whether any row holds more than one (one sync per microbatch context); the
+    host copy of the position ids answers it now. Packed rows still get their per-sequence masks:
+    the loss equals the model's own forward."""
+    model = make_model("llama")
+    batch = _packed_batch() if packed else {**make_batch(batch=4, padding=None), "attention_mask": None}
+    position_ids = batch.get("position_ids")
+    with torch.no_grad():
+        # use_cache=False, as in training: with a cache transformers skips the packing check
+        want = model(
+            batch["input_ids"], labels=batch["labels"], position_ids=position_ids, use_cache=False
+        ).loss
+    with roundpipe.wrap(model, roundpipe.RunConfig(**_policy_config("roundpipe"))) as pipe:
+        losses = [
+            pipe.forward_backward(batch["input_ids"], labels=batch["labels"], position_ids=position_ids).loss
+            for _ in range(2)
+        ]
+        syncs = pipe.stats()["host_syncs"]
+    assert syncs["count"] == 0, syncs["sites"]
+    assert losses[0] == pytest.approx(float(want), rel=1e-5)
+
+
 def test_running_out_of_device_memory_in_a_compute_is_a_device_out_of_memory_naming_the_task(monkeypatch):
     """The caching allocator's out-of-memory error (a ``torch.OutOfMemoryError`` on CUDA and in the cpu
     backend's model) raised inside a compute closure was wrapped in ``StageError`` before the backend

@@ -30,7 +30,7 @@ from roundpipe.models.discover import ModelLayout, discover_layout, how_to_add, 
 from roundpipe.models.families import FAMILIES, GENERIC_CHECKS, FamilySpec
 from roundpipe.models.head import chunked_lm_loss, shift_labels
 from roundpipe.models.head_shards import head_tensors, vocab_ranges, vocab_shard_forward
-from roundpipe.models.mask_facts import padding_known
+from roundpipe.models.mask_facts import MaskFacts, padding_known
 from roundpipe.models.router_loss import capture_router_logits, find_router_loss
 from roundpipe.models.views import ViewLogits, context_view, embedding_view, logits_view, run_to_first_layer
 
@@ -282,16 +282,17 @@ class DecoderOnlyAdapter(ModelAdapter):
         context_module: nn.Module,
         inputs: MicrobatchInputs,
         dtype: torch.dtype,
-        mask_all_ones: bool | None = None,
+        mask_facts: MaskFacts | None = None,
     ) -> LayerContext:
         """Every decoder layer's arguments and the shifted labels for one microbatch on its device.
 
         Runs the base model's own forward through the context view (``views.ContextView``) with
         ``inputs_embeds`` zeros of the microbatch's shape in ``dtype`` (masks and rotary tables
         follow the hidden dtype, as in HF), the attention mask and the position ids: the layers get
-        exactly what HF's forward would hand them. ``mask_all_ones``: whether no token of the
-        microbatch is padded, known from its host copy, so that building the masks reads no device
-        value (``mask_facts.padding_known``; None: transformers reads the mask as usual).
+        exactly what HF's forward would hand them. ``mask_facts``: whether a token of the microbatch is
+        padded and whether a row packs several sequences, known from its host copies, so that
+        building the masks reads no device value (``mask_facts.padding_known``; None: transformers
+        reads the device tensors as usual).
         """
         input_ids = inputs.input_ids
         _check_inputs(inputs)
@@ -301,7 +302,7 @@ class DecoderOnlyAdapter(ModelAdapter):
         if position_ids is None:
             position_ids = torch.arange(seq, device=device).unsqueeze(0)
         zeros = torch.zeros(batch, seq, int(self.config.hidden_size), dtype=dtype, device=device)
-        with padding_known(mask_all_ones):
+        with padding_known(mask_facts):
             layer_inputs = context_module["layers"](zeros, inputs.attention_mask, inputs.position_ids)
         return LayerContext(
             inputs=inputs,

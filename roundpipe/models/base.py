@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from roundpipe.models.head import IGNORE_INDEX, shift_labels
+from roundpipe.models.mask_facts import MaskFacts
 
 LayerKind = Literal["embed", "block", "head"]
 
@@ -136,11 +137,12 @@ class ModelAdapter(ABC):
         context_module: nn.Module,
         inputs: MicrobatchInputs,
         dtype: torch.dtype,
-        mask_all_ones: bool | None = None,
+        mask_facts: MaskFacts | None = None,
     ) -> LayerContext:
         """Build masks and position embeddings for ``inputs`` (already on the worker's device).
 
         ``context_module`` is a device copy of ``self.context_module``; ``dtype`` is the dtype of
         the hidden states the blocks will see (masks and rotary tables follow it, as in HF);
-        ``mask_all_ones``: no token is padded, as the host copy of the mask says (None: unknown).
+        ``mask_facts``: padding and packing as the host copies of the mask and the position ids
+        say (``models.mask_facts.MaskFacts``; None: unknown).
         """

@@ -13,6 +13,10 @@ decisions for a training forward (as many queries as keys, no cache, no offsets)
 ``all_ones`` and equal what transformers would decide from the values; every other call goes to
 transformers' own function. The wrappers are installed into ``transformers.masking_utils`` once, on
 first use, and change nothing outside such a block.
+
+Without an attention mask, transformers looks for packed sequences instead: position ids that
+restart inside a row (``find_packed_sequence_indices``), and reads on the device whether any row
+has more than one sequence. The host copy of the position ids answers that too (``MaskFacts``).
 """
 
 from __future__ import annotations
@@ -20,32 +24,55 @@ from __future__ import annotations
 import functools
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
 
 _facts = threading.local()
 _install_lock = threading.Lock()
 
 
+@dataclass(frozen=True)
+class MaskFacts:
+    """What the mask builders would read off a microbatch's device tensors, known on the host."""
+
+    all_ones: bool  # no token is padded (no attention mask: none is)
+    packed: bool  # some row's position ids restart: several sequences packed in it
+
+
 @contextmanager
-def padding_known(all_ones: bool | None):
-    """Inside, the SDPA mask builder takes "no token is padded" from ``all_ones`` (None: it reads
-    the mask itself, as usual)."""
+def padding_known(facts: MaskFacts | None):
+    """Inside, the mask builders take "no token is padded" and "no row is packed" from ``facts``
+    (None: they read the device tensors themselves, as usual)."""
     _install()
-    previous = getattr(_facts, "all_ones", None)
-    _facts.all_ones = all_ones
+    previous = getattr(_facts, "known", None)
+    _facts.known = facts
     try:
         yield
     finally:
-        _facts.all_ones = previous
+        _facts.known = previous
 
 
-def host_all_ones(attention_mask) -> bool:
-    """Whether every token of a host attention mask attends (None: no mask, so yes)."""
-    return attention_mask is None or bool(attention_mask.bool().all())
+def host_facts(attention_mask, position_ids) -> MaskFacts:
+    """The facts of a microbatch from its host copies of the attention mask and position ids."""
+    all_ones = attention_mask is None or bool(attention_mask.bool().all())
+    return MaskFacts(
+        all_ones=all_ones,
+        packed=position_ids is not None and bool(_sequence_index(position_ids)[:, -1].any()),
+    )
+
+
+def _sequence_index(position_ids):
+    """transformers' rule (``find_packed_sequence_indices``): a new sequence starts wherever the
+    position does not follow the one before it; per token, how many have started in its row."""
+    start = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=start, dim=-1) != 1).cumsum(-1)
 
 
 def _known(padding_mask, q_length, kv_length, q_offset, kv_offset) -> bool | None:
     """The host's answer when this is a training forward's mask and one was given, else None."""
-    all_ones = getattr(_facts, "all_ones", None)
+    known = getattr(_facts, "known", None)
+    all_ones = None if known is None else known.all_ones
     if all_ones is None or padding_mask is None or q_length != kv_length:
         return None
     if not (type(q_offset) is int and type(kv_offset) is int and q_offset == kv_offset == 0):
@@ -63,6 +90,9 @@ def _install() -> None:
         bidirectional = getattr(masking_utils, "_ignore_bidirectional_mask_sdpa", None)
         if bidirectional is not None and not getattr(bidirectional, "_roundpipe", False):
             masking_utils._ignore_bidirectional_mask_sdpa = _bidirectional_wrapper(bidirectional)
+        packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+        if packed is not None and not getattr(packed, "_roundpipe", False):
+            masking_utils.find_packed_sequence_indices = _packed_wrapper(packed)
 
 
 def _causal_wrapper(original):
@@ -96,3 +126,16 @@ def _bidirectional_wrapper(original):
 
     ignore_bidirectional_mask_sdpa._roundpipe = True
     return ignore_bidirectional_mask_sdpa
+
+
+def _packed_wrapper(original):
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids):
+        known = getattr(_facts, "known", None)
+        if known is None:
+            return original(position_ids)
+        # transformers: None when every row holds one sequence, else each token's sequence index
+        return _sequence_index(position_ids) if known.packed else None
+
+    find_packed_sequence_indices._roundpipe = True
+    return find_packed_sequence_indices

@@ -27,7 +27,7 @@ from roundpipe.backend import Device
 from roundpipe.backend.base import as_device_error
 from roundpipe.errors import DeviceOutOfMemory, RoundpipeError, StageError
 from roundpipe.models.base import MicrobatchInputs
-from roundpipe.models.mask_facts import host_all_ones
+from roundpipe.models.mask_facts import host_facts
 from roundpipe.runtime.exchange import AbortedWait, HandOff, Slot
 from roundpipe.runtime.numerics import TaskChecks
 from roundpipe.runtime.plan import TaskFlow
@@ -279,13 +279,14 @@ class Worker:
             if t is not None:
                 backend.host_release(t, copied)
 
-        all_ones = host_all_ones(step.microbatches[mb].attention_mask)  # the host knows: no sync
+        host = step.microbatches[mb]
+        facts = host_facts(host.attention_mask, host.position_ids)  # the host knows: no sync
 
         def build():
             inputs.value = MicrobatchInputs(*uploaded.value)
             held.value.append([t for t in uploaded.value if t is not None])
             uploaded.value = None
-            c = adapter.build_context(module.value, inputs.value, dtype, mask_all_ones=all_ones)
+            c = adapter.build_context(module.value, inputs.value, dtype, mask_facts=facts)
             c.head_chunk_tokens = self.pipe.config.head_chunk_tokens
             c.labels_checked = True  # inputs.split_batch checked them on the host
             seen = {t.untyped_storage().data_ptr() for t in (*held.value[0], *device_tensors(module.value))}
