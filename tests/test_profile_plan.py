@@ -73,12 +73,15 @@ def _profile_vs_direct(pipe, batch, blocks) -> list[tuple[str, str, float, float
 @pytest.mark.timing
 def test_profiled_layer_times_match_wall_clock_of_the_same_layers():
     """For both decoder blocks (the layers that carry the time): never below 90% of the bare
-    layer's wall clock, and at most 1.5x it. A profiled task also does the runtime's per-task
+    layer's wall clock, and at most 2x it. A profiled task also does the runtime's per-task
     work (binding the weights into the layer's shell and unbinding them, handing tensors over,
-    the gradient hooks that add into the fp32 accumulators), which the direct timing leaves out:
-    measured at +20-40% on these small layers (hidden 256, 256 tokens per microbatch), with and
-    without the sanitizer. Timings that include waits or a wrong recompute subtraction land far
-    outside. A load burst from another process can still skew one attempt: up to three attempts."""
+    the gradient hooks that add into the fp32 accumulators), which the direct timing leaves out,
+    and on the cpu backend its span covers the closure's issue as well: every op goes through the
+    issue mode (meta kernel, allocator model, queue) while the device's streams wait
+    (docs/design.md §4). Measured at +55-80% on these small layers (hidden 256, 256 tokens per
+    microbatch; +20-40% before the backend kept CUDA's clock). Timings that include waits or a wrong
+    recompute subtraction land far outside. A load burst from another process can still skew one
+    attempt: up to three attempts."""
     model = make_timing_llama(vocab=512, num_layers=2)
     batch = {
         k: v
@@ -92,10 +95,10 @@ def test_profiled_layer_times_match_wall_clock_of_the_same_layers():
     with roundpipe.wrap(model, config) as pipe:
         for _ in range(3):
             rows = _profile_vs_direct(pipe, batch, (1, 2))
-            misses = [r for r in rows if not 0.9 * r[3] <= r[2] <= 1.5 * r[3]]
+            misses = [r for r in rows if not 0.9 * r[3] <= r[2] <= 2.0 * r[3]]
             if not misses:
                 return
-    pytest.fail(f"profiled outside [0.9, 1.5] x wall-clock: {misses}")
+    pytest.fail(f"profiled outside [0.9, 2.0] x wall-clock: {misses}")
 
 
 def test_profile_leaves_weights_and_gradients_untouched():

@@ -106,9 +106,11 @@ def waiting():
         return
     _issuer.device = None
     device._open()
+    started = time.perf_counter()
     try:
         yield
     finally:
+        device.waited_s += time.perf_counter() - started
         device._close()
         _issuer.device = device
 
@@ -144,6 +146,7 @@ class CpuStream(Stream):
         if label is not None:
             self._queue.put((_BEGIN, label))
         self.issuing = (name, time.perf_counter())
+        waited = self.device.waited_s
         try:
             with self.device.issuing(), faults.stalls_on(self.sleep):
                 self._mode.run(fn, name)
@@ -154,9 +157,11 @@ class CpuStream(Stream):
             if not isinstance(e, Aborted):
                 backend.report(e)
         finally:
+            # what the issue held the device for: its Python, less its waits (the gate was open)
+            issued_s = time.perf_counter() - self.issuing[1] - (self.device.waited_s - waited)
             self.issuing = None
         if label is not None:
-            self._queue.put((_END, label))
+            self._queue.put((_END, label, max(0.0, issued_s)))
 
     def enqueue(self, kernel: Callable[[], None]) -> None:
         """Queue work the stream's thread runs in order (the issue mode's kernels)."""
@@ -235,8 +240,11 @@ class CpuStream(Stream):
                         faults.after_compute(self.device.name, begun[1])  # a slow fault (free when off)
                     if backend.recording:
                         t0 = backend.recording_origin
+                        # The span covers the closure's issue too: its device's streams were
+                        # held meanwhile (the issue gate), so issue and kernels are the task's cost
+                        # here (on a GPU the issue overlaps the device's work, and spans are GPU time)
                         backend.record_span(
-                            (self.device.index, self.name, label[0], label[1], begun[1] - t0,
+                            (self.device.index, self.name, label[0], label[1], begun[1] - item[2] - t0,
                              time.perf_counter() - t0)
                         )  # fmt: skip
                 begun, self.current = None, None
@@ -378,6 +386,7 @@ class CpuDevice(Device):
         # the GIL would hand it over between them, which costs more than the work itself.
         self._gate = threading.Condition()
         self.closed = 0  # closures being issued now (worker threads of this device)
+        self.waited_s = 0.0  # seconds closures of this device spent waiting with the gate open
         self.streams = {n: CpuStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
 
     @contextmanager
