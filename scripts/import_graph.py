@@ -6,6 +6,8 @@ Prints the arrows between folders, the module cycles and the arrows that run up 
     .venv/bin/python scripts/import_graph.py            # folders, cycles, upward arrows
     .venv/bin/python scripts/import_graph.py --modules  # ... and every module's imports
 
+It exits with status 1 while it finds anything (the test's allow-list is not applied here).
+
 What counts as an import (module ``A`` imports ``B``):
 
 - every ``import`` and ``from ... import`` statement naming a module of ``roundpipe/``, at module
