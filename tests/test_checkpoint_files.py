@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from roundpipe.errors import CheckpointError, ConfigError
-from roundpipe.train.checkpoint import CheckpointManager, flatten_state, unflatten_state
+from roundpipe.train.checkpoint import CheckpointManager
+from roundpipe.train.tensor_files import flatten_state, unflatten_state
 
 torch.set_num_threads(1)
 
@@ -251,12 +252,12 @@ CHILD = textwrap.dedent(
     manager = checkpoint.CheckpointManager(root, shard_bytes=1 << 20)
     manager.save(1, {"w": torch.arange(10.0), "note": "first"})
 
-    write_shard = checkpoint._write_shard
+    write_shard = checkpoint.write_shard
     def write_then_stall(path, tensors):
         write_shard(path, tensors)
         marker.write_text(str(path))
         time.sleep(60)  # the parent kills us here, one shard into the second save
-    checkpoint._write_shard = write_then_stall
+    checkpoint.write_shard = write_then_stall
     manager.save(2, {"big": [torch.ones(1 << 18) for _ in range(12)], "note": "second"})  # 12 shards of 1 MiB
     """
 )

@@ -17,7 +17,8 @@ import roundpipe.runtime.plan as runtime_plan
 import roundpipe.sim.engine as sim_engine
 import roundpipe.sim.workload as sim_workload
 from roundpipe.schedule import POLICIES, Partition, ScheduleTable, build_table, flow, policy_options
-from roundpipe.schedule.flow import device_flows, next_start_device, rotation
+from roundpipe.schedule.flow import device_flows
+from roundpipe.schedule.rotation import next_start_device, rotation
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -2,19 +2,18 @@
 
 ``cost``: per-layer FLOPs, bytes and times from a model config (analytic, or measured times per
 layer). ``partitioner``: contiguous forward/backward stages that minimise the slowest stage within
-a per-device memory budget, head sharding and microbatch choice, and the resulting :class:`Plan`.
+a per-device memory budget, and the microbatch choice. ``grain``: a streaming policy's stage
+counts. ``model_plan``: head sharding and the resulting :class:`Plan`.
 """
 
 from roundpipe.partition.cost import LayerCost, layer_time, layer_times, model_costs, model_totals
+from roundpipe.partition.model_plan import Plan, choose_head_shards, plan
 from roundpipe.partition.partitioner import (
     PartitionResult,
-    Plan,
     auto_microbatches,
-    choose_head_shards,
     last_stage_bytes,
     memory_vectors,
     optimal_partition,
-    plan,
     roundpipe_bubble,
     stage_bytes,
 )

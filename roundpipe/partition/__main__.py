@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from roundpipe.errors import RoundpipeError
-from roundpipe.partition.partitioner import plan
+from roundpipe.partition.model_plan import plan
 
 REFERENCE = (
     ("qwen3-1.7b", dict(stages=8)),

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 
 from roundpipe.errors import ScheduleError
 from roundpipe.schedule.deps import TASK_KINDS, TaskKey, dependencies
+from roundpipe.schedule.tasks import Partition, Task
 
 if TYPE_CHECKING:
-    from roundpipe.schedule.table import ScheduleTable, Task
+    from roundpipe.schedule.table import ScheduleTable
 
 _SHOW = 8  # how many offending tasks an error message lists
 
@@ -38,8 +39,6 @@ def _listing(keys: list) -> str:
 
 def check_shape(table: ScheduleTable) -> None:
     """Counts and partitions make sense on their own."""
-    from roundpipe.schedule.table import Partition
-
     for name in ("forward", "backward"):
         part = getattr(table, name)
         if not isinstance(part, Partition):
@@ -68,8 +67,6 @@ def check_tasks(table: ScheduleTable) -> dict[TaskKey, tuple[int, int]]:
 
     Returns where each task sits: ``TaskKey -> (device, position)``.
     """
-    from roundpipe.schedule.table import Task
-
     fwd, bwd, m = table.forward, table.backward, table.num_microbatches
     seen: dict[TaskKey, tuple[int, int]] = {}
     for d, row in enumerate(table.devices):

@@ -16,9 +16,9 @@ so the two run the same ops.
   forward only as far as the last of them. A backward stage ``[c, d)`` consumes ``act[c]`` and
   ``grad[d]`` (the last stage needs no gradient) and produces ``grad[c]``. With the backward split,
   ``I`` does what ``B`` does and ``W`` (weight gradients) needs nothing but its ``I``.
-- **Rotation.** A policy that ``rotates`` (its ``PolicySpec``) deals whole stages round-robin; the
-  next step's deal starts on the device after the one that got this step's last deal. The spec's
-  ``next_start_device`` knows its deal; :func:`next_start_device` and :func:`rotation` ask it.
+
+(Where a rotating policy's next deal starts is ``rotation.py``: it asks the policy registry, which
+this module, below the table, does not import.)
 
 Per-stage facts are shared: :func:`device_flows` makes one :class:`StageWork` per kind and stage
 (and one for the fused head) and hands out the same object for every microbatch, so a caller can
@@ -33,8 +33,6 @@ from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
-
-from roundpipe.schedule.policies import POLICIES
 
 if TYPE_CHECKING:
     from roundpipe.schedule.table import ScheduleTable, Task
@@ -234,27 +232,6 @@ def consumer_counts(flows: list[list[FlowOp]]) -> Counter:
     return Counter(k for row in flows for op in row for k in op.consumes)
 
 
-# ----------------------------------------------------------------------------- rotation
-def next_start_device(table: ScheduleTable) -> int:
-    """The ``start_device`` of the step after ``table``'s.
-
-    A policy that ``rotates`` says where its deal goes on (``PolicySpec.next_start_device``: the
-    device after the one that got this step's last deal, so one step's tail and the next step's
-    head land on different workers); any other table keeps its start.
-    """
-    spec = POLICIES.get(table.policy)
-    if spec is not None and spec.rotates and spec.next_start_device is not None:
-        return spec.next_start_device(table)
-    return int(table.options.get("start_device", 0))
-
-
-def rotation(table: ScheduleTable) -> int:
-    """How many devices the next step's deal starts after this one's, in ``[0, num_devices)``: the
-    number of deals of the step modulo the device count for a policy that rotates, else 0."""
-    start = int(table.options.get("start_device", 0))
-    return (next_start_device(table) - start) % table.num_devices
-
-
 __all__ = [
     "FlowOp",
     "HandOffKey",
@@ -264,7 +241,5 @@ __all__ = [
     "device_flows",
     "fused_pairs",
     "layers_of",
-    "next_start_device",
-    "rotation",
     "stage_work",
 ]

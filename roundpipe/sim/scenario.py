@@ -27,7 +27,8 @@ from typing import Any
 
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
 from roundpipe.partition.cost import check_fp16_accumulation, check_label_fraction, layer_times, model_costs
-from roundpipe.partition.partitioner import HEAD_SHARD_CANDIDATES, optimal_partition, plan
+from roundpipe.partition.model_plan import HEAD_SHARD_CANDIDATES, plan
+from roundpipe.partition.partitioner import optimal_partition
 from roundpipe.presets import Server, load_hardware, load_model_config, normalize_dtype
 from roundpipe.schedule import POLICIES, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable

@@ -15,7 +15,8 @@ from dataclasses import replace
 from roundpipe.errors import ConfigError
 from roundpipe.presets import GIB, Server
 from roundpipe.schedule import build_table, policy_options
-from roundpipe.schedule.flow import StageWork, device_flows, next_start_device, rotation
+from roundpipe.schedule.flow import StageWork, device_flows
+from roundpipe.schedule.rotation import next_start_device, rotation
 from roundpipe.schedule.table import ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult, _Sim
 from roundpipe.sim.workload import Workload
@@ -53,7 +54,7 @@ def _task_bytes(stage: StageWork, ly) -> int:
 
 def _iteration_tables(table: ScheduleTable, n: int) -> list[ScheduleTable]:
     """The tables of ``n`` consecutive steps: a policy that rotates continues its deal where the
-    last step ended (``flow.next_start_device``); any other table runs as it is every step."""
+    last step ended (``rotation.next_start_device``); any other table runs as it is every step."""
     if n == 1 or rotation(table) == 0:
         return [table] * n
     accepted = policy_options(table.policy)

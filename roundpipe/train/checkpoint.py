@@ -2,11 +2,11 @@
 
 The trainer hands ``CheckpointManager.save`` one nested structure (master weights or LoRA adapters,
 optimizer, LR scheduler, loss scaler, RNG states, data position, ...). This module knows nothing
-about pipelines: it splits that structure into tensors and a JSON skeleton (``flatten_state``),
-writes them as safetensors shards plus ``state.json``, and seals the directory with a manifest of
-every file's size and sha256. A write is atomic: it happens in a ``.tmp-*`` directory that is
-renamed into place only when complete, so a crash at any instant leaves the previous checkpoints
-intact. ``load`` verifies the manifest before it trusts a byte.
+about pipelines: it splits that structure into tensors and a JSON skeleton (``flatten_state`` of
+``tensor_files.py``), writes them as safetensors shards plus ``state.json``, and seals the
+directory with a manifest of every file's size and sha256. A write is atomic: it happens in a
+``.tmp-*`` directory that is renamed into place only when complete, so a crash at any instant
+leaves the previous checkpoints intact. ``load`` verifies the manifest before it trusts a byte.
 
 Layout (see docs/checkpoints.md)::
 
@@ -28,212 +28,41 @@ One run writes to a root at a time (its rank 0 deletes every ``.tmp-*`` director
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
 import re
 import secrets
 import shutil
 import time
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from roundpipe.errors import CheckpointError, ConfigError
 from roundpipe.testing import faults
-from roundpipe.train.checkpoint_shards import RANK_FILE, Shard
+from roundpipe.train.checkpoint_shards import RANK_FILE, Shard, place, read_union, shards_doc, write_rank_part
 from roundpipe.train.paths import escape
+from roundpipe.train.tensor_files import (
+    decode_skeleton,
+    flatten_state,
+    fsync_file,
+    sha256_file,
+    shard_groups,
+    write_shard,
+)
 
 FORMAT_VERSION = 2  # the newest written and read: 2 adds per-rank shards; a checkpoint without them is 1
 MANIFEST = "manifest.json"
 STATE = "state.json"
 SHARD_BYTES = 2 * 1024**3
-_HASH_CHUNK = 8 * 1024**2
 _CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})$")
 _SHARD_NAME = re.compile(r"^tensors(-\d{5}-of-\d{5})?\.safetensors$")
 _TMP_PREFIX = ".tmp-"
 _REPLACED_PREFIX = ".replaced-"
-
-
-# ---------------------------------------------------------------------------------------------
-# Nested state <-> flat tensors + JSON skeleton
-# ---------------------------------------------------------------------------------------------
-
-
-def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """Split nested state into a flat dict of tensors and a JSON-able skeleton.
-
-    ``state`` may nest dicts (keys ``str``, ``int`` or ``bool``), lists, tuples, tensors, numpy
-    arrays and scalars, ``int``/``float``/``bool``/``str`` and ``None``. Each tensor is keyed by
-    its path, e.g. ``state["optimizer"]["state"][3]["exp_avg"]`` becomes
-    ``"optimizer/state/3/exp_avg"`` (a suffix ``~2``, ``~3``, ... keeps colliding paths apart),
-    and the skeleton holds ``{"tensor": path}`` in its place. ``unflatten_state`` inverts this
-    exactly: int keys stay int, tuples stay tuples, tensors keep dtype, shape and every bit.
-
-    Skeleton nodes: plain JSON scalars for ``None``/bool/int/str/finite floats;
-    ``{"float": "nan"|"inf"|"-inf"}``; ``{"dict": [[key, node], ...]}`` (order kept);
-    ``{"list": [...]}``; ``{"tuple": [...]}``; ``{"tensor": path}``; ``{"ndarray": path}``;
-    ``{"numpy_scalar": path}``. It dumps with ``json.dumps(..., allow_nan=False)``.
-
-    The returned tensors are detached, on the CPU, dense and contiguous, and no two share
-    storage (safetensors refuses shared storage), so aliased tensors are stored twice and come
-    back as separate tensors. A CPU tensor that is already contiguous and owns its whole storage
-    is *not* copied: the flat dict shares its memory, so do not modify the state until the save
-    returns. ``requires_grad`` and tensor subclasses (``nn.Parameter``) are not kept; dict, tuple
-    and scalar subclasses (``OrderedDict``, namedtuples, ``IntEnum``) come back as the base type.
-
-    Raises:
-        CheckpointError: a value of another type (its path is named), or a sparse, quantized or
-            meta tensor.
-    """
-    flat: dict[str, torch.Tensor] = {}
-    storages: set[tuple[str, int]] = set()
-    skeleton = _encode(state, (), flat, storages)
-    return flat, skeleton
-
-
-def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: Any) -> Any:
-    """Rebuild the nested state that ``flatten_state`` split into ``tensors`` and ``skeleton``.
-
-    The tensors are used as they are (no copy): the result holds the very objects in
-    ``tensors``. Tensors that the skeleton does not mention are ignored.
-
-    Raises:
-        CheckpointError: the skeleton is malformed or names a tensor missing from ``tensors``.
-    """
-    return _decode(skeleton, tensors, set())
-
-
-def _encode(value: Any, path: tuple[str, ...], flat: dict, storages: set) -> Any:
-    kind = type(value)
-    if value is None or kind in (bool, int, str):
-        return value
-    if kind is float:
-        return _encode_float(value)
-    if isinstance(value, torch.Tensor):
-        return {"tensor": _add_tensor(_storable(value, path), path, flat, storages)}
-    if type(value).__module__ == "numpy":
-        return _encode_numpy(value, path, flat, storages)
-    if isinstance(value, Mapping):
-        items = []
-        for key, item in value.items():
-            if type(key) not in (str, int, bool):
-                raise CheckpointError(
-                    f"cannot store {_where(path)}: its key {key!r} is a {type(key).__qualname__}; "
-                    f"checkpoint dict keys must be str or int"
-                )
-            items.append([key, _encode(item, (*path, str(key)), flat, storages)])
-        return {"dict": items}
-    if isinstance(value, (list, tuple)):
-        nodes = [_encode(item, (*path, str(i)), flat, storages) for i, item in enumerate(value)]
-        return {"list" if isinstance(value, list) else "tuple": nodes}
-    if isinstance(value, bool):  # subclasses of the JSON scalars: keep the value, drop the class
-        return bool(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return _encode_float(float(value))
-    if isinstance(value, str):
-        return str(value)
-    raise CheckpointError(
-        f"cannot store {_where(path)}: it is a {type(value).__module__}.{type(value).__qualname__}; "
-        f"a checkpoint holds dicts, lists, tuples, tensors, numpy arrays, numbers, strings and None. "
-        f"Store its state_dict() or convert it to one of those"
-    )
-
-
-def _encode_float(value: float) -> Any:
-    if math.isfinite(value):
-        return value
-    return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-
-
-def _encode_numpy(value: Any, path: tuple[str, ...], flat: dict, storages: set) -> Any:
-    import numpy as np
-
-    if not isinstance(value, (np.ndarray, np.generic)):
-        raise CheckpointError(f"cannot store {_where(path)}: it is a numpy {type(value).__qualname__}")
-    array = np.ascontiguousarray(value)
-    try:
-        tensor = torch.from_numpy(array)
-    except TypeError as e:
-        raise CheckpointError(
-            f"cannot store {_where(path)}: a numpy array of dtype {array.dtype} has no torch "
-            f"equivalent ({e}); convert it to a numeric dtype"
-        ) from e
-    name = _add_tensor(_storable(tensor, path), path, flat, storages)
-    return {"ndarray" if isinstance(value, np.ndarray) else "numpy_scalar": name}
-
-
-def _storable(tensor: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor:
-    if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
-        raise CheckpointError(
-            f"cannot store {_where(path)}: a {tensor.layout} tensor on {tensor.device}"
-            f"{' (quantized)' if tensor.is_quantized else ''}; checkpoints hold dense tensors with "
-            f"data: convert it (e.g. .to_dense() or .dequantize()) first"
-        )
-    tensor = tensor.detach().resolve_conj().resolve_neg()
-    if tensor.device.type != "cpu":
-        tensor = tensor.to("cpu")
-    return tensor.contiguous()
-
-
-def _add_tensor(tensor: torch.Tensor, path: tuple[str, ...], flat: dict, storages: set) -> str:
-    storage = tensor.untyped_storage()
-    owner = (str(tensor.device), storage.data_ptr())
-    whole = tensor.data_ptr() == storage.data_ptr() and tensor.nbytes == storage.nbytes()
-    if storage.nbytes() and (owner in storages or not whole):
-        tensor = tensor.clone()
-        owner = (str(tensor.device), tensor.untyped_storage().data_ptr())
-    if tensor.untyped_storage().nbytes():
-        storages.add(owner)
-    base = "/".join(path) or "tensor"
-    name, n = base, 1
-    while name in flat:
-        n += 1
-        name = f"{base}~{n}"
-    flat[name] = tensor
-    return name
-
-
-def _decode(node: Any, tensors: Mapping[str, torch.Tensor], used: set[str]) -> Any:
-    if node is None or type(node) in (bool, int, float, str):
-        return node
-    if isinstance(node, dict) and len(node) == 1:
-        ((kind, body),) = node.items()
-        if kind == "dict" and isinstance(body, list):
-            if not all(
-                isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int, bool)
-                for item in body
-            ):
-                raise CheckpointError(f"malformed dict node in the state skeleton: {str(node)[:200]}")
-            return {key: _decode(item, tensors, used) for key, item in body}
-        if kind in ("list", "tuple") and isinstance(body, list):
-            items = [_decode(item, tensors, used) for item in body]
-            return items if kind == "list" else tuple(items)
-        if kind == "float" and body in ("nan", "inf", "-inf"):
-            return float(body)
-        if kind in ("tensor", "ndarray", "numpy_scalar") and isinstance(body, str):
-            if body not in tensors:
-                raise CheckpointError(
-                    f"the state skeleton refers to tensor {body!r}, which the tensor files do not hold"
-                )
-            used.add(body)
-            tensor = tensors[body]
-            if kind == "tensor":
-                return tensor
-            return tensor.numpy() if kind == "ndarray" else tensor.numpy()[()]
-    raise CheckpointError(f"unknown node in the state skeleton: {str(node)[:200]}")
-
-
-def _where(path: tuple[str, ...]) -> str:
-    return "/".join(path) if path else "the state"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,52 +77,14 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write one safetensors shard and fsync it (a module function so tests can slow it down)."""
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    _fsync_file(path)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_dir(path: Path) -> None:
     if os.name == "nt":  # Windows cannot open a directory to fsync it; renames are durable there
         return
-    _fsync_file(path)
-
-
-def _sha256(path: Path) -> str:
-    """The file's sha256, read in 8 MiB chunks so a file of tens of GB never sits in memory."""
-    digest = hashlib.sha256()
-    buffer = bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
+    fsync_file(path)
 
 
 def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode()
-
-
-def _shard_groups(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """Tensors in order, cut into groups of at most ``shard_bytes`` (a bigger tensor sits alone)."""
-    groups: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        if groups[-1] and size + tensor.nbytes > shard_bytes:
-            groups.append({})
-            size = 0
-        groups[-1][name] = tensor
-        size += tensor.nbytes
-    return groups
 
 
 def _shard_names(count: int) -> list[str]:
@@ -542,14 +333,12 @@ class CheckpointManager:
 
     def _write_part(self, tmp: Path, step: int, group, shard: Shard | None, prepared) -> dict:
         """This rank's files: rank 0 the state's tensor shards; every rank its ``shard``'s part."""
-        from roundpipe.train.checkpoint_shards import write_rank_part
-
         written: dict = {"shard": None}
         if prepared is not None:
-            groups = _shard_groups(prepared.tensors, self.shard_bytes)
+            groups = shard_groups(prepared.tensors, self.shard_bytes)
             written["tensor_files"] = _shard_names(len(groups))
             for shard_name, tensors in zip(written["tensor_files"], groups):
-                _write_shard(tmp / shard_name, tensors)
+                write_shard(tmp / shard_name, tensors)
         if shard is not None:
             written["shard"] = write_rank_part(tmp, shard, group.rank, group.world_size, self.shard_bytes)
             written["shard_path"] = list(shard.path)
@@ -559,8 +348,6 @@ class CheckpointManager:
     def _seal(self, tmp: Path, final: Path, step: int, prepared, parts: list[dict]) -> None:
         """Rank 0: ``state.json``, the extra files and the manifest over every rank's files, then the
         rename that makes the checkpoint exist."""
-        from roundpipe.train.checkpoint_shards import shards_doc
-
         shard_names = parts[0]["tensor_files"]
         shards = [part["shard"] for part in parts]
         if any(s is None for s in shards) and any(s is not None for s in shards):
@@ -590,7 +377,10 @@ class CheckpointManager:
         for extra_name, data in prepared.extra.items():
             _write_bytes(tmp / extra_name, bytes(data))
         for file_name in [*shard_names, STATE, *prepared.extra]:
-            files[file_name] = {"bytes": (tmp / file_name).stat().st_size, "sha256": _sha256(tmp / file_name)}
+            files[file_name] = {
+                "bytes": (tmp / file_name).stat().st_size,
+                "sha256": sha256_file(tmp / file_name),
+            }
         manifest = {
             "format_version": state_doc["format_version"],
             "step": step,
@@ -776,7 +566,7 @@ class CheckpointManager:
             size = file.stat().st_size
             if size != entry["bytes"]:
                 raise self._damaged(file, f"is {size:,} bytes but the manifest says {entry['bytes']:,}", path)
-            digest = _sha256(file) if hash_files else entry["sha256"]
+            digest = sha256_file(file) if hash_files else entry["sha256"]
             if digest != entry["sha256"]:
                 raise self._damaged(
                     file,
@@ -836,14 +626,12 @@ class CheckpointManager:
                 raise self._damaged(path / shard_name, "repeats tensors of an earlier shard", path)
             tensors.update(shard)
         used: set[str] = set()
-        state = _decode(doc["skeleton"], tensors, used)
+        state = decode_skeleton(doc["skeleton"], tensors, used)
         if used != tensors.keys():
             stray = sorted(tensors.keys() - used)[:5]
             raise self._damaged(path / STATE, f"does not refer to tensors {stray} of the tensor files", path)
         rank_files: set[str] = set()
         if "shards" in doc:
-            from roundpipe.train.checkpoint_shards import place, read_union
-
             where, union = read_union(
                 doc["shards"], path, files, lambda file, problem: self._damaged(file, problem, path)
             )

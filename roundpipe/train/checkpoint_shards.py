@@ -23,6 +23,13 @@ from typing import Any
 import torch
 
 from roundpipe.errors import CheckpointError
+from roundpipe.train.tensor_files import (
+    flatten_state,
+    sha256_file,
+    shard_groups,
+    unflatten_state,
+    write_shard,
+)
 
 RANK_FILE = re.compile(r"^rank-(\d{5})-of-(\d{5})(-part-(\d{5})-of-(\d{5}))?\.safetensors$")
 
@@ -56,16 +63,16 @@ def rank_file_names(rank: int, world_size: int, count: int) -> list[str]:
 def write_rank_part(tmp: Path, shard: Shard, rank: int, world_size: int, shard_bytes: int) -> dict:
     """Write this rank's part into ``tmp``; return what rank 0 needs to seal the checkpoint:
     ``{"rank", "tensor_files", "skeleton", "files": {name: {bytes, sha256}}}``."""
-    from roundpipe.train import checkpoint as ck
-
-    tensors, skeleton = ck.flatten_state(dict(shard.part))
+    tensors, skeleton = flatten_state(dict(shard.part))
     names: list[str] = []
     if tensors:
-        groups = ck._shard_groups(tensors, shard_bytes)
+        groups = shard_groups(tensors, shard_bytes)
         names = rank_file_names(rank, world_size, len(groups))
         for name, group in zip(names, groups):
-            ck._write_shard(tmp / name, group)
-    files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": ck._sha256(tmp / name)} for name in names}
+            write_shard(tmp / name, group)
+    files = {
+        name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in names
+    }
     return {"rank": rank, "tensor_files": names, "skeleton": skeleton, "files": files}
 
 
@@ -124,10 +131,8 @@ class ShardUnion(Mapping):
         self.world_size = world_size  # how many ranks wrote it
 
     def __getitem__(self, key: Any) -> Any:
-        from roundpipe.train.checkpoint import _decode
-
         node, tensors = self._entries[key]
-        return _decode(node, tensors, set())
+        return unflatten_state(tensors, node)
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._entries)

@@ -110,7 +110,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> TrainResult:
-        import roundpipe
+        from roundpipe.runtime import Pipeline
         from roundpipe.train.checkpoint import CheckpointManager
         from roundpipe.train.data import Batches, load_data
         from roundpipe.train.paths import check_run_paths
@@ -169,7 +169,7 @@ class Trainer:
 
         model, weights = self._model(tokenizer)
         pipe_config = self._run_config(model, tokenizer)
-        with roundpipe.wrap(model, pipe_config, weights=weights) as pipe:
+        with Pipeline(model, pipe_config, weights=weights) as pipe:
             self._check_joined(pipe)
             self.log(
                 f"plan: {len(pipe.adapter.layers)} layers over [{', '.join(d.name for d in pipe.backend.devices)}]"
@@ -280,7 +280,7 @@ class Trainer:
         return model, loaded.weights
 
     def _run_config(self, model, tokenizer):
-        import roundpipe
+        from roundpipe.config import RunConfig
         from roundpipe.train.forecast import check_host_ram, host_ram_needed
 
         cfg = self.config
@@ -303,7 +303,7 @@ class Trainer:
         devices = self._devices()
         if ranks.is_main:
             self._log_forecast(model, devices, rows, shards)
-        return roundpipe.RunConfig(
+        return RunConfig(
             devices=devices,
             policy=run.policy,
             num_microbatches=run.num_microbatches,
