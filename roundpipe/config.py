@@ -272,8 +272,9 @@ class RunConfig:
     )
     device_capacity: int | None = _setting(
         None,
-        "bytes each device may hold (default: the GPU's memory; unlimited for virtual cpu "
-        "devices). Set it on ``cpu:N`` to rehearse a small GPU.",
+        "bytes each device may hold (default: the GPU's free memory when the pipeline opens, "
+        "shared among the workers of one GPU; unlimited for virtual cpu devices). Set it on "
+        "``cpu:N`` to rehearse a small GPU.",
         check=_capacity,
     )
     head_chunk_tokens: int = _setting(
