@@ -221,8 +221,9 @@ class RunConfig:
 
     devices: str = _setting(
         "auto",
-        '``"auto"``, ``"cpu:N"``, ``"cuda"``, ``"cuda:0,1"``, ``"cuda:0x2"``.',
-        recipe="`auto` (every GPU, else cpu:2), `cpu:N`, `cuda`, `cuda:0,1`.",
+        '``"auto"`` (every GPU, else ``"cpu:2"``), ``"cpu:N"`` (N virtual devices), ``"cuda"``, '
+        '``"cuda:0,1"``, ``"cuda:0x2"`` (two workers on GPU 0).',
+        recipe="`auto` (every GPU, else cpu:2), `cpu:N`, `cuda`, `cuda:0,1`, `cuda:0x2` (two workers on GPU 0).",
     )
     num_microbatches: int | Literal["auto"] = _setting(
         "auto",
