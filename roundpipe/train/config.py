@@ -5,7 +5,9 @@ under it. A field's ``help`` metadata is its documentation: ``roundpipe train --
 ``docs/recipes.md`` are generated from it (``roundpipe.train.recipe``), so the two cannot drift.
 Fields whose default is ``REQUIRED`` must be given. Loading, type checks and the errors that name
 the file and line live in ``roundpipe.train.recipe``; the checks here are the ones that need more
-than one field.
+than one field. The ``run:`` keys that set a ``roundpipe.RunConfig`` setting (``run.policy``,
+``run.dtype``, ...) are not written here: ``RunSection`` reads them off their declarations in
+``roundpipe/config.py``, help and check included.
 """
 
 from __future__ import annotations

@@ -658,13 +658,15 @@ def _cell(text: str) -> str:
 def reference_markdown() -> str:
     """docs/recipes.md: every recipe key with its type, default and help, one table per group.
 
-    Generated from the dataclasses in ``roundpipe.train.config``; a test keeps the checked-in page
+    Generated from the dataclasses in ``roundpipe.train.config`` (whose ``run:`` settings are read
+    off ``roundpipe.config.RunConfig``); a test keeps the checked-in page
     equal to this text. The text ends with one newline.
     """
     lines = [
         "# Recipe reference",
         "",
-        "<!-- Generated from roundpipe/train/config.py; do not edit. Regenerate with",
+        "<!-- Generated from roundpipe/train/config.py and, for the run settings, roundpipe/config.py;",
+        "     do not edit. Regenerate with",
         "     .venv/bin/python -m roundpipe.train.recipe --markdown > docs/recipes.md -->",
         "",
         "`roundpipe train RECIPE.yaml` reads a YAML recipe whose top-level keys are the groups below",
