@@ -659,8 +659,8 @@ def reference_markdown() -> str:
     """docs/recipes.md: every recipe key with its type, default and help, one table per group.
 
     Generated from the dataclasses in ``roundpipe.train.config`` (whose ``run:`` settings are read
-    off ``roundpipe.config.RunConfig``); a test keeps the checked-in page
-    equal to this text. The text ends with one newline.
+    off ``roundpipe.config.RunConfig``); a test keeps the checked-in page equal to this text. The
+    text ends with one newline.
     """
     lines = [
         "# Recipe reference",
