@@ -1,12 +1,23 @@
-"""RunConfig: how a model is run (devices, microbatches, policy, precision). Validated on creation."""
+"""RunConfig: how a model is run (devices, microbatches, policy, precision). Validated on creation.
+
+Each run setting is declared once, as one field of ``RunConfig`` made by ``_setting``: its type and
+default, its help text, the values it takes (``choices``, or a ``check``), and, when a recipe sets
+it as a key of its own under ``run:``, that key's help (``recipe``). The rest is read off these
+declarations: ``RunConfig``'s docstring, the recipe's ``run:`` keys with their types, defaults and
+reference docs (``roundpipe.train.config.RunSection``), the keys ``run.options`` may not repeat,
+the recipe loader's check of each key, and the trainer's copy of ``run:`` into a ``RunConfig``
+(``recipe_settings``). Adding a setting is adding one field here. Rules that span settings are the
+``_check_*`` methods, run after every field's own check.
+"""
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+import textwrap
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, Literal, get_type_hints
 
 from roundpipe.errors import ConfigError
 
@@ -34,220 +45,427 @@ def _positive_finite(value: Any) -> bool:
     return isinstance(value, numbers.Real) and math.isfinite(value) and value > 0
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    """How ``roundpipe.wrap`` runs a model.
+# ---------------------------------------------------------------------------------------------------
+# One setting's own check: check(name, value) returns the value to keep or raises ConfigError.
+
+Check = Callable[[str, Any], Any]
+
+
+def _one_of(choices: tuple[str, ...]) -> Check:
+    def check(name: str, value: Any) -> Any:
+        if value not in choices:
+            raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+        return value
+
+    return check
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _positive_int(name: str, value: Any) -> Any:
+    if not _is_positive_int(value):
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _count_or_auto(name: str, value: Any) -> Any:
+    if value != "auto" and not _is_positive_int(value):
+        raise ConfigError(f"{name} must be a positive int or 'auto', got {value!r}")
+    return value
+
+
+def _policy(name: str, value: Any) -> Any:
+    if not isinstance(value, str):  # before the dict lookups below, which need a hashable
+        raise ConfigError(
+            f"policy must be a name, got {type(value).__name__} {value!r}; choose 'auto' "
+            f"or one of {', '.join(known_policies())}"
+        )
+    if value in _NOT_EXECUTABLE:
+        raise ConfigError(
+            f"policy {value!r} cannot run yet: {_NOT_EXECUTABLE[value]}; "
+            f"choose one of {', '.join(known_policies())} (the simulator still models it)"
+        )
+    if value != "auto" and value not in known_policies():
+        raise ConfigError(f"unknown policy {value!r}; choose 'auto' or one of {', '.join(known_policies())}")
+    return value
+
+
+def _capacity(name: str, value: Any) -> Any:
+    if value is not None and not _positive_finite(value):
+        raise ConfigError(f"{name} must be a positive byte count, got {value!r}")
+    return value
+
+
+def _cache_bytes(name: str, value: Any) -> Any:
+    if value is not None and not (_positive_finite(value) or value == 0):
+        raise ConfigError(f"{name} must be a byte count (0 or more) or None, got {value!r}")
+    return value
+
+
+def _timeout(name: str, value: Any) -> Any:
+    if not _positive_finite(value):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+    return value
+
+
+def _watchdog(name: str, value: Any) -> Any:
+    """As ``_timeout``, but infinity is allowed: a watchdog that never fires."""
+    if not isinstance(value, numbers.Real) or not value > 0:  # also refuses NaN
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+    return value
+
+
+def _true_or_false(name: str, value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _option_names(name: str, value: Any) -> Any:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(
+            f"{name} must be a dict of option names to values (e.g. {{'virtual_stages': 2}}), got {value!r}"
+        )
+    return value
+
+
+def _round_size(name: str, value: Any) -> Any:
+    if value is not None and not _is_positive_int(value):
+        raise ConfigError(f"{name} must be a positive int (microbatches per round) or None, got {value!r}")
+    return value
+
+
+def _layer_counts(name: str, value: Any) -> Any:
+    if isinstance(value, list):  # a list (from YAML, say) means the same
+        value = tuple(value)
+    if value is not None and (
+        not isinstance(value, tuple) or not value or any(not _is_positive_int(n) for n in value)
+    ):
+        raise ConfigError(f"{name} must list a positive number of layers per stage, got {value!r}")
+    return value
+
+
+def _partition(name: str, value: Any) -> Any:
+    if isinstance(value, str):
+        if value != "auto":
+            raise ConfigError(f"{name} must be layer counts per stage or 'auto', got {value!r}")
+        return value
+    return _layer_counts(name, value)
+
+
+def _schedule(name: str, value: Any) -> Any:
+    if value is not None:
+        from roundpipe.schedule.table import ScheduleTable
+
+        if not isinstance(value, ScheduleTable):
+            raise ConfigError(
+                f"{name} must be a roundpipe.schedule.ScheduleTable (ScheduleTable.from_text, "
+                f"build_table), got {type(value).__name__}"
+            )
+    return value
+
+
+def _setting(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] = (),
+    check: Check | None = None,
+    recipe: str | None = None,
+) -> Any:
+    """Declare one run setting (a field of ``RunConfig``).
 
     Args:
-        devices: ``"auto"``, ``"cpu:N"``, ``"cuda"``, ``"cuda:0,1"``, ``"cuda:0x2"``.
-        num_microbatches: how many slices ``forward_backward`` cuts each batch into (by sample;
-            uneven splits are fine). ``"auto"`` (default): one per device until the first batch
-            is profiled, then the count predicted fastest (at most the batch), chosen with the
-            policy and the partitions (see ``policy``).
-        policy: dispatch policy (``"roundpipe"`` streams stages round-robin over stateless
-            workers; ``known_policies()`` lists the others). ``"auto"`` (default): run as
-            roundpipe until the first batch is profiled (``Pipeline.profile``, done by the first
-            ``forward_backward``), then the policy whose step the simulator predicts fastest on the
-            measured layer times, chosen together with the "auto" partitions and microbatch count
-            once per batch shape (``roundpipe.sim.choice``); ``pipe.plan`` says what was chosen and
-            why. Any of the three given explicitly pins that part. The optimizer mode is never
-            chosen: ``sync`` (exact) unless you ask for ``async``.
-        dtype: compute precision; master weights and optimizer state are always fp32 on the CPU.
-        order: ``"strict"``: each worker runs its tasks in table order; ``"ready"``: the first task
-            in table order whose inputs are ready (the table is a hint; irregular tables cannot
-            deadlock).
-        optimizer_mode: ``"sync"``: exact, every step sees the latest weights (the next step's first
-            layer waits for its update: a fill/drain bubble per step). ``"async"``: ``step()``
-            returns at once and the update runs on the CPU while the next step computes on the
-            weights from one update earlier (staleness exactly 1, as in the RoundPipe paper).
-        device_capacity: bytes each device may hold (default: the GPU's memory; unlimited for
-            virtual cpu devices). Set it on ``cpu:N`` to rehearse a small GPU.
-        head_chunk_tokens: tokens per chunk of the fused LM head + loss (bounds the logits memory).
-        head_shards: split the LM head + loss into this many vocabulary shards, each its own layer
-            (online log-sum-exp across shards keeps the loss exact), so the partitioner can balance
-            the head against the decoder blocks.
-        prefetch: upload the next stage's weights while the current one computes.
-        copy_chunk_bytes: weight uploads are cut into copies of at most this size, so that urgent
-            copies (activations, on their own higher-priority stream) pass them.
-        weight_cache_bytes: for weight-bound policies (all but ``roundpipe``), how many bytes of
-            weights a device may keep resident across its tasks of one step (default: half the
-            device capacity; unlimited on cpu devices without a capacity).
-        nan_policy: what a NaN or Inf in a layer's output, the loss or a weight gradient does,
-            found on the devices before the optimizer applies it. ``"stop"`` (default):
-            ``forward_backward`` raises ``NonFiniteError`` naming the step, layer, microbatch and
-            device where it first appeared; a non-finite output is found before any update, a
-            non-finite gradient before its own layer's update (eager updates may have stepped the
-            layers above it; with deferred updates nothing is applied). ``"skip"``: the step's
-            update is dropped and counted (``pipe.skipped_steps``); it defers every update to
-            ``step()``, as clipping does, so that no layer is stepped before all are checked. fp16
-            runs skip a non-finite gradient either way and lower the loss scale.
-        data_parallel: ``"auto"`` (default): when the environment says this process is one rank of
-            several (``WORLD_SIZE`` > 1, as ``torchrun`` sets with ``RANK``, ``MASTER_ADDR`` and
-            ``MASTER_PORT``), join the torch.distributed process group (gloo; initialised here if
-            the caller has not) and train data-parallel: every rank passes the same global batch,
-            computes on its own rows, and the fp32 CPU gradients are summed across ranks layer by
-            layer as each becomes final, overlapped with the rest of the backward; the loss is
-            normalised by the global token count, so N ranks train exactly as one process on the
-            whole batch (``roundpipe/distributed/``, docs/multinode.md). ``"off"``: never.
-        optimizer_sharding: with data parallelism, ``"nodes"``: each rank owns the AdamW state of
-            about 1/N of the layers (contiguous, balanced by bytes): gradients are reduced to
-            their owner, which steps them and broadcasts the new weights; the optimizer state per
-            rank falls by about N. ``"none"`` (default): every rank steps every layer.
-        dp_bucket_bytes: the gradient reduction sends the step groups (layers) in buckets of about
-            this many bytes (a layer larger than it goes alone): fewer, larger messages against
-            an earlier start of the first (``torch.nn.parallel.DistributedDataParallel``'s
-            ``bucket_cap_mb``).
-        dp_timeout_s: how long a collective waits for the other ranks before the step fails with
-            ``DataParallelError`` (a lost peer whose connection closes is noticed at once).
-        watchdog_s: a step with no progress for this long fails with ``WatchdogTimeout``. Progress
-            is what the devices have finished (events), not what the workers have issued.
-        sanitize: on the cpu backend, check every closure against CUDA's stream rules (a tensor
-            used on a stream it was not handed over to, an access not ordered by an event; see
-            docs/design.md §5). None: the ``ROUNDPIPE_SANITIZE`` environment variable decides (the
-            test suite sets it). On CUDA use PyTorch's ``TORCH_CUDA_SANITIZER=1`` instead.
-        seed: base seed of the dropout masks, so recomputation replays them exactly.
-        policy_options: extra arguments of the policy (e.g. ``{"virtual_stages": 2}``).
-        round_size: ``roundpipe`` only: deal each batch in rounds of this many microbatches (the
-            last may be shorter), each round's forward, head and backward stages before the next
-            round's, the deal going on across rounds without a drain. The host then holds the saved
-            stage inputs of about two rounds instead of the whole batch, for one weight upload per
-            stage per round. At least the device count (unless it covers every microbatch); None:
-            one round of all microbatches.
-        partition: layers per forward stage, e.g. ``(3, 4, 4, 3)``; layers are embed, each block,
-            the head. ``None``: the policy's default (one layer per stage for roundpipe, even stages
-            for the others). ``"auto"`` (default): profile the layers on the first batch and cut
-            them on the measured times within the device capacity: a policy with separate forward
-            and backward partitions (roundpipe) takes the free stage grain of the RoundPipe
-            objective (``partition/grain.py``) for the microbatch count, the others their registry
-            stage count, balanced.
-        backward_partition: layers per backward stage (default: ``partition``); roundpipe allows
-            it to differ (backward stages are usually smaller).
-        schedule: a hand-written ``ScheduleTable`` to run instead of a policy's; its partitions and
-            microbatch count are used. Checked before it runs: strict order rejects a table that
-            would deadlock, naming the waiting cycle.
-        host_memory: where the host copies that uploads read live. ``"arena"``: carved from a few
-            exactly-sized page-locked allocations (``cudaHostRegister``), so host memory is what the
-            tensors need plus alignment; ``"pinned"``: one ``pin_memory()`` per tensor (PyTorch's
-            caching host allocator rounds each up to a power of two: up to ~2x the bytes);
-            ``"pageable"``: nothing pinned (asynchronous copies are staged and block the host).
-        fp16_accumulation: with ``dtype="fp16"``, let fp16 matmuls accumulate in fp16
-            (``torch.backends.cuda.matmul.allow_fp16_accumulation``): twice the tensor-core rate on
-            GeForce cards, as the RoundPipe paper's 4090 runs use; fewer correct bits in long sums.
-            The cuda backend sets it for the process while the pipeline is open (and warns where
-            the installed torch lacks it); the cpu backend has no such mode and warns.
+        default: its value when not given (a dict default is copied for each config).
+        help: what it does, for ``RunConfig``'s docstring.
+        choices: the names it takes; an other value is refused naming them (and a recipe key's
+            type is these names).
+        check: ``check(name, value)`` returns the value to keep or raises ``ConfigError``.
+        recipe: the help of the recipe key ``run.NAME`` that sets it, written for a recipe's
+            reader; None: a recipe sets it only through ``run.options``.
     """
+    if choices:
+        check = _one_of(choices)
+    metadata = {"help": help, "choices": choices, "check": check, "recipe": recipe}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
-    devices: str = "auto"
-    num_microbatches: int | str = "auto"
-    policy: str = "auto"
-    dtype: str = "fp32"
-    order: str = "strict"
-    optimizer_mode: str = "sync"
-    device_capacity: int | None = None
-    head_chunk_tokens: int = 1024
-    head_shards: int = 1
-    prefetch: bool = True
-    copy_chunk_bytes: int = 64 << 20
-    weight_cache_bytes: int | None = None
-    nan_policy: str = "stop"
-    data_parallel: str = "auto"
-    optimizer_sharding: str = "none"
-    dp_timeout_s: float = 300.0
-    dp_bucket_bytes: int = 25 << 20
-    watchdog_s: float = 300.0
-    sanitize: bool | None = None
-    seed: int = 0
-    policy_options: dict[str, Any] = field(default_factory=dict)
-    round_size: int | None = None
-    partition: tuple[int, ...] | str | None = "auto"
-    backward_partition: tuple[int, ...] | None = None
-    schedule: Any = None  # a roundpipe.schedule.ScheduleTable written by hand
-    host_memory: str = "arena"
-    fp16_accumulation: bool = False
-    verify_model: bool = True
+
+def recipe_settings() -> tuple[Field, ...]:
+    """The settings a recipe sets as keys of its own under ``run:`` (same name), in field order."""
+    return tuple(f for f in fields(RunConfig) if f.metadata["recipe"] is not None)
+
+
+def recipe_type(f: Field) -> Any:
+    """The type of the recipe key ``run.NAME`` that sets ``f``: its choices, else its annotation."""
+    if f.metadata["choices"]:
+        return Literal[f.metadata["choices"]]
+    return get_type_hints(RunConfig)[f.name]
+
+
+def recipe_default(f: Field) -> Any:
+    """The default of ``f`` (a fresh copy of a dict default)."""
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+# ---------------------------------------------------------------------------------------------------
+# The settings
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How ``roundpipe.wrap`` runs a model."""
+
+    devices: str = _setting(
+        "auto",
+        '``"auto"`` (every GPU, else ``"cpu:2"``), ``"cpu:N"`` (N virtual devices), ``"cuda"``, '
+        '``"cuda:0,1"``, ``"cuda:0x2"`` (two workers on GPU 0).',
+        recipe="`auto` (every GPU, else cpu:2), `cpu:N`, `cuda`, `cuda:0,1`, `cuda:0x2` (two workers on GPU 0).",
+    )
+    num_microbatches: int | Literal["auto"] = _setting(
+        "auto",
+        "how many slices ``forward_backward`` cuts each batch into (by sample; uneven splits are "
+        'fine). ``"auto"`` (default): one per device until the first batch is profiled, then the '
+        "count predicted fastest (at most the batch), chosen with the policy and the partitions "
+        "(see ``policy``).",
+        check=_count_or_auto,
+        recipe="Microbatches per forward/backward, or `auto`: chosen with the policy from the profile.",
+    )
+    policy: str = _setting(
+        "auto",
+        'dispatch policy (``"roundpipe"`` streams stages round-robin over stateless workers; '
+        '``known_policies()`` lists the others). ``"auto"`` (default): run as roundpipe until the '
+        "first batch is profiled (``Pipeline.profile``, done by the first ``forward_backward``), then "
+        "the policy whose step the simulator predicts fastest on the measured layer times, chosen "
+        'together with the "auto" partitions and microbatch count once per batch shape '
+        "(``roundpipe.sim.choice``); ``pipe.plan`` says what was chosen and why. Any of the three "
+        "given explicitly pins that part. The optimizer mode is never chosen: ``sync`` (exact) "
+        "unless you ask for ``async``.",
+        check=_policy,
+        recipe="Dispatch policy (roundpipe, 1f1b, gpipe, ...), or `auto`: the first batch is profiled and "
+        "the policy predicted fastest on the measured layer times runs (`RunConfig(policy='auto')`; "
+        "the log says what was chosen and why).",
+    )
+    dtype: str = _setting(
+        "fp32",
+        "compute precision; master weights and optimizer state are always fp32 on the CPU.",
+        choices=DTYPES,
+        recipe="Compute precision; masters and optimizer state stay fp32.",
+    )
+    order: str = _setting(
+        "strict",
+        '``"strict"``: each worker runs its tasks in table order; ``"ready"``: the first task in '
+        "table order whose inputs are ready (the table is a hint; irregular tables cannot "
+        "deadlock).",
+        choices=ORDERS,
+    )
+    optimizer_mode: str = _setting(
+        "sync",
+        '``"sync"``: exact, every step sees the latest weights (the next step\'s first layer waits '
+        'for its update: a fill/drain bubble per step). ``"async"``: ``step()`` returns at once and '
+        "the update runs on the CPU while the next step computes on the weights from one update "
+        "earlier (staleness exactly 1, as in the RoundPipe paper).",
+        choices=OPTIMIZER_MODES,
+        recipe="sync: exact; async: the update overlaps the next step (staleness 1).",
+    )
+    device_capacity: int | None = _setting(
+        None,
+        "bytes each device may hold (default: the GPU's free memory when the pipeline opens, "
+        "shared among the workers of one GPU; unlimited for virtual cpu devices). Set it on "
+        "``cpu:N`` to rehearse a small GPU.",
+        check=_capacity,
+    )
+    head_chunk_tokens: int = _setting(
+        1024,
+        "tokens per chunk of the fused LM head + loss (bounds the logits memory).",
+        check=_positive_int,
+    )
+    head_shards: int = _setting(
+        1,
+        "split the LM head + loss into this many vocabulary shards, each its own layer (online "
+        "log-sum-exp across shards keeps the loss exact), so the partitioner can balance the head "
+        "against the decoder blocks.",
+        check=_positive_int,
+    )
+    prefetch: bool = _setting(True, "upload the next stage's weights while the current one computes.")
+    copy_chunk_bytes: int = _setting(
+        64 << 20,
+        "weight uploads are cut into copies of at most this size, so that urgent copies "
+        "(activations, on their own higher-priority stream) pass them.",
+        check=_positive_int,
+    )
+    weight_cache_bytes: int | None = _setting(
+        None,
+        "for weight-bound policies (all but ``roundpipe``), how many bytes of weights a device may "
+        "keep resident across its tasks of one step (default: half the device capacity; unlimited "
+        "on cpu devices without a capacity).",
+        check=_cache_bytes,
+    )
+    nan_policy: str = _setting(
+        "stop",
+        "what a NaN or Inf in a layer's output, the loss or a weight gradient does, found on the "
+        'devices before the optimizer applies it. ``"stop"`` (default): ``forward_backward`` raises '
+        "``NonFiniteError`` naming the step, layer, microbatch and device where it first appeared; "
+        "a non-finite output is found before any update, a non-finite gradient before its own "
+        "layer's update (eager updates may have stepped the layers above it; with deferred updates "
+        'nothing is applied). ``"skip"``: the step\'s update is dropped and counted '
+        "(``pipe.skipped_steps``); it defers every update to ``step()``, as clipping does, so that "
+        "no layer is stepped before all are checked. fp16 runs skip a non-finite gradient either "
+        "way and lower the loss scale.",
+        choices=NAN_POLICIES,
+        recipe="A NaN or Inf in a loss, a layer output or a gradient: `stop` ends the run naming the step, "
+        "layer and microbatch (after a checkpoint of the last completed step); `skip` drops that "
+        "update and goes on (counted as `skipped_steps` in the metrics). fp16 runs skip gradient "
+        "overflows either way and lower the loss scale.",
+    )
+    data_parallel: str = _setting(
+        "auto",
+        '``"auto"`` (default): when the environment says this process is one rank of several '
+        "(``WORLD_SIZE`` > 1, as ``torchrun`` sets with ``RANK``, ``MASTER_ADDR`` and "
+        "``MASTER_PORT``), join the torch.distributed process group (gloo; initialised here if the "
+        "caller has not) and train data-parallel: every rank passes the same global batch, computes "
+        "on its own rows, and the fp32 CPU gradients are summed across ranks layer by layer as each "
+        "becomes final, overlapped with the rest of the backward; the loss is normalised by the "
+        "global token count, so N ranks train exactly as one process on the whole batch "
+        '(``roundpipe/distributed/``, docs/multinode.md). ``"off"``: never.',
+        choices=DATA_PARALLEL_MODES,
+        recipe="Under torchrun (WORLD_SIZE > 1): `auto` joins the ranks into one data-parallel run, each "
+        "rank computing its share of every global batch (`run.batch_size` stays the global batch) "
+        "and rank 0 alone writing the run directory; `off` refuses to run as one of several ranks. "
+        "See docs/multinode.md.",
+    )
+    optimizer_sharding: str = _setting(
+        "none",
+        'with data parallelism, ``"nodes"``: each rank owns the AdamW state of about 1/N of the '
+        "layers (contiguous, balanced by bytes): gradients are reduced to their owner, which steps "
+        "them and broadcasts the new weights; the optimizer state per rank falls by about N. "
+        '``"none"`` (default): every rank steps every layer.',
+        choices=OPTIMIZER_SHARDINGS,
+        recipe="With data parallelism, `nodes`: each rank owns the AdamW state of about 1/N of the layers "
+        "(host RAM per rank falls by about N for it; checkpoints hold one optimizer file per rank); "
+        "`none`: every rank holds all of it.",
+    )
+    dp_timeout_s: float = _setting(
+        300.0,
+        "how long a collective waits for the other ranks before the step fails with "
+        "``DataParallelError`` (a lost peer whose connection closes is noticed at once).",
+        check=_timeout,
+        recipe="How long a rank waits for the others in a collective (a step's gradients, a checkpoint) "
+        "before the run fails with DataParallelError; a lost rank whose connection closes is "
+        "noticed at once.",
+    )
+    dp_bucket_bytes: int = _setting(
+        25 << 20,
+        "the gradient reduction sends the step groups (layers) in buckets of about this many bytes "
+        "(a layer larger than it goes alone): fewer, larger messages against an earlier start of "
+        "the first (``torch.nn.parallel.DistributedDataParallel``'s ``bucket_cap_mb``).",
+        check=_positive_int,
+    )
+    watchdog_s: float = _setting(
+        300.0,
+        "a step with no progress for this long fails with ``WatchdogTimeout``. Progress is what the "
+        "devices have finished (events), not what the workers have issued.",
+        check=_watchdog,
+    )
+    sanitize: bool | None = _setting(
+        None,
+        "on the cpu backend, check every closure against CUDA's stream rules (a tensor used on a "
+        "stream it was not handed over to, an access not ordered by an event; see docs/design.md "
+        "§5). None: the ``ROUNDPIPE_SANITIZE`` environment variable decides (the test suite sets "
+        "it). On CUDA use PyTorch's ``TORCH_CUDA_SANITIZER=1`` instead.",
+    )
+    seed: int = _setting(
+        0,
+        "base seed of the dropout masks, so recomputation replays them exactly.",
+        recipe="Seed of initialisation, shuffling and dropout.",
+    )
+    policy_options: dict[str, Any] = _setting(
+        {},
+        'extra arguments of the policy (e.g. ``{"virtual_stages": 2}``).',
+        check=_option_names,
+    )
+    round_size: int | None = _setting(
+        None,
+        "``roundpipe`` only: deal each batch in rounds of this many microbatches (the last may be "
+        "shorter), each round's forward, head and backward stages before the next round's, the deal "
+        "going on across rounds without a drain. The host then holds the saved stage inputs of "
+        "about two rounds instead of the whole batch, for one weight upload per stage per round. "
+        "At least the device count (unless it covers every microbatch); None: one round of all "
+        "microbatches.",
+        check=_round_size,
+    )
+    partition: tuple[int, ...] | str | None = _setting(
+        "auto",
+        "layers per forward stage, e.g. ``(3, 4, 4, 3)``; layers are embed, each block, the head. "
+        "``None``: the policy's default (one layer per stage for roundpipe, even stages for the "
+        'others). ``"auto"`` (default): profile the layers on the first batch and cut them on the '
+        "measured times within the device capacity: a policy with separate forward and backward "
+        "partitions (roundpipe) takes the free stage grain of the RoundPipe objective "
+        "(``partition/grain.py``) for the microbatch count, the others their registry stage count, "
+        "balanced.",
+        check=_partition,
+    )
+    backward_partition: tuple[int, ...] | None = _setting(
+        None,
+        "layers per backward stage (default: ``partition``); roundpipe allows it to differ "
+        "(backward stages are usually smaller).",
+        check=_layer_counts,
+    )
+    schedule: Any = _setting(  # a roundpipe.schedule.ScheduleTable written by hand
+        None,
+        "a hand-written ``ScheduleTable`` to run instead of a policy's; its partitions and "
+        "microbatch count are used. Checked before it runs: strict order rejects a table that would "
+        "deadlock, naming the waiting cycle.",
+        check=_schedule,
+    )
+    host_memory: str = _setting(
+        "arena",
+        'where the host copies that uploads read live. ``"arena"``: carved from a few exactly-sized '
+        "page-locked allocations (``cudaHostRegister``), so host memory is what the tensors need "
+        'plus alignment; ``"pinned"``: one ``pin_memory()`` per tensor (PyTorch\'s caching host '
+        'allocator rounds each up to a power of two: up to ~2x the bytes); ``"pageable"``: nothing '
+        "pinned (asynchronous copies are staged and block the host).",
+        choices=HOST_MEMORY_MODES,
+    )
+    fp16_accumulation: bool = _setting(
+        False,
+        'with ``dtype="fp16"``, let fp16 matmuls accumulate in fp16 '
+        "(``torch.backends.cuda.matmul.allow_fp16_accumulation``): twice the tensor-core rate on "
+        "GeForce cards, as the RoundPipe paper's 4090 runs use; fewer correct bits in long sums. "
+        "The cuda backend sets it for the process while the pipeline is open (and warns where the "
+        "installed torch lacks it); the cpu backend has no such mode and warns.",
+    )
+    verify_model: bool = _setting(
+        True,
+        "at wrap time, prove the layers against the model's own forward on two 8-token sequences "
+        "and refuse (``UnsupportedModel``, naming the first layer that differs) a model they do not "
+        "reproduce; a model over 1B parameters or on the meta device is proved through a tiny model "
+        "of its config class. False: only through the tiny model (docs/models.md).",
+        check=_true_or_false,
+    )
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        if not isinstance(self.policy, str):  # before the dict lookups below, which need a hashable
-            raise ConfigError(
-                f"policy must be a name, got {type(self.policy).__name__} {self.policy!r}; choose 'auto' "
-                f"or one of {', '.join(known_policies())}"
-            )
-        if self.policy in _NOT_EXECUTABLE:
-            raise ConfigError(
-                f"policy {self.policy!r} cannot run yet: {_NOT_EXECUTABLE[self.policy]}; "
-                f"choose one of {', '.join(known_policies())} (the simulator still models it)"
-            )
-        if self.policy != "auto" and self.policy not in known_policies():
-            raise ConfigError(
-                f"unknown policy {self.policy!r}; choose 'auto' or one of {', '.join(known_policies())}"
-            )
-        if self.order not in ORDERS:
-            raise ConfigError(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
-        if self.nan_policy not in NAN_POLICIES:
-            raise ConfigError(
-                f"unknown nan_policy {self.nan_policy!r}; choose one of {', '.join(NAN_POLICIES)}"
-            )
-        if self.optimizer_mode not in OPTIMIZER_MODES:
-            raise ConfigError(
-                f"unknown optimizer_mode {self.optimizer_mode!r}; choose one of {', '.join(OPTIMIZER_MODES)}"
-            )
-        if self.num_microbatches != "auto" and (
-            not isinstance(self.num_microbatches, int) or self.num_microbatches < 1
-        ):
-            raise ConfigError(
-                f"num_microbatches must be a positive int or 'auto', got {self.num_microbatches!r}"
-            )
-        if not isinstance(self.head_chunk_tokens, int) or self.head_chunk_tokens < 1:
-            raise ConfigError(f"head_chunk_tokens must be a positive int, got {self.head_chunk_tokens!r}")
-        if not isinstance(self.head_shards, int) or self.head_shards < 1:
-            raise ConfigError(f"head_shards must be a positive int, got {self.head_shards!r}")
-        if not isinstance(self.copy_chunk_bytes, int) or self.copy_chunk_bytes < 1:
-            raise ConfigError(f"copy_chunk_bytes must be a positive int, got {self.copy_chunk_bytes!r}")
-        if self.device_capacity is not None and not _positive_finite(self.device_capacity):
-            raise ConfigError(f"device_capacity must be a positive byte count, got {self.device_capacity!r}")
-        if self.weight_cache_bytes is not None and not (
-            _positive_finite(self.weight_cache_bytes) or self.weight_cache_bytes == 0
-        ):
-            raise ConfigError(
-                f"weight_cache_bytes must be a byte count (0 or more) or None, got {self.weight_cache_bytes!r}"
-            )
-        for name in ("partition", "backward_partition"):  # a list (from YAML, say) means the same
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
-        if isinstance(self.partition, str) and self.partition != "auto":
-            raise ConfigError(f"partition must be layer counts per stage or 'auto', got {self.partition!r}")
+        for f in fields(self):  # each setting's own check, in field order
+            check = f.metadata["check"]
+            if check is not None:
+                object.__setattr__(self, f.name, check(f.name, getattr(self, f.name)))
+        self._check_backward_partition()
+        self._check_schedule()
+        self._check_round_size()
+        self._check_policy_options()
+        self._check_fp16_accumulation()
+
+    def _check_backward_partition(self) -> None:
         if self.backward_partition is not None and not isinstance(self.partition, tuple):
             raise ConfigError(
                 "backward_partition needs partition too (the forward stages, e.g. partition=(2, 3)); "
                 f"partition={self.partition!r} chooses both"
             )
-        for name in ("partition", "backward_partition"):
-            sizes = getattr(self, name)
-            if isinstance(sizes, str) and sizes == "auto":
-                continue
-            if sizes is not None and (
-                not isinstance(sizes, tuple)
-                or not sizes
-                or any(not isinstance(n, int) or n < 1 for n in sizes)
-            ):
-                raise ConfigError(f"{name} must list a positive number of layers per stage, got {sizes!r}")
-        if self.schedule is not None:
-            from roundpipe.schedule.table import ScheduleTable
 
-            if not isinstance(self.schedule, ScheduleTable):
-                raise ConfigError(
-                    f"schedule must be a roundpipe.schedule.ScheduleTable (ScheduleTable.from_text, "
-                    f"build_table), got {type(self.schedule).__name__}"
-                )
-        if not isinstance(self.policy_options, Mapping) or not all(
-            isinstance(k, str) for k in self.policy_options
-        ):
-            raise ConfigError(
-                f"policy_options must be a dict of option names to values (e.g. {{'virtual_stages': 2}}), "
-                f"got {self.policy_options!r}"
-            )
+    def _check_schedule(self) -> None:
         if (
             self.schedule is not None
             and self.num_microbatches != "auto"
@@ -257,55 +475,13 @@ class RunConfig:
                 f"the schedule is written for {self.schedule.num_microbatches} microbatches but "
                 f"num_microbatches={self.num_microbatches}; make them equal"
             )
-        self._check_round_size()
-        if self.policy == "auto" and self.policy_options:
-            from roundpipe.schedule import policy_options
-
-            keys = set(self.policy_options)
-            if not any(keys <= set(policy_options(p)) for p in known_policies()):
-                raise ConfigError(
-                    f"no policy takes the options {', '.join(sorted(keys))}; name the policy they are for"
-                )
-        if self.host_memory not in HOST_MEMORY_MODES:
-            raise ConfigError(
-                f"unknown host_memory {self.host_memory!r}; choose one of {', '.join(HOST_MEMORY_MODES)}"
-            )
-        if self.fp16_accumulation and self.dtype != "fp16":
-            raise ConfigError(
-                f"fp16_accumulation needs dtype='fp16', not {self.dtype!r}; set both or neither"
-            )
-        if self.data_parallel not in DATA_PARALLEL_MODES:
-            raise ConfigError(
-                f"unknown data_parallel {self.data_parallel!r}; choose one of {', '.join(DATA_PARALLEL_MODES)}"
-            )
-        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
-            raise ConfigError(
-                f"unknown optimizer_sharding {self.optimizer_sharding!r}; choose one of "
-                f"{', '.join(OPTIMIZER_SHARDINGS)}"
-            )
-        if (
-            isinstance(self.dp_bucket_bytes, bool)
-            or not isinstance(self.dp_bucket_bytes, int)
-            or (self.dp_bucket_bytes < 1)
-        ):
-            raise ConfigError(f"dp_bucket_bytes must be a positive int, got {self.dp_bucket_bytes!r}")
-        if not _positive_finite(self.dp_timeout_s):
-            raise ConfigError(f"dp_timeout_s must be a positive number of seconds, got {self.dp_timeout_s!r}")
-        if not isinstance(self.watchdog_s, numbers.Real) or not self.watchdog_s > 0:  # also refuses NaN
-            raise ConfigError(f"watchdog_s must be a positive number of seconds, got {self.watchdog_s!r}")
-        if not isinstance(self.verify_model, bool):
-            raise ConfigError(f"verify_model must be True or False, got {self.verify_model!r}")
 
     def _check_round_size(self) -> None:
-        """A positive int, for a policy that deals in rounds, not given twice. Whether it covers
-        the device count is checked when the pipeline knows its devices (the policy's table)."""
+        """For a policy that deals in rounds, not given twice. Whether it covers the device count is
+        checked when the pipeline knows its devices (the policy's table)."""
         r = self.round_size
         if r is None:
             return
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ConfigError(
-                f"round_size must be a positive int (microbatches per round) or None, got {r!r}"
-            )
         from roundpipe.schedule import policy_options
 
         # With policy="auto" only the policies that deal in rounds are candidates.
@@ -321,8 +497,37 @@ class RunConfig:
                 "disagree; set one of them"
             )
 
+    def _check_policy_options(self) -> None:
+        if self.policy == "auto" and self.policy_options:
+            from roundpipe.schedule import policy_options
+
+            keys = set(self.policy_options)
+            if not any(keys <= set(policy_options(p)) for p in known_policies()):
+                raise ConfigError(
+                    f"no policy takes the options {', '.join(sorted(keys))}; name the policy they are for"
+                )
+
+    def _check_fp16_accumulation(self) -> None:
+        if self.fp16_accumulation and self.dtype != "fp16":
+            raise ConfigError(
+                f"fp16_accumulation needs dtype='fp16', not {self.dtype!r}; set both or neither"
+            )
+
     @property
     def torch_dtype(self):
         import torch
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+
+
+def _docstring(cls: type) -> str:
+    """The class docstring followed by an ``Args:`` entry per field, from each field's help."""
+    lines = [cls.__doc__, "", "    Args:"]
+    for f in fields(cls):
+        text = f"{f.name}: {f.metadata['help']}"
+        indents = {"initial_indent": " " * 8, "subsequent_indent": " " * 12}
+        lines.append(textwrap.fill(text, 100, break_on_hyphens=False, **indents))
+    return "\n".join(lines) + "\n    "
+
+
+RunConfig.__doc__ = _docstring(RunConfig)

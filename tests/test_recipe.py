@@ -269,8 +269,18 @@ def test_a_missing_file_is_an_error(tmp_path):
 def test_cross_field_rules_run_and_name_the_file(tmp_path):
     path = write(tmp_path, "model:\n  path: /m\n  config: {model_type: qwen3}\ndata:\n  train: t.jsonl\n")
     assert error_of(path).startswith(f"{path}: set exactly one of model.path")
+
+
+def test_a_run_setting_is_checked_by_run_configs_own_rule_naming_the_line(tmp_path):
     path = write(tmp_path, MINIMAL + "run:\n  num_microbatches: 0\n")
-    assert error_of(path) == f"{path}: run.num_microbatches must be at least 1 or auto, got 0"
+    assert error_of(path) == f"{path}:6: run.num_microbatches must be a positive int or 'auto', got 0"
+    path = write(tmp_path, MINIMAL + "run:\n  policy: zigzag\n")
+    assert error_of(path).startswith(
+        f"{path}:6: run.policy: unknown policy 'zigzag'; choose 'auto' or one of "
+    )
+    assert error_of(path, ("run.policy=roundpipe", "run.dp_timeout_s=0")) == (
+        "--set run.dp_timeout_s=0: run.dp_timeout_s must be a positive number of seconds, got 0.0"
+    )
 
 
 # --- config_from_dict ----------------------------------------------------------------------------------

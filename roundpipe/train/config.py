@@ -5,15 +5,17 @@ under it. A field's ``help`` metadata is its documentation: ``roundpipe train --
 ``docs/recipes.md`` are generated from it (``roundpipe.train.recipe``), so the two cannot drift.
 Fields whose default is ``REQUIRED`` must be given. Loading, type checks and the errors that name
 the file and line live in ``roundpipe.train.recipe``; the checks here are the ones that need more
-than one field.
+than one field. The ``run:`` keys that set a ``roundpipe.RunConfig`` setting (``run.policy``,
+``run.dtype``, ...) are not written here: ``RunSection`` reads them off their declarations in
+``roundpipe/config.py``, help and check included.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal
 
+from roundpipe.config import recipe_default, recipe_settings, recipe_type
 from roundpipe.errors import RecipeError
 from roundpipe.train.paths import check_run_paths
 
@@ -111,7 +113,9 @@ class DataConfig:
 
 
 @dataclass
-class RunSection:
+class _RunLoop:
+    """The keys of ``run:`` that belong to the training loop; ``RunSection`` adds the run settings."""
+
     name: str = _f(
         "run",
         "Name of the run. The default output directory is runs/NAME, so then it must be a plain name "
@@ -122,57 +126,34 @@ class RunSection:
         "Where checkpoints, metrics, plots and exports go. Default: runs/NAME. The run writes nowhere "
         "else: a symlink in it that leads outside is refused.",
     )
-    devices: str = _f("auto", "`auto` (every GPU, else cpu:2), `cpu:N`, `cuda`, `cuda:0,1`.")
-    policy: str = _f(
-        "auto",
-        "Dispatch policy (roundpipe, 1f1b, gpipe, ...), or `auto`: the first batch is profiled and "
-        "the policy predicted fastest on the measured layer times runs (`RunConfig(policy='auto')`; "
-        "the log says what was chosen and why).",
-    )
-    num_microbatches: int | Literal["auto"] = _f(
-        "auto", "Microbatches per forward/backward, or `auto`: chosen with the policy from the profile."
-    )
-    dtype: Literal["fp32", "bf16", "fp16"] = _f(
-        "fp32", "Compute precision; masters and optimizer state stay fp32."
-    )
-    optimizer_mode: Literal["sync", "async"] = _f(
-        "sync", "sync: exact; async: the update overlaps the next step (staleness 1)."
-    )
-    nan_policy: Literal["skip", "stop"] = _f(
-        "stop",
-        "A NaN or Inf in a loss, a layer output or a gradient: `stop` ends the run naming the step, "
-        "layer and microbatch (after a checkpoint of the last completed step); `skip` drops that "
-        "update and goes on (counted as `skipped_steps` in the metrics). fp16 runs skip gradient "
-        "overflows either way and lower the loss scale.",
-    )
-    data_parallel: Literal["auto", "off"] = _f(
-        "auto",
-        "Under torchrun (WORLD_SIZE > 1): `auto` joins the ranks into one data-parallel run, each "
-        "rank computing its share of every global batch (`run.batch_size` stays the global batch) "
-        "and rank 0 alone writing the run directory; `off` refuses to run as one of several ranks. "
-        "See docs/multinode.md.",
-    )
-    optimizer_sharding: Literal["none", "nodes"] = _f(
-        "none",
-        "With data parallelism, `nodes`: each rank owns the AdamW state of about 1/N of the layers "
-        "(host RAM per rank falls by about N for it; checkpoints hold one optimizer file per rank); "
-        "`none`: every rank holds all of it.",
-    )
-    dp_timeout_s: float = _f(
-        300.0,
-        "How long a rank waits for the others in a collective (a step's gradients, a checkpoint) "
-        "before the run fails with DataParallelError; a lost rank whose connection closes is "
-        "noticed at once.",
-    )
     batch_size: int = _f(8, "Sequences per forward/backward (one micro-step).")
     grad_accum: int = _f(1, "Micro-steps per optimizer step (effective batch = batch_size x grad_accum).")
     max_steps: int | None = _f(None, "Optimizer steps to run. Default: `epochs` over the training data.")
     epochs: float = _f(1.0, "Passes over the training data when `max_steps` is unset.")
-    seed: int = _f(0, "Seed of initialisation, shuffling and dropout.")
     host_ram_check: bool = _f(True, "Refuse to start when the run needs more host RAM than is available.")
     options: dict[str, Any] = _f(
         {}, "Further `roundpipe.RunConfig` fields (e.g. {head_shards: 4, partition: [2, 3, 3]})."
     )
+
+
+def _run_section() -> type:
+    """``RunSection``: ``_RunLoop``'s keys with, after ``output_dir``, a key for every run setting a
+    recipe sets (``roundpipe.config.recipe_settings``), its type, default and help read off the
+    setting's declaration in ``RunConfig``."""
+    own = [
+        (f.name, f.type, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+        for f in fields(_RunLoop)
+    ]
+    settings = [
+        (f.name, recipe_type(f), _f(recipe_default(f), f.metadata["recipe"])) for f in recipe_settings()
+    ]
+    at = [name for name, _, _ in own].index("output_dir") + 1
+    section = make_dataclass("RunSection", own[:at] + settings + own[at:], namespace={"__module__": __name__})
+    section.__doc__ = "The ``run:`` group: how and how long to run."
+    return section
+
+
+RunSection = _run_section()
 
 
 @dataclass
@@ -256,7 +237,8 @@ class TrainConfig:
     )
 
     def check(self) -> None:
-        """Rules that span fields (types and required keys are checked by the recipe loader)."""
+        """Rules that span fields (types, required keys and each run setting's own check, as
+        ``RunConfig`` declares it, are checked by the recipe loader)."""
         if (self.model.path is None) == (self.model.config is None):
             raise RecipeError(
                 "set exactly one of model.path (a HF directory) and model.config (config numbers)"
@@ -279,16 +261,8 @@ class TrainConfig:
         ):
             if value is not None and value < 1:
                 raise RecipeError(f"{key} must be at least 1 or null, got {value}")
-        if self.run.num_microbatches != "auto" and self.run.num_microbatches < 1:
-            raise RecipeError(
-                f"run.num_microbatches must be at least 1 or auto, got {self.run.num_microbatches}"
-            )
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise RecipeError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
-        if not (self.run.dp_timeout_s > 0 and math.isfinite(self.run.dp_timeout_s)):
-            raise RecipeError(
-                f"run.dp_timeout_s must be a positive number of seconds, got {self.run.dp_timeout_s}"
-            )
         if self.run.epochs <= 0:
             raise RecipeError(f"run.epochs must be positive, got {self.run.epochs}")
         if len(self.optim.betas) != 2:

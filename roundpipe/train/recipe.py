@@ -34,8 +34,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from roundpipe.config import RunConfig
-from roundpipe.errors import RecipeError
+from roundpipe.config import RunConfig, recipe_settings
+from roundpipe.errors import ConfigError, RecipeError
 from roundpipe.train.config import REQUIRED, TrainConfig
 
 __all__ = ["config_from_dict", "dump_recipe", "help_epilog", "load_recipe", "reference_markdown"]
@@ -470,6 +470,8 @@ def _build(given: dict[str, dict[str, _Given]], source: str) -> TrainConfig:
             except _Mismatch:
                 raise _type_error(f"{group}.{key}", tp, g) from None
             _check_number(values[key], f"{group}.{key}", g)
+            if group == "run":
+                _check_run_setting(key, values[key], g)
         groups[group] = cls(**values)
     options = given.get("run", {}).get("options")
     if options is not None:
@@ -517,26 +519,12 @@ def _check_nesting(given: _Given, dotted: str) -> None:
         stack.extend((c, False) for c in children)
 
 
-# RunConfig fields that `run:` sets itself: run.options may not set them again.
-_RUN_SETS = (
-    "devices",
-    "policy",
-    "num_microbatches",
-    "dtype",
-    "optimizer_mode",
-    "nan_policy",
-    "data_parallel",
-    "optimizer_sharding",
-    "dp_timeout_s",
-    "seed",
-)
-
-
 def _check_run_options(options: dict[str, Any], where: str) -> None:
     """run.options names RunConfig fields, other than those ``run:`` has keys of its own for."""
-    fields = [f.name for f in dataclasses.fields(RunConfig) if f.name not in _RUN_SETS]
+    own = {f.name for f in recipe_settings()}
+    fields = [f.name for f in dataclasses.fields(RunConfig) if f.name not in own]
     for key in options:
-        if key in _RUN_SETS:
+        if key in own:
             raise RecipeError(f"{where}: run.options.{key} is set by run.{key}; set that instead")
         if key not in fields:
             near = difflib.get_close_matches(key, fields, n=1)
@@ -544,6 +532,20 @@ def _check_run_options(options: dict[str, Any], where: str) -> None:
                 f"did you mean run.options.{near[0]}?" if near else "run.options takes " + ", ".join(fields)
             )
             raise RecipeError(f"{where}: unknown key run.options.{key} (not a RunConfig field); {hint}")
+
+
+def _check_run_setting(key: str, value: Any, given: _Given) -> None:
+    """A ``run:`` key that sets a RunConfig setting passes that setting's own check, as
+    ``RunConfig`` declares it, and a refusal names where the value was given."""
+    check = {f.name: f.metadata["check"] for f in recipe_settings()}.get(key)
+    if check is None:
+        return
+    try:
+        check(key, value)
+    except ConfigError as exc:
+        message = str(exc)
+        message = f"run.{message}" if message.startswith(f"{key} ") else f"run.{key}: {message}"
+        raise RecipeError(f"{given.where}: {message}") from None
 
 
 def _check_number(value: Any, dotted: str, given: _Given) -> None:
@@ -656,13 +658,15 @@ def _cell(text: str) -> str:
 def reference_markdown() -> str:
     """docs/recipes.md: every recipe key with its type, default and help, one table per group.
 
-    Generated from the dataclasses in ``roundpipe.train.config``; a test keeps the checked-in page
-    equal to this text. The text ends with one newline.
+    Generated from the dataclasses in ``roundpipe.train.config`` (whose ``run:`` settings are read
+    off ``roundpipe.config.RunConfig``); a test keeps the checked-in page equal to this text. The
+    text ends with one newline.
     """
     lines = [
         "# Recipe reference",
         "",
-        "<!-- Generated from roundpipe/train/config.py; do not edit. Regenerate with",
+        "<!-- Generated from roundpipe/train/config.py and, for the run settings, roundpipe/config.py;",
+        "     do not edit. Regenerate with",
         "     .venv/bin/python -m roundpipe.train.recipe --markdown > docs/recipes.md -->",
         "",
         "`roundpipe train RECIPE.yaml` reads a YAML recipe whose top-level keys are the groups below",

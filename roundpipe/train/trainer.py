@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from roundpipe.config import RunConfig, recipe_settings
 from roundpipe.errors import CheckpointError, DataError, DataParallelError
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.lr_schedule import lr_at
@@ -280,7 +281,6 @@ class Trainer:
         return model, loaded.weights
 
     def _run_config(self, model, tokenizer):
-        from roundpipe.config import RunConfig
         from roundpipe.train.forecast import check_host_ram, host_ram_needed
 
         cfg = self.config
@@ -303,19 +303,8 @@ class Trainer:
         devices = self._devices()
         if ranks.is_main:
             self._log_forecast(model, devices, rows, shards)
-        return RunConfig(
-            devices=devices,
-            policy=run.policy,
-            num_microbatches=run.num_microbatches,
-            dtype=run.dtype,
-            optimizer_mode=run.optimizer_mode,
-            nan_policy=run.nan_policy,
-            data_parallel=run.data_parallel,
-            optimizer_sharding=run.optimizer_sharding,
-            dp_timeout_s=run.dp_timeout_s,
-            seed=run.seed,
-            **run.options,
-        )
+        settings = {f.name: getattr(run, f.name) for f in recipe_settings()}  # run.X is RunConfig's X
+        return RunConfig(**{**settings, "devices": devices}, **run.options)
 
     def _devices(self) -> str:
         """``run.devices``, with ``auto`` resolved: every GPU (else ``cpu:2``); under torchrun with
