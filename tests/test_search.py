@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+import roundpipe.sim.tune as tune  # the module; the package also exports a function of that name
 from roundpipe.partition.cost import layer_times, model_costs
 from roundpipe.presets import load_hardware, load_model_config
 from roundpipe.schedule import POLICIES
-from roundpipe.sim import choice, scenario, search, tune
+from roundpipe.sim import choice, scenario, search
 from roundpipe.sim.choice import choose
 from roundpipe.sim.engine import SimOptions
 from roundpipe.sim.scenario import Scenario, prepare

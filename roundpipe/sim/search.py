@@ -5,7 +5,9 @@ Three searches decide a plan: the runtime's automatic choice (``sim/choice.py``,
 times, compute only), the tuner behind ``roundpipe plan`` (``sim/tune.py``, on the cost model, with
 copies, memory and refinement) and a single scenario (``sim/scenario.py``). They differ in how they
 *evaluate* a candidate, not in which candidates exist: the counts and the partitions come from here,
-so for the same inputs they look at the same plans.
+so for the same inputs the runtime's candidates are among the tuner's (which adds the levers the
+runtime does not have: more stage grains, head shard counts, moved boundaries), and judged the same
+way both pick the same plan (``tests/test_search.py``).
 
 **Microbatch counts** (:func:`microbatch_candidates`): the device count times 1, 2, 4 and 8, and the
 batch itself (one sample per microbatch) while that is at most 16 per device, up to the batch and
