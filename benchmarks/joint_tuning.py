@@ -50,7 +50,8 @@ from roundpipe.schedule import POLICIES
 from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.report import jsonable
 from roundpipe.sim.scenario import Scenario, safe_run
-from roundpipe.sim.tune import COUNT_GRAINS, microbatch_options, tune
+from roundpipe.sim.search import microbatch_candidates
+from roundpipe.sim.tune import COUNT_GRAINS, tune
 
 NAME = "joint_tuning"
 HARDWARE = "8xrtx4090"
@@ -149,7 +150,7 @@ def joint(case: Case, budget_s: float) -> dict:
     )  # fmt: skip
     b = res.best
     return _plan(
-        b.policy, b.microbatches, list(b.stages), b.head_shards, b.result,
+        b.policy, b.num_microbatches, list(b.stages), b.head_shards, b.result,
         candidates=len(res.ranked), search_s=res.elapsed_s, refined_moves=b.refined, notes=list(res.notes),
     )  # fmt: skip
 
@@ -157,7 +158,7 @@ def joint(case: Case, budget_s: float) -> dict:
 def partition_only(case: Case, n_dev: int) -> dict:
     """(a): 1F1B on the balanced partition, each microbatch count the tuner would try."""
     plans = []
-    for m in microbatch_options("1f1b", n_dev, GLOBAL_BATCH):
+    for m in microbatch_candidates("1f1b", n_dev, GLOBAL_BATCH):
         s = Scenario(case.config(), HARDWARE, "1f1b", seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, microbatches=m,
                      lora_rank=case.lora_rank)  # fmt: skip
         plans.append(_plan("1f1b", m, [n_dev, n_dev], "auto", safe_run(s, OPTIONS)))
@@ -196,7 +197,7 @@ def schedule_only(case: Case, n_dev: int, quick: bool) -> dict:
     num_decoder = int(case.config()["num_hidden_layers"])
     plans, skipped = [], []
     for policy in POLICIES:
-        ms = microbatch_options(policy, n_dev, GLOBAL_BATCH)
+        ms = microbatch_candidates(policy, n_dev, GLOBAL_BATCH)
         if quick:
             ms = [m for m in ms if m in {k * n_dev for k in QUICK_MICROBATCHES_PER_DEVICE}] or ms[:1]
         for sf, sb in stage_counts(policy, n_dev):

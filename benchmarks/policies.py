@@ -64,7 +64,7 @@ def row(model: str, lora, c: Candidate) -> dict:
         "model": model,
         "tuning": "full" if lora is None else f"LoRA r={lora}",
         "policy": c.policy,
-        "microbatches": c.microbatches,
+        "microbatches": c.num_microbatches,
         "stages": f"{c.stages[0]}/{c.stages[1]}",
         "head_shards": c.head_shards,
         "tokens_per_s": r.tokens_per_s,
@@ -102,22 +102,19 @@ def md_table(rows: list[dict], first: str = "model") -> list[str]:
 
 def draw(model: str, lora, c: Candidate, path: Path, options: SimOptions) -> None:
     s = Scenario(
-        model, HARDWARE, c.policy, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, microbatches=c.microbatches,
+        model, HARDWARE, c.policy, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, microbatches=c.num_microbatches,
         lora_rank=lora, stages=c.stages if POLICIES[c.policy].separate_partitions else c.stages[0],
         head_shards=c.head_shards,
     )  # fmt: skip
     prep = prepare(s)
     from roundpipe.schedule import build_table
-    from roundpipe.schedule.table import Partition
 
     opts = {k: v for k, v in prep.table.options.items() if k != "weight_bound"}
-    table = build_table(
-        c.policy, Partition(c.forward), Partition(c.backward), prep.table.num_devices, c.microbatches, **opts
-    )
+    table = build_table(c.policy, c.forward, c.backward, prep.table.num_devices, c.num_microbatches, **opts)
     res = simulate(table, prep.workload, prep.hardware, replace(options, record_timeline=True))
     tune_s = "full" if lora is None else f"LoRA r={lora}"
     title = (
-        f"{model} ({tune_s}) on {HARDWARE}, {c.policy}, {c.microbatches} microbatches, stages {c.stages[0]}/{c.stages[1]}: "
+        f"{model} ({tune_s}) on {HARDWARE}, {c.policy}, {c.num_microbatches} microbatches, stages {c.stages[0]}/{c.stages[1]}: "
         f"{res.iteration_s:.2f} s/step, {res.tokens_per_s:,.0f} tokens/s, bubble {res.bubble_total:.1%}"
     )
     save_gantt(res.timeline, str(path), title=title)

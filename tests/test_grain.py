@@ -17,7 +17,7 @@ from roundpipe.partition.partitioner import last_stage_bytes, memory_vectors, st
 from roundpipe.presets import load_hardware, load_model_config
 from roundpipe.sim.engine import SimOptions
 from roundpipe.sim.scenario import Scenario, check_scenario, microbatch_sizes, prepare, run_scenario
-from roundpipe.sim.tune import microbatch_options
+from roundpipe.sim.search import microbatch_candidates
 
 SEEDS = 40
 
@@ -206,9 +206,9 @@ def test_an_uneven_step_costs_its_share_of_an_even_one():
 
 
 def test_the_tuner_tries_counts_that_do_not_divide_the_batch():
-    assert 16 in microbatch_options("roundpipe", 8, 100)  # 100 / 16 is uneven
-    assert all(m % 8 == 0 for m in microbatch_options("interleaved", 8, 100))
-    assert all(m % 2 == 0 for m in microbatch_options("chimera", 8, 100))
+    assert 16 in microbatch_candidates("roundpipe", 8, 100)  # 100 / 16 is uneven
+    assert all(m % 8 == 0 for m in microbatch_candidates("interleaved", 8, 100))
+    assert all(m % 2 == 0 for m in microbatch_candidates("chimera", 8, 100))
 
 
 def test_a_scenario_deals_in_rounds_and_the_host_holds_less():

@@ -6,15 +6,16 @@ predicted from the layer times ``Pipeline.profile`` measured.
 profiled, and caches the answer. Whatever the config gives (a policy, partitions, a count) pins
 that part, and only the rest is chosen.
 
-**Candidates.** Policies: the one given, else every executable one that takes the configured
-options and device count. Microbatch counts: the one given, else the device count times 1, 2, 4,
-... up to the batch, and the batch itself, as far as the policy accepts them (uneven splits are
-fine: the runtime cuts by sample). Partitions: given; the policy's default (``partition=None``:
-one layer per stage for a policy that takes any stage count, even stages for the others); or
-``"auto"``: a policy with separate forward and backward partitions takes the best two grains of
-the RoundPipe objective ``(M * S + N * (N - 1)) * t_max`` for that count (``partition/grain.py``,
-free stage counts, the head fused in the last stage), the others their registry stage count
-balanced on the measured times, under the device memory budget in both cases.
+**Candidates** (the rules are ``sim/search.py``'s, shared with the tuner behind ``roundpipe
+plan``). Policies: the one given, else every executable one that takes the configured options and
+device count. Microbatch counts: the one given, else ``search.microbatch_candidates`` (the device
+count times 1, 2, 4 and 8, and the batch up to 16 per device; uneven splits are fine: the runtime
+cuts by sample). Partitions: given; the policy's default (``partition=None``: one layer per stage
+for a policy that takes any stage count, even stages for the others); or ``"auto"``:
+``search.partitions``: a policy with separate forward and backward partitions takes the best two
+grains of the RoundPipe objective ``(M * S + N * (N - 1)) * t_max`` for that count
+(``partition/grain.py``, free stage counts, the head fused in the last stage), the others their
+registry stage count balanced on the measured times, under the device memory budget in both cases.
 
 **Prediction.** Every candidate's table is simulated (``sim/simulator.py``) on the measured
 per-layer times, scaled linearly to its microbatch size, with free copies and a free optimizer
@@ -46,53 +47,30 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from roundpipe.errors import ConfigError, PlanError, ScheduleError
 from roundpipe.partition.cost import LayerCost
-from roundpipe.partition.grain import grain_choices
-from roundpipe.partition.partitioner import memory_vectors, optimal_partition
+from roundpipe.partition.partitioner import memory_vectors
 from roundpipe.presets import load_hardware
-from roundpipe.schedule import POLICIES, policy_options
+from roundpipe.schedule import POLICIES
 from roundpipe.schedule.table import Partition
 from roundpipe.sim.engine import SimOptions
+from roundpipe.sim.search import (  # the search's rules; re-exported for the runtime's planner
+    Candidate,
+    default_partition,
+    microbatch_candidates,
+    runs_here,
+    stage_count,
+)
+from roundpipe.sim.search import partitions as search_partitions
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import LayerWork, Workload
 
 PREFER_FEWER_WITHIN = 0.02  # predictions this close count as a tie (see the module docstring)
-GRAIN_OPTIONS = ("virtual_stages", "waves")  # policy options that set the stages per device
 GRAINS_PER_COUNT = 2  # grains of the objective simulated per microbatch count
 SIM_OPTIONS = SimOptions(transfers=False, optimizer_time=False, record_timeline=False, iterations=1)
 PREDICTION = "simulated on the measured layer times, copies and the optimizer not modelled"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One predicted configuration: ``step_s`` is the predicted seconds of one forward/backward
-    of the batch; ``simulated`` is False when extrapolated from ``2 * devices`` microbatches."""
-
-    policy: str
-    num_microbatches: int
-    forward: Partition
-    backward: Partition
-    step_s: float
-    simulated: bool = True
-    repeatable: bool = True  # every backward stage on one device (module docstring)
-
-    @property
-    def stages(self) -> tuple[int, int]:
-        return self.forward.num_stages, self.backward.num_stages
-
-    def summary(self) -> dict:
-        return {
-            "policy": self.policy,
-            "num_microbatches": self.num_microbatches,
-            "stages": list(self.stages),
-            "predicted_step_s": self.step_s,
-            "simulated": self.simulated,
-            "repeatable": self.repeatable,
-        }
 
 
 @dataclass(frozen=True)
@@ -124,60 +102,6 @@ class Choice:
             if not same_policy and c.policy != self.best.policy:
                 return c
         return None
-
-
-# --------------------------------------------------------------------------------------- counts
-
-
-def stage_count(policy: str, num_devices: int, options: Mapping[str, Any], num_layers: int) -> int | None:
-    """Stages ``policy`` places on the devices by default: None for a policy that takes any count,
-    else its default stages per device, or ``stages_per_device`` times the grain option it was given
-    (interleaved's ``virtual_stages``: ``v`` per device; hanayo's ``waves``: ``2 x waves``).
-    Raises ConfigError when the model has fewer layers than that."""
-    spec = POLICIES[policy]
-    if spec.stages_per_device is None:
-        return None
-    grain = next((options[o] for o in GRAIN_OPTIONS if options.get(o)), None)
-    stages = num_devices * spec.stages_per_device * grain if grain else spec.default_stages(num_devices)
-    if stages > num_layers:
-        raise ConfigError(
-            f"policy {policy!r} on {num_devices} devices needs {stages} stages but the model has only "
-            f"{num_layers} layers; use fewer devices or the 'roundpipe' policy"
-        )
-    return stages
-
-
-def default_partition(
-    policy: str, num_devices: int, options: Mapping[str, Any], num_layers: int
-) -> Partition:
-    """One layer per stage for a policy that takes any stage count (roundpipe streams them), else
-    as many even stages as the policy places on the devices."""
-    stages = stage_count(policy, num_devices, options, num_layers) or num_layers
-    n = num_layers
-    return Partition.from_sizes([n // stages + (1 if i < n % stages else 0) for i in range(stages)])
-
-
-def microbatch_candidates(policy: str, num_devices: int, batch: int) -> list[int]:
-    """Counts worth trying for a batch of ``batch`` samples: the device count times 1, 2, 4, ...
-    up to the batch, and the batch itself, as far as the policy accepts them."""
-    spec = POLICIES[policy]
-    wanted = {batch}
-    m = num_devices
-    while m <= batch:
-        wanted.add(m)
-        m *= 2
-    return sorted(m for m in wanted if spec.accepts_microbatches(m, num_devices))
-
-
-def runs_here(policy: str, num_devices: int, options: Mapping[str, Any]) -> str | None:
-    """Why ``policy`` cannot run with these options on this many devices (None: it can)."""
-    spec = POLICIES[policy]
-    unknown = sorted(set(options) - set(policy_options(policy)))
-    if unknown:
-        return f"takes no option {', '.join(unknown)}"
-    if spec.even_devices and num_devices % 2:
-        return f"needs an even device count, not {num_devices}"
-    return None
 
 
 # --------------------------------------------------------------------------------------- the choice
@@ -246,7 +170,9 @@ def choose(
         else:
             step_sim, slope, repeatable = unit_step(policy, fwd, bwd, m_sim)
             step = step_sim + (m - m_sim) * slope
-        return Candidate(policy, m, fwd, bwd, step * batch * seq_len / m, m <= m_sim, repeatable)
+        return Candidate(
+            policy, m, fwd, bwd, step * batch * seq_len / m, simulated=m <= m_sim, repeatable=repeatable
+        )
 
     for policy in policies:
         spec = POLICIES[policy]
@@ -309,28 +235,12 @@ def _partitions(policy, partition, per_token, costs, tokens_mb, d, m, options, b
         part = default_partition(policy, d, options, n)
         return [(part, part)]
     layer_costs = list(costs(tokens_mb))
-    budget = _binding(layer_costs, budget)
     fwd_t = [f for f, _ in per_token]
     bwd_t = [b + (f if c.recompute else 0.0) for (f, b), c in zip(per_token, layer_costs)]
-    if spec.separate_partitions:
-        grains = grain_choices(
-            layer_costs, fwd_t, bwd_t, num_devices=d, microbatches=m, budget=budget, limit=GRAINS_PER_COUNT
-        )
-        return [(g.forward, g.backward) for g in grains]
-    stages = stage_count(policy, d, options, n)
-    vectors = ((), (), (), ()) if budget is None else memory_vectors(layer_costs, "backward")
-    both = tuple(f + b for f, b in zip(fwd_t, bwd_t))
-    part = _balanced(both, stages, *(tuple(v) for v in vectors), budget, tuple(c.name for c in layer_costs))
-    return [(part, part)]
-
-
-@lru_cache(maxsize=256)
-def _balanced(times, stages, w, a, p, d, budget, names) -> Partition:
-    """One partition for forward and backward (weight-bound policies), balancing both times."""
-    return optimal_partition(
-        times, stages, weight_bytes=w or None, added_bytes=a or None, peak_bytes=p or None,
-        drain_bytes=d or None, budget=budget, names=names, what="forward+backward",
-    ).partition  # fmt: skip
+    return search_partitions(
+        policy, layer_costs, fwd_t, bwd_t, num_devices=d, microbatches=m, options=options,
+        budget=_binding(layer_costs, budget), limit=GRAINS_PER_COUNT,
+    )  # fmt: skip
 
 
 def _binding(costs: Sequence[LayerCost], budget: int | None) -> int | None:

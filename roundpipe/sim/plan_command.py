@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"best plan for {args.model} on {args.hardware}, seq {args.seq_len}, {batch}, {tuned}: "
-        f"{best.policy} with {best.microbatches} microbatches, {best.stages[0]} forward / {best.stages[1]} backward "
+        f"{best.policy} with {best.num_microbatches} microbatches, {best.stages[0]} forward / {best.stages[1]} backward "
         f"stages, {best.head_shards} head shard(s)"
     )
     print(result_table(best.result))
@@ -148,13 +148,13 @@ def _multinode(args, best, settings: dict, network) -> dict:
     from roundpipe.sim.network import host_reduce_bw
     from roundpipe.sim.scenario import Scenario, prepare
 
-    if not best.forward:
+    if best.forward is None:
         raise ConfigError(
             f"no plan fits one node, so there is nothing to run on {args.nodes}: {best.result.reason}"
         )
     scenario = Scenario(
-        args.model, args.hardware, best.policy, seq_len=args.seq_len, microbatches=best.microbatches,
-        partitions=(best.forward, best.backward), head_shards=best.head_shards, round_size=best.round_size,
+        args.model, args.hardware, best.policy, seq_len=args.seq_len, microbatches=best.num_microbatches,
+        partitions=best.bounds, head_shards=best.head_shards, round_size=best.round_size,
         optimizer=args.optimizer, **settings,
     )  # fmt: skip
     prepared = prepare(scenario)

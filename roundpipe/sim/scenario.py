@@ -28,11 +28,11 @@ from typing import Any
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
 from roundpipe.partition.cost import check_fp16_accumulation, check_label_fraction, layer_times, model_costs
 from roundpipe.partition.model_plan import HEAD_SHARD_CANDIDATES, plan
-from roundpipe.partition.partitioner import optimal_partition
 from roundpipe.presets import Server, load_hardware, load_model_config, normalize_dtype
 from roundpipe.schedule import POLICIES, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
+from roundpipe.sim.search import partitions
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import Workload, workload_from_costs
 
@@ -165,9 +165,10 @@ def _cost_args(s: Scenario) -> dict:
 
 
 def _classic_partition(
-    s: Scenario, hw: Server, config: dict, mbs: int, n_stages: int
+    s: Scenario, hw: Server, config: dict, m: int, mbs: int, n_stages: int
 ) -> tuple[Partition, int, list]:
-    """Balance ``n_stages`` stages on forward + backward time; head shards: the fewest within 1% of the best."""
+    """The policy's partition (``sim/search.py``) for ``n_stages`` stages; head shards: the fewest
+    within 1% of the best bottleneck."""
     shard_options = [s.head_shards] if s.head_shards != "auto" else list(HEAD_SHARD_CANDIDATES[:8])
     best = None
     for k in shard_options:
@@ -175,9 +176,13 @@ def _classic_partition(
         if n_stages > len(costs):
             continue
         f, b = layer_times(costs, hw, efficiency=s.efficiency, times=s.times)
-        res = optimal_partition([x + y for x, y in zip(f, b)], n_stages)
-        if best is None or res.bottleneck < best[0] * 0.99:
-            best = (res.bottleneck, res.partition, k, costs)
+        part = partitions(s.policy, costs, f, b, num_devices=hw.num_gpus, microbatches=m, stages=n_stages)[0][
+            0
+        ]
+        both = [x + y for x, y in zip(f, b)]
+        bottleneck = max(math.fsum(both[i:j]) for i, j in zip(part.bounds, part.bounds[1:]))
+        if best is None or bottleneck < best[0] * 0.99:
+            best = (bottleneck, part, k, costs)
     if best is None:
         raise PlanError(f"{s.policy} needs {n_stages} stages but the model has fewer layers")
     return best[1], best[2], best[3]
@@ -227,7 +232,7 @@ def prepare(s: Scenario) -> Prepared:
         table = build_table(s.policy, forward, backward, n_dev, m, **_round(s))
     else:
         n_stages = _classic_stages(s.policy, n_dev, s.stages)
-        part, shards, costs = _classic_partition(s, hw, config, mbs, n_stages)
+        part, shards, costs = _classic_partition(s, hw, config, m, mbs, n_stages)
         table = build_table(s.policy, part, part, n_dev, m, **_round(s))
     work = workload_from_costs(costs, hw, times=s.times, efficiency=s.efficiency, name=s.model_name)
     if s.global_batch % m:

@@ -2,9 +2,10 @@
 
 Search (everything under the memory limits the simulator checks):
 
-1. **Grid.** For each policy, microbatch counts ``D``, ``2D``, ``3D``, ``4D``, ``8D`` and one
-   sequence per microbatch, up to the batch and filtered by what the policy accepts (its registry
-   entry); they need not divide the batch (uneven microbatches, cut as the runtime cuts them). Stage
+1. **Grid.** For each policy, the microbatch counts of ``search.microbatch_candidates`` (``D``,
+   ``2D``, ``4D``, ``8D`` and one sequence per microbatch up to ``16D``, as far as the policy
+   accepts them: the runtime's automatic choice tries the same); they need not divide the batch
+   (uneven microbatches, cut as the runtime cuts them). Stage
    grains: a policy with a free grain (``roundpipe``) tries the best grains of the paper's objective
    for that microbatch count (``partition.grain``: one per slowest-deal level, the head fused in the
    last stage) and ``(kD, k'D)`` stage counts with the head shards spread like any layer; the
@@ -38,6 +39,7 @@ from roundpipe.schedule import POLICIES, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.scenario import Prepared, Scenario, check_scenario, failed_result, prepare
+from roundpipe.sim.search import Candidate, microbatch_candidates, partitions, stage_options
 from roundpipe.sim.simulator import simulate
 
 DEFAULT_TIME_BUDGET_S = 15.0
@@ -45,46 +47,6 @@ REFINE_ROUNDS = 8
 REFINE_TOP = 2  # policies whose best candidates are refined
 REFINE_PER_POLICY = 2  # candidates refined per such policy
 SEQ_LEN_GRAIN = 128
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One simulated configuration. ``forward``/``backward`` are partition bounds (empty if it
-    could not be built); ``refined`` counts accepted boundary moves."""
-
-    policy: str
-    microbatches: int
-    stages: tuple[int, int]
-    head_shards: int
-    forward: tuple[int, ...]
-    backward: tuple[int, ...]
-    result: SimResult
-    refined: int = 0
-    round_size: int | None = None
-
-    @property
-    def fits(self) -> bool:
-        return self.result.fits
-
-    def summary(self) -> dict:
-        r = self.result
-        return {
-            "policy": self.policy,
-            "num_microbatches": self.microbatches,
-            "stages": list(self.stages),
-            "head_shards": self.head_shards,
-            "tokens_per_s": r.tokens_per_s,
-            "iteration_s": r.iteration_s,
-            "bubble_fraction": r.bubble_total,
-            "peak_gpu_bytes": r.peak_gpu,
-            "peak_host_bytes": r.peak_host_bytes,
-            "fits": r.fits,
-            "reason": r.reason,
-            "refined_moves": self.refined,
-            "round_size": self.round_size,
-            "forward": list(self.forward),
-            "backward": list(self.backward),
-        }
 
 
 @dataclass(frozen=True)
@@ -98,36 +60,12 @@ class TuneResult:
 
 
 def _rank_key(c: Candidate) -> tuple:
-    return (not c.fits, -c.result.tokens_per_s, c.policy, c.microbatches)
+    return (not c.fits, -c.result.tokens_per_s, c.policy, c.num_microbatches)
 
 
-MICROBATCHES_PER_DEVICE = (1, 2, 4, 8)
-ONE_PER_MICROBATCH_UP_TO = 16  # one sequence per microbatch is tried up to this many per device
 GRAIN_ALTERNATIVES = 2  # grains of the objective simulated besides its best
 COUNT_GRAINS = ((1, 2), (2, 2))  # (forward, backward) stages per device, head shards spread
 GRID_SHARE = 0.6  # of the time budget; the rest refines
-
-
-def microbatch_options(policy: str, n_dev: int, global_batch: int) -> list[int]:
-    """Microbatch counts worth trying: multiples of the devices and one sequence per microbatch,
-    up to the batch, as far as the policy accepts them (uneven sizes are fine)."""
-    spec = POLICIES[policy]
-    wanted = {k * n_dev for k in MICROBATCHES_PER_DEVICE}
-    if global_batch <= ONE_PER_MICROBATCH_UP_TO * n_dev:
-        wanted.add(global_batch)
-    out = sorted(m for m in wanted if 1 <= m <= global_batch and spec.accepts_microbatches(m, n_dev))
-    if not out:
-        step = spec.microbatch_step(n_dev)
-        out = [m for m in (step * (global_batch // step),) if m >= 1] or [global_batch]
-    return out
-
-
-def stage_options(policy: str, n_dev: int) -> list:
-    """Stage counts to try: ``None`` is the policy's default (for a free grain, the objective's best)."""
-    spec = POLICIES[policy]
-    if spec.separate_partitions:
-        return [None, *((f * n_dev, b * n_dev) for f, b in COUNT_GRAINS)]
-    return spec.stage_options(n_dev)
 
 
 def grain_alternatives(
@@ -135,8 +73,6 @@ def grain_alternatives(
 ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Partitions of the objective's next-best grains for ``prep``'s model and microbatch shape (the
     best one is ``prep``'s own when it was planned with a free grain)."""
-    from roundpipe.partition.grain import grain_choices
-
     s, hw = prep.scenario, prep.hardware
     config = dict(s.model) if isinstance(s.model, dict) else load_model_config(s.model)
     costs = model_costs(
@@ -145,32 +81,28 @@ def grain_alternatives(
     )  # fmt: skip
     f, b = layer_times(costs, hw, efficiency=s.efficiency, times=s.times)
     try:
-        choices = grain_choices(
-            costs, f, b, num_devices=hw.num_gpus, microbatches=prep.table.num_microbatches,
+        choices = partitions(
+            s.policy, costs, f, b, num_devices=hw.num_gpus, microbatches=prep.table.num_microbatches,
             budget=hw.memory_bytes, reserve_bytes=hw.workspace_reserve_bytes, limit=limit + 1,
             steady=s.optimizer == "async",
         )  # fmt: skip
     except PlanError:
         return []
     own = (prep.table.forward, prep.table.backward)
-    return [(g.forward.bounds, g.backward.bounds) for g in choices if (g.forward, g.backward) != own][:limit]
+    return [(fwd.bounds, bwd.bounds) for fwd, bwd in choices if (fwd, bwd) != own][:limit]
 
 
 def _candidate(prep: Prepared | None, s: Scenario, result: SimResult, refined: int = 0) -> Candidate:
     if prep is None:
-        return Candidate(s.policy, result.num_microbatches, (0, 0), 0, (), (), result, refined, s.round_size)
+        return Candidate(
+            s.policy, result.num_microbatches, None, None, result.iteration_s, result=result,
+            refined=refined, round_size=s.round_size,
+        )  # fmt: skip
     t = prep.table
     return Candidate(
-        s.policy,
-        t.num_microbatches,
-        (t.forward.num_stages, t.backward.num_stages),
-        prep.head_shards,
-        t.forward.bounds,
-        t.backward.bounds,
-        result,
-        refined,
-        s.round_size,
-    )
+        s.policy, t.num_microbatches, t.forward, t.backward, result.iteration_s,
+        head_shards=prep.head_shards, result=result, refined=refined, round_size=s.round_size,
+    )  # fmt: skip
 
 
 def _evaluate(s: Scenario, opts: SimOptions) -> tuple[Prepared | None, SimResult]:
@@ -441,14 +373,14 @@ def tune(
         except RoundpipeError as err:
             prep, res = None, failed_result(s, f"{type(err).__name__}: {err}")
         cand = _candidate(prep, s, res)
-        key = (s.policy, cand.microbatches, cand.forward, cand.backward, cand.head_shards, s.round_size)
+        key = (s.policy, cand.num_microbatches, cand.forward, cand.backward, cand.head_shards, s.round_size)
         if key not in seen:
             seen.add(key)
             found.append((cand, prep))
         rounds = 2 * n_dev
         if (
             prep is not None and not res.fits and "host memory" in res.reason and s.round_size is None
-            and cand.microbatches > rounds and "round_size" in policy_options(s.policy)
+            and cand.num_microbatches > rounds and "round_size" in policy_options(s.policy)
         ):  # fmt: skip
             consider(replace(s, round_size=rounds))  # saved inputs of two rounds instead of the step
         return prep
@@ -458,8 +390,8 @@ def tune(
     grid = [
         (stages is not None, abs(math.log(m / (4 * n_dev))), i, policy, m, stages)
         for i, policy in enumerate(names)
-        for m in microbatch_options(policy, n_dev, global_batch)
-        for stages in stage_options(policy, n_dev)
+        for m in microbatch_candidates(policy, n_dev, global_batch) or [global_batch]  # the table says why
+        for stages in stage_options(policy, n_dev, COUNT_GRAINS)
     ]
     grid.sort(key=lambda g: g[:3])
     grid_deadline = t0 + GRID_SHARE * time_budget_s
@@ -480,13 +412,13 @@ def tune(
             continue
         stages = top.stages if POLICIES[policy].separate_partitions else top.stages[0]
         for k in sorted({max(1, top.head_shards // 2), top.head_shards * 2} - {top.head_shards}):
-            s = replace(base, policy=policy, microbatches=top.microbatches, stages=stages, head_shards=k)
+            s = replace(base, policy=policy, microbatches=top.num_microbatches, stages=stages, head_shards=k)
             try:
                 prep, res = _evaluate(s, opts)
             except RoundpipeError:
                 continue
             cand = _candidate(prep, s, res)
-            key = (policy, cand.microbatches, cand.forward, cand.backward, cand.head_shards)
+            key = (policy, cand.num_microbatches, cand.forward, cand.backward, cand.head_shards)
             if key not in seen:
                 seen.add(key)
                 found.append((cand, prep))
@@ -503,17 +435,21 @@ def tune(
             continue
         if cand.policy not in per_policy and len(per_policy) >= refine_top:
             continue
-        shape = (cand.policy, cand.microbatches, cand.stages)
+        shape = (cand.policy, cand.num_microbatches, cand.stages)
         if shape in shapes_refined:
             continue  # the same shape with another head shard count: refine one of them
         shapes_refined.add(shape)
         per_policy[cand.policy] += 1
         table, res, moves = refine(prep, cand.result, opts, deadline)
         if moves:
-            refined[idx] = Candidate(
-                cand.policy, cand.microbatches, cand.stages, cand.head_shards,
-                table.forward.bounds, table.backward.bounds, res, moves, cand.round_size,
-            )  # fmt: skip
+            refined[idx] = replace(
+                cand,
+                forward=table.forward,
+                backward=table.backward,
+                step_s=res.iteration_s,
+                result=res,
+                refined=moves,
+            )
     ranked = [refined.get(i, c) for i, (c, _) in enumerate(found)]
     ranked.sort(key=_rank_key)
     if not ranked:
@@ -589,7 +525,7 @@ def format_ranked(result: TuneResult, limit: int = 15) -> str:
         step = f"{r.iteration_s:8.2f}" if math.isfinite(r.iteration_s) else f"{'-':>8}"
         bubble = f"{r.bubble_total:7.1%}" if math.isfinite(r.bubble_total) else f"{'-':>7}"
         rows.append(
-            f"{i:>2} {c.policy:<12} {c.microbatches:>4} {c.stages[0]:>4}/{c.stages[1]:<5} {c.head_shards:>6} "
+            f"{i:>2} {c.policy:<12} {c.num_microbatches:>4} {c.stages[0]:>4}/{c.stages[1]:<5} {c.head_shards:>6} "
             f"{r.tokens_per_s:>10.0f} {step} {bubble} {r.peak_gpu / 2**30:>8.2f} {r.peak_host_bytes / 2**30:>8.1f}  "
             + ("yes" if r.fits else "no: " + r.reason[:90])
             + (f" (+{c.refined} moves)" if c.refined else "")
@@ -602,7 +538,6 @@ __all__ = [
     "TuneResult",
     "format_ranked",
     "max_seq_len",
-    "microbatch_options",
     "refine",
     "stage_blame",
     "tune",

@@ -158,8 +158,8 @@ def predict(model: nn.Module, devices, *, policy: str, seq_len: int, batch: int,
             )  # fmt: skip
             best = result.best
             r = best.result
-            head = f"tuner ({hardware}, {how}): policy {best.policy}, {best.microbatches} microbatches"
-            chosen = (best.policy, best.microbatches)
+            head = f"tuner ({hardware}, {how}): policy {best.policy}, {best.num_microbatches} microbatches"
+            chosen = (best.policy, best.num_microbatches)
         else:
             mb = microbatches if isinstance(microbatches, int) else None
             r = safe_run(
