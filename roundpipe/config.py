@@ -19,14 +19,11 @@ OPTIMIZER_SHARDINGS = ("none", "nodes")
 HOST_MEMORY_MODES = ("arena", "pinned", "pageable")  # = roundpipe.backend.host_memory.HOST_MEMORY_MODES
 
 
-# Policies whose tables the runtime cannot execute yet (zb splits backward into I and W tasks).
-_NOT_EXECUTABLE = {"zb": "it splits the backward into I/W tasks, which the runtime does not execute yet"}
-
-
 def known_policies() -> list[str]:
+    """The policies the runtime executes (the registry's ``executable``), sorted by name."""
     from roundpipe.schedule.policies import POLICIES
 
-    return sorted(p for p in POLICIES if p not in _NOT_EXECUTABLE)
+    return sorted(p for p, spec in POLICIES.items() if spec.executable)
 
 
 def _positive_finite(value: Any) -> bool:
@@ -174,9 +171,11 @@ class RunConfig:
                 f"policy must be a name, got {type(self.policy).__name__} {self.policy!r}; choose 'auto' "
                 f"or one of {', '.join(known_policies())}"
             )
-        if self.policy in _NOT_EXECUTABLE:
+        from roundpipe.schedule.policies import POLICIES
+
+        if self.policy in POLICIES and not POLICIES[self.policy].executable:
             raise ConfigError(
-                f"policy {self.policy!r} cannot run yet: {_NOT_EXECUTABLE[self.policy]}; "
+                f"policy {self.policy!r} cannot run yet: {POLICIES[self.policy].cannot_run}; "
                 f"choose one of {', '.join(known_policies())} (the simulator still models it)"
             )
         if self.policy != "auto" and self.policy not in known_policies():
