@@ -55,6 +55,7 @@ from roundpipe.partition.grain import grain_choices
 from roundpipe.partition.partitioner import memory_vectors, optimal_partition
 from roundpipe.presets import load_hardware
 from roundpipe.schedule import POLICIES, policy_options
+from roundpipe.schedule.deps import BACKWARD_KINDS
 from roundpipe.schedule.table import Partition
 from roundpipe.sim.engine import SimOptions
 from roundpipe.sim.simulator import simulate
@@ -285,7 +286,7 @@ def _one_device_per_backward_stage(table) -> bool:
     where: dict[int, int] = {}
     for d, row in enumerate(table.devices):
         for t in row:
-            if t.kind in ("B", "I", "W") and where.setdefault(t.stage, d) != d:
+            if t.kind in BACKWARD_KINDS and where.setdefault(t.stage, d) != d:
                 return False
     return True
 
