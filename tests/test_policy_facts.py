@@ -194,3 +194,36 @@ def test_closed_form_stage_counts_and_figures_come_from_the_registry_entry(polic
                 continue
             got = formulas.closed_form(policy, devices, m, stages)
             assert (got.makespan, got.peak_activations) == (float(want[0]), want[1])
+
+
+# ------------------------------------------------------------------ RoundPipe's step-time models
+
+
+def test_the_three_roundpipe_step_models_agree_where_their_domains_meet():
+    """``roundpipe_makespan`` is exact for the table on uniform stages; ``roundpipe_bubble`` (picks a
+    microbatch count from per-stage times) and the grain ``objective`` (ranks stage grains by the
+    slowest deal) are estimates. They agree with it where their assumptions hold: uniform stages,
+    ``D | S`` and ``M >= D`` for the bubble; every deal as slow as the slowest, ``N | deals`` and
+    ``M >= N`` for the objective (which is ``N`` times the step). Outside, they differ on purpose."""
+    from roundpipe.partition.grain import objective
+    from roundpipe.partition.partitioner import roundpipe_bubble
+    from roundpipe.schedule.formulas import roundpipe_makespan
+    from roundpipe.schedule.policies.closed_forms import deal_makespan
+
+    checked = 0
+    for devices in range(1, 7):
+        for per_device in (1, 2, 3):
+            stages = per_device * devices
+            for m in range(devices, 3 * devices + 1):
+                for f, b in ((1.0, 2.0), (0.5, 1.7), (2.0, 1.0)):
+                    step = roundpipe_makespan(devices, stages, m, f, b)
+                    work = m * stages * (f + b) / devices
+                    bubble = roundpipe_bubble([f] * stages, [b] * stages, devices, m)
+                    assert bubble == pytest.approx(1 - work / step, abs=1e-12)
+                    checked += 1
+            for deals in (devices * per_device, 2 * devices * per_device):
+                for m in range(devices, 3 * devices + 1):
+                    want = deal_makespan([0.5] * deals, devices, m)
+                    assert objective(m, devices, deals, 0.5) / devices == pytest.approx(want)
+                    checked += 1
+    assert checked > 500

@@ -94,7 +94,18 @@ def roundpipe_makespan(
         positive("microbatches", microbatches),
     )
     s_b = positive("stages_backward", stages_backward) if stages_backward is not None else s_f
-    c = [f] * (s_f - 1) + [f + b] + [b] * (s_b - 1)
+    return deal_makespan([f] * (s_f - 1) + [f + b] + [b] * (s_b - 1), n_dev, m)
+
+
+def deal_makespan(deal_times: list[float], devices: int, microbatches: int) -> float:
+    """``max(chain, max over devices)`` of :func:`roundpipe_makespan` for deals costing
+    ``deal_times`` each (per microbatch), dealt in turn to ``devices`` devices.
+
+    Exact for the ``roundpipe`` table on uniform stages (``roundpipe_makespan``'s deal costs). The
+    grain objective (``partition.grain.objective``) is ``devices`` times this with every deal at the
+    slowest one's time, when ``devices`` divides the deal count and ``microbatches >= devices``.
+    """
+    c, n_dev, m = deal_times, devices, microbatches
     k_total = len(c)
     best = sum(c) + (m - 1) * max(c)
     prefix = [0.0]
