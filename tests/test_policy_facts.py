@@ -166,6 +166,19 @@ def test_run_config_runs_exactly_the_executable_policies():
             assert spec.cannot_run in str(err.value)
 
 
+def test_a_grain_option_is_an_option_of_its_policy_and_sets_the_stage_count():
+    from roundpipe.schedule import policy_options
+    from roundpipe.sim.choice import stage_count
+
+    with_option = [name for name, spec in POLICIES.items() if spec.grain_option]
+    assert with_option, "no policy declares a grain option"
+    for name in with_option:
+        spec = POLICIES[name]
+        assert spec.grain_option in policy_options(name)
+        assert stage_count(name, 2, {spec.grain_option: 3}, 100) == 2 * spec.stages_per_device * 3
+        assert stage_count(name, 2, {}, 100) == spec.default_stages(2)
+
+
 def test_the_closed_forms_are_the_registrys():
     assert tuple(n for n, s in POLICIES.items() if s.closed_form is not None) == formulas.POLICIES
     assert set(formulas.POLICIES) == set(POLICIES), "every registered policy has a closed form"

@@ -62,7 +62,6 @@ from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import LayerWork, Workload
 
 PREFER_FEWER_WITHIN = 0.02  # predictions this close count as a tie (see the module docstring)
-GRAIN_OPTIONS = ("virtual_stages", "waves")  # policy options that set the stages per device
 GRAINS_PER_COUNT = 2  # grains of the objective simulated per microbatch count
 SIM_OPTIONS = SimOptions(transfers=False, optimizer_time=False, record_timeline=False, iterations=1)
 PREDICTION = "simulated on the measured layer times, copies and the optimizer not modelled"
@@ -138,7 +137,7 @@ def stage_count(policy: str, num_devices: int, options: Mapping[str, Any], num_l
     spec = POLICIES[policy]
     if spec.stages_per_device is None:
         return None
-    grain = next((options[o] for o in GRAIN_OPTIONS if options.get(o)), None)
+    grain = options.get(spec.grain_option) if spec.grain_option else None
     stages = num_devices * spec.stages_per_device * grain if grain else spec.default_stages(num_devices)
     if stages > num_layers:
         raise ConfigError(

@@ -48,6 +48,8 @@ class PolicySpec:
     - ``stages_per_device``: the stage counts it accepts are multiples of ``stages_per_device *
       devices`` (``exact_stages``: only that one count); ``None``: any count from 1 to the layers.
     - ``default_grain``: stages per device when no count is given.
+    - ``grain_option``: the option that sets the stages per device (``stages_per_device`` times its
+      value), or ``None``.
     - ``grains``: stages per device the tuner tries (``()`` with ``stages_per_device=None``: the
       partitioner chooses the counts).
     - ``microbatch_multiple``: ``"devices"`` when the microbatch count must be a multiple of the
@@ -72,6 +74,7 @@ class PolicySpec:
     stages_per_device: int | None = 1
     exact_stages: bool = True
     default_grain: int = 1
+    grain_option: str | None = None
     grains: tuple[int, ...] = (1,)
     microbatch_multiple: int | str = 1
     even_devices: bool = False
@@ -125,12 +128,13 @@ POLICIES: dict[str, PolicySpec] = {
         PolicySpec("1f1b", one_f_one_b, closed_form=one_f_one_b_form),
         PolicySpec(
             "interleaved", interleaved, stages_per_device=1, exact_stages=False, default_grain=2,
-            grains=(2, 4), microbatch_multiple="devices", closed_form=interleaved_form,
+            grains=(2, 4), microbatch_multiple="devices", grain_option="virtual_stages",
+            closed_form=interleaved_form,
         ),
         PolicySpec("chimera", chimera, microbatch_multiple=2, even_devices=True, closed_form=chimera_form),
         PolicySpec(
             "hanayo", hanayo, stages_per_device=2, exact_stages=False, default_grain=2, grains=(2, 4),
-            closed_form=hanayo_form,
+            grain_option="waves", closed_form=hanayo_form,
         ),
         PolicySpec(
             "zb", zb, closed_form=zb_form,
