@@ -289,12 +289,7 @@ def _task_index(table: ScheduleTable) -> dict[str, list[list[_OpState | None]]]:
     """An empty ``index[kind][stage][microbatch]`` for ``table``'s tasks (lists, not a dict keyed by
     tuples: built and looked up once per task, this is a large share of setting up a simulation)."""
     m = table.num_microbatches
-    parts = {
-        TaskKind.F: table.forward,
-        TaskKind.B: table.backward,
-        TaskKind.I: table.backward,
-        TaskKind.W: table.backward,
-    }
+    parts = {k.value: table.forward if k is TaskKind.F else table.backward for k in TaskKind}
     return {kind: [[None] * m for _ in range(part.num_stages)] for kind, part in parts.items()}
 
 
