@@ -20,6 +20,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Literal, get_type_hints
 
 from roundpipe.errors import ConfigError
+from roundpipe.schedule.policies import POLICIES
 
 DTYPES = ("fp32", "bf16", "fp16")
 ORDERS = ("strict", "ready")
@@ -30,14 +31,9 @@ OPTIMIZER_SHARDINGS = ("none", "nodes")
 HOST_MEMORY_MODES = ("arena", "pinned", "pageable")  # = roundpipe.backend.host_memory.HOST_MEMORY_MODES
 
 
-# Policies whose tables the runtime cannot execute yet (zb splits backward into I and W tasks).
-_NOT_EXECUTABLE = {"zb": "it splits the backward into I/W tasks, which the runtime does not execute yet"}
-
-
 def known_policies() -> list[str]:
-    from roundpipe.schedule.policies import POLICIES
-
-    return sorted(p for p in POLICIES if p not in _NOT_EXECUTABLE)
+    """The policies the runtime executes (the registry's ``executable``), sorted by name."""
+    return sorted(p for p, spec in POLICIES.items() if spec.executable)
 
 
 def _positive_finite(value: Any) -> bool:
@@ -82,9 +78,9 @@ def _policy(name: str, value: Any) -> Any:
             f"policy must be a name, got {type(value).__name__} {value!r}; choose 'auto' "
             f"or one of {', '.join(known_policies())}"
         )
-    if value in _NOT_EXECUTABLE:
+    if value in POLICIES and not POLICIES[value].executable:
         raise ConfigError(
-            f"policy {value!r} cannot run yet: {_NOT_EXECUTABLE[value]}; "
+            f"policy {value!r} cannot run yet: {POLICIES[value].cannot_run}; "
             f"choose one of {', '.join(known_policies())} (the simulator still models it)"
         )
     if value != "auto" and value not in known_policies():

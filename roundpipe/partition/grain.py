@@ -84,6 +84,10 @@ def objective(microbatches: int, num_devices: int, deals: int, t_max: float, ste
     the next step's deal fills the gap). Unrounded, the proxy picked 3 forward + 8 backward stages
     of Qwen3-1.7B (seq 4096) on 8 GPUs: two devices ran two long deals each, 1.6x slower in the
     simulator than the 8 + 16 stages the rounded form prefers.
+
+    With every deal at ``t_max``, ``N | deals`` and ``M >= N`` this is ``N`` times the exact step of
+    the table (``schedule.policies.closed_forms.deal_makespan``); the ``N`` does not change the
+    ranking. Elsewhere it is the paper's proxy, not the table's step (``tests/test_policy_facts.py``).
     """
     slots = deals if steady else -(-deals // num_devices) * num_devices
     return (microbatches * max(slots, num_devices) + num_devices * (num_devices - 1)) * t_max

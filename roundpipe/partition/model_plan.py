@@ -33,6 +33,7 @@ from roundpipe.partition.partitioner import (
     stage_bytes,
 )
 from roundpipe.presets import GPU, Server, load_hardware, load_model_config
+from roundpipe.schedule.deps import TaskKind
 from roundpipe.schedule.table import Partition
 
 DEFAULT_TOLERANCE = 0.10  # a stage within 10% of the mean stage time counts as balanced
@@ -125,11 +126,11 @@ class Plan:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
-    def _stage_rows(self, kind: str) -> list[str]:
-        part = self.forward if kind == "F" else self.backward
-        times = self.fwd_stage_times if kind == "F" else self.bwd_stage_times
-        weights = self.fwd_stage_weights if kind == "F" else self.bwd_stage_weights
-        peaks = self.fwd_stage_peaks if kind == "F" else self.bwd_stage_peaks
+    def _stage_rows(self, kind: TaskKind) -> list[str]:
+        part = self.forward if kind == TaskKind.F else self.backward
+        times = self.fwd_stage_times if kind == TaskKind.F else self.bwd_stage_times
+        weights = self.fwd_stage_weights if kind == TaskKind.F else self.bwd_stage_weights
+        peaks = self.fwd_stage_peaks if kind == TaskKind.F else self.bwd_stage_peaks
         rows = []
         for s in range(part.num_stages):
             lay = part.layers(s)
@@ -154,10 +155,10 @@ class Plan:
             f"peak {_gb(self.peak_bytes)}; last F+B device {_gb(self.last_stage_peak)}",
             f"forward: bottleneck {self.fwd_bottleneck * 1e3:.2f} ms, mean {self.fwd_mean * 1e3:.2f} ms ({fi:+.1%})",
             f"  {'stage':<5} {'layers':<28} {'n':>3}  {'est. time':>12}  {'weights':>8}  {'peak':>8}",
-            *self._stage_rows("F"),
+            *self._stage_rows(TaskKind.F),
             f"backward (with recompute): bottleneck {self.bwd_bottleneck * 1e3:.2f} ms, "
             f"mean {self.bwd_mean * 1e3:.2f} ms ({bi:+.1%})",
-            *self._stage_rows("B"),
+            *self._stage_rows(TaskKind.B),
         ]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

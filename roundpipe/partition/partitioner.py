@@ -466,7 +466,11 @@ def roundpipe_bubble(
 
         bubble = fill / (fill + work)
 
-    The simulator measures the real figure; this estimate only picks a microbatch count.
+    The simulator measures the real figure; this estimate only picks a microbatch count. On uniform
+    stages (``S`` forward and ``S`` backward, ``D | S``, ``microbatches >= D``) it is the exact
+    table's ``1 - work / schedule.formulas.roundpipe_makespan``; it does not count the fused head's
+    longer deal, a device dealt one stage more, or the chain of fewer microbatches than devices
+    (``tests/test_policy_facts.py``).
     """
     if num_devices < 1 or microbatches < 1:
         raise ConfigError(f"devices and microbatches must be >= 1, got {num_devices}, {microbatches}")

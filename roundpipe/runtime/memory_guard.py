@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from roundpipe.errors import DeviceMemoryError
 from roundpipe.partition.cost import LayerCost
 from roundpipe.partition.partitioner import last_stage_bytes, stage_bytes
-from roundpipe.schedule import ScheduleTable
+from roundpipe.schedule import ScheduleTable, TaskKind
+from roundpipe.schedule.deps import BACKWARD_KINDS
 
 GIB = 1 << 30
 SWITCH = "ROUNDPIPE_DEVICE_MEMORY_CHECK"  # "0": skip the check (start anyway)
-_BACKWARD_KINDS = ("B", "I", "W")
 
 
 def enabled() -> bool:
@@ -59,13 +59,13 @@ def device_peaks(costs: Sequence[LayerCost], table: ScheduleTable, rotates: bool
         return StagePeak(nbytes, f"{what} ({first if first == last else f'{first}..{last}'})", layers)
 
     stages = {
-        ("F", s): peak(f"forward stage {s}", fwd.layers(s), b)
+        (TaskKind.F, s): peak(f"forward stage {s}", fwd.layers(s), b)
         for s, b in enumerate(stage_bytes(costs, fwd, "forward"))
     } | {
-        ("B", s): peak(f"backward stage {s}", bwd.layers(s), b)
+        (TaskKind.B, s): peak(f"backward stage {s}", bwd.layers(s), b)
         for s, b in enumerate(stage_bytes(costs, bwd, "backward"))
     }
-    last = (("F", fwd.num_stages - 1), ("B", bwd.num_stages - 1))
+    last = ((TaskKind.F, fwd.num_stages - 1), (TaskKind.B, bwd.num_stages - 1))
     together = peak(
         "last forward and backward stages, run together",
         range(min(fwd.bounds[-2], bwd.bounds[-2]), len(costs)),
@@ -73,7 +73,7 @@ def device_peaks(costs: Sequence[LayerCost], table: ScheduleTable, rotates: bool
     )
     rows = []
     for row in table.devices:
-        runs = sorted({("B" if t.kind in _BACKWARD_KINDS else "F", t.stage) for t in row})
+        runs = sorted({(TaskKind.B if t.kind in BACKWARD_KINDS else TaskKind.F, t.stage) for t in row})
         rows.append([stages[k] for k in runs] + ([together] if all(k in runs for k in last) else []))
     if rotates:  # every device runs every stage sooner or later
         every = [p for runs in rows for p in runs]

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from roundpipe.schedule import ScheduleTable, Task
+from roundpipe.schedule import ScheduleTable, Task, TaskKind
 from roundpipe.schedule.flow import FlowOp, consumer_counts, device_flows, layers_of
 
-EXECUTED_KINDS = ("F", "B")  # I and W (a split backward) are simulated, not run yet
+EXECUTED_KINDS = (TaskKind.F, TaskKind.B)  # I and W (a split backward) are simulated, not run yet
 
 
 @dataclass

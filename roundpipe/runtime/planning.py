@@ -28,10 +28,9 @@ from roundpipe.partition.cost import DTYPE_BYTES, LayerCost
 from roundpipe.runtime import memory_guard
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
 from roundpipe.runtime.store import ParameterStore
-from roundpipe.schedule import Partition
-from roundpipe.schedule.policies import POLICIES
+from roundpipe.schedule import Partition, TaskKind
+from roundpipe.schedule.policies import POLICIES, PROVISIONAL_POLICY
 
-PROVISIONAL_POLICY = "roundpipe"  # runs any stage count: what "auto" runs before anything is measured
 BUDGET_SHARE = 0.9  # of a device's capacity, for the stages' estimated bytes
 GIVEN = "given by RunConfig"
 
@@ -607,19 +606,20 @@ class RuntimePlan:
         names, times, store = planner.names, planner.layer_times, planner.store
         wbytes = store.layer_bytes
         rows = []
-        for kind, part in (("F", decision.forward), ("B", decision.backward)):
+        for kind, part in ((TaskKind.F, decision.forward), (TaskKind.B, decision.backward)):
             stage_w = [sum(wbytes[i] for i in part.layers(s)) for s in range(part.num_stages)]
             for s in range(part.num_stages):
                 layers = part.layers(s)
                 est = None
                 if times is not None:
                     est = sum(
-                        times[names[i]][0] + (times[names[i]][1] + times[names[i]][0] if kind == "B" else 0)
+                        times[names[i]][0]
+                        + (times[names[i]][1] + times[names[i]][0] if kind == TaskKind.B else 0)
                         for i in layers
                     )
                 grads = (
                     0
-                    if kind == "F"
+                    if kind == TaskKind.F
                     else sum(4 * e.tensor.numel() for e in store.entries if e.trainable and e.owner in layers)
                 )
                 nxt = stage_w[s + 1] if s + 1 < part.num_stages else 0

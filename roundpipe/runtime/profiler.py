@@ -17,7 +17,7 @@ import re
 import statistics
 from collections import defaultdict
 
-from roundpipe.schedule import Partition, ScheduleTable, Task
+from roundpipe.schedule import Partition, ScheduleTable, Task, TaskKind
 
 _TASK = re.compile(r"^([FB])(\d+)\.(\d+)")
 
@@ -28,8 +28,8 @@ def profiling_table(num_layers: int, num_devices: int, num_microbatches: int) ->
     rows: list[tuple[Task, ...]] = []
     for d in range(num_devices):
         mine = [j for j in range(num_microbatches) if j % num_devices == d]
-        tasks = [Task("F", s, j, d) for s in range(num_layers) for j in mine]
-        tasks += [Task("B", s, j, d) for s in reversed(range(num_layers)) for j in mine]
+        tasks = [Task(TaskKind.F, s, j, d) for s in range(num_layers) for j in mine]
+        tasks += [Task(TaskKind.B, s, j, d) for s in reversed(range(num_layers)) for j in mine]
         rows.append(tuple(tasks))
     part = Partition.per_layer(num_layers)
     return ScheduleTable(tuple(rows), part, part, num_microbatches, policy="profile")
@@ -41,9 +41,9 @@ def layer_times_from_spans(spans, names: list[str]) -> dict[str, tuple[float, fl
     bwd: dict[int, list[float]] = defaultdict(list)
     for _dev, lane, name, kind, start, end in spans:
         m = _TASK.match(name)
-        if lane != "compute" or not m or kind not in ("F", "B"):
+        if lane != "compute" or not m or kind not in (TaskKind.F, TaskKind.B):
             continue
-        (fwd if kind == "F" else bwd)[int(m.group(2))].append(end - start)
+        (fwd if kind == TaskKind.F else bwd)[int(m.group(2))].append(end - start)
     out = {}
     for i, name in enumerate(names):
         f = statistics.median(fwd[i]) if fwd[i] else 0.0
@@ -79,19 +79,19 @@ def update_moving_average(
     """
     for _dev, lane, name, kind, start, end in spans:
         m = _TASK.match(name)
-        if lane != "compute" or not m or kind not in ("F", "B"):
+        if lane != "compute" or not m or kind not in (TaskKind.F, TaskKind.B):
             continue
         stage = int(m.group(2))
-        layers = forward.layers(stage) if kind == "F" else backward.layers(stage)
+        layers = forward.layers(stage) if kind == TaskKind.F else backward.layers(stage)
         per_layer = [times[names[i]] for i in layers]
-        est = [f if kind == "F" else f + b for f, b in per_layer]  # B spans recompute the forward
+        est = [f if kind == TaskKind.F else f + b for f, b in per_layer]  # B spans recompute the forward
         total = sum(est)
         if total <= 0:
             continue
         measured = (end - start) * microbatch_scale
         for i, e, (f, b) in zip(layers, est, per_layer):
             share = measured * e / total
-            if kind == "F":
+            if kind == TaskKind.F:
                 times[names[i]] = ((1 - alpha) * f + alpha * share, b)
             else:
                 new_b = max(0.0, share - f)

@@ -32,6 +32,8 @@ from roundpipe.runtime.exchange import AbortedWait, HandOff, Slot
 from roundpipe.runtime.numerics import TaskChecks
 from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.residency import Resident, WeightResidency
+from roundpipe.schedule import TaskKind
+from roundpipe.schedule.flow import FUSED
 from roundpipe.testing import faults
 
 if TYPE_CHECKING:
@@ -388,7 +390,7 @@ class Worker:
         self.status = f"{label}: preparing"
         needs_grad = len(flow.layers_bwd) > 0 and self._backward_needed(flow)
         layers_all = flow.layers
-        if len(layers_all) == 0 or (flow.task.kind == "B" and not needs_grad):
+        if len(layers_all) == 0 or (flow.task.kind == TaskKind.B and not needs_grad):
             self._issue_empty(step, flow)
             return
         self._wait_for_the_device(label)
@@ -430,7 +432,7 @@ class Worker:
                 stats_slot, checks, checks_slot,
             )  # fmt: skip
 
-        kind = "FB" if flow.fused_with else t.kind
+        kind = FUSED if flow.fused_with else t.kind
         streams["compute"].submit(compute, (label, kind))
         computed = streams["compute"].record_event()
         self._computed.append(computed)
@@ -620,7 +622,7 @@ class Worker:
             if event is not None:
                 h2d.wait_event(event)
             host_slot.take(after=h2d.record_event())
-        if flow.task.kind == "B":
+        if flow.task.kind == TaskKind.B:
             step.on_grads(flow.layers_bwd, Slot(), 1, None)
 
     def _backward_needed(self, flow: TaskFlow) -> bool:

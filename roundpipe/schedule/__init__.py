@@ -11,8 +11,8 @@ import inspect
 
 from roundpipe.errors import ScheduleError
 from roundpipe.schedule.check import dry_run
-from roundpipe.schedule.deps import TaskKey, dependencies, required_tasks
-from roundpipe.schedule.policies import POLICIES, PolicySpec
+from roundpipe.schedule.deps import TaskKey, TaskKind, dependencies, required_tasks
+from roundpipe.schedule.policies import POLICIES, PROVISIONAL_POLICY, PolicySpec
 from roundpipe.schedule.table import Partition, ScheduleTable, Task
 
 
@@ -54,11 +54,13 @@ def build_table(
 
 __all__ = [
     "POLICIES",
+    "PROVISIONAL_POLICY",
     "PolicySpec",
     "Partition",
     "ScheduleTable",
     "Task",
     "TaskKey",
+    "TaskKind",
     "build_table",
     "dependencies",
     "dry_run",

@@ -23,6 +23,7 @@ Pure Python; the partitions are only read through ``bounds`` and ``num_stages``.
 from __future__ import annotations
 
 from bisect import bisect_right
+from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from roundpipe.errors import ScheduleError
@@ -30,7 +31,29 @@ from roundpipe.errors import ScheduleError
 if TYPE_CHECKING:
     from roundpipe.schedule.table import Partition
 
-TASK_KINDS = ("F", "B", "I", "W")
+
+class TaskKind(str, Enum):
+    """What a task runs: ``F`` a forward stage, ``B`` a backward stage (recompute, input and weight
+    gradients), or a split backward's two halves, ``I`` (input gradient) then ``W`` (weight gradient).
+
+    A ``str``, so a member is its letter wherever a table's kinds are plain strings: ``TaskKind.F ==
+    "F"``, it hashes and formats as ``"F"`` and JSON writes ``"F"``. Code outside ``schedule/`` names
+    kinds through this enum, never by their letters.
+    """
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 (the published schedules' letter)
+    W = "W"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+TASK_KINDS = tuple(k.value for k in TaskKind)
+"""The kinds as plain strings, in table order: ``("F", "B", "I", "W")``."""
+BACKWARD_KINDS = frozenset({TaskKind.B, TaskKind.I, TaskKind.W})
+"""Kinds that run (part of) a backward stage, on the backward partition."""
 
 
 class TaskKey(NamedTuple):

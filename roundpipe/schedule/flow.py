@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 StageHandOff = tuple[str, int]  # ("act" or "grad", boundary): the same for every microbatch
 HandOffKey = tuple[str, int, int]  # ("act" or "grad", boundary, microbatch)
+FUSED = "FB"  # the kind of an op running a microbatch's last F and last B (or I) back to back
 
 
 def layers_of(fwd_layers: range, bwd_layers: range) -> range:
@@ -162,11 +163,11 @@ def stage_work(
     def starts_inside(lo: int, hi: int) -> list[int]:
         return starts[bisect_right(starts, lo) : bisect_left(starts, hi)]
 
-    if kind == "FB":
+    if kind == FUSED:
         a, c = fwd.bounds[fwd.num_stages - 1], bwd.bounds[last_b]
         produces = [("act", b) for b in starts_inside(a, c)] + ([("grad", c)] if c > frozen else [])
         return StageWork(
-            "FB", range(a, c), range(c, n), recompute=False, consumes=(("act", a),) if a > 0 else (),
+            FUSED, range(a, c), range(c, n), recompute=False, consumes=(("act", a),) if a > 0 else (),
             produces=tuple(produces), weight_grads=not stage, split=bool(stage),
         )  # fmt: skip
     if kind == "F":
@@ -218,7 +219,7 @@ def device_flows(
         while i < len(row):
             t, nxt = row[i], row[i + 1] if i + 1 < len(row) else None
             if fusing and _fuses(t, nxt, last_f, last_b):
-                ops.append(make(FlowOp, (work("FB", int(nxt.kind == "I")), (t, nxt))))
+                ops.append(make(FlowOp, (work(FUSED, int(nxt.kind == "I")), (t, nxt))))
                 i += 2
             else:
                 ops.append(make(FlowOp, (work(t.kind, t.stage), (t,))))

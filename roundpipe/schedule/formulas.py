@@ -50,6 +50,10 @@ roundpipe      see :func:`roundpipe_makespan`                             ``1``
 Outside the domains above (odd ``M`` for chimera, fewer microbatches, more hanayo waves) the
 closed form raises :class:`ConfigError` naming the domain rather than return a figure the table does
 not reach; ``roundpipe.sim`` simulates any shape. Pure Python.
+
+Each row of the table is one policy's registry fact (``PolicySpec.closed_form``, written in
+``schedule/policies/closed_forms.py``); this module checks the counts, takes the default and the
+accepted stage counts from the same registry entry, and derives work and bubble.
 """
 
 from __future__ import annotations
@@ -57,8 +61,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from roundpipe.errors import ConfigError
+from roundpipe.schedule.policies import POLICIES as REGISTRY
+from roundpipe.schedule.policies import PolicySpec
+from roundpipe.schedule.policies.closed_forms import positive, roundpipe_makespan
 
-POLICIES = ("gpipe", "1f1b", "interleaved", "zb", "chimera", "hanayo", "roundpipe")
+POLICIES = tuple(name for name, spec in REGISTRY.items() if spec.closed_form is not None)
+"""The policies with a closed form (the registry's ``closed_form``), in registry order."""
 
 
 @dataclass(frozen=True)
@@ -82,60 +90,32 @@ class ClosedForm:
         return self.makespan / self.work - 1.0 if self.work > 0 else 0.0
 
 
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def default_stages(policy: str, devices: int) -> int:
-    """The stage count a policy runs with by default: ``D`` (``2D`` for interleaved and hanayo)."""
-    return 2 * devices if policy in ("interleaved", "hanayo") else devices
+    """The stage count a policy's closed form uses by default: the registry's default stages, ``D``
+    for a policy whose partitioner picks the count (``roundpipe``: one deal per device)."""
+    stages = _spec(policy).default_stages(devices)
+    return devices if stages is None else stages
 
 
-def roundpipe_makespan(
-    devices: int,
-    stages: int,
-    microbatches: int,
-    f: float = 1.0,
-    b: float = 2.0,
-    stages_backward: int | None = None,
-) -> float:
-    """Step time of the ``roundpipe`` table (``start_device=0``) on uniform stages.
+def _spec(policy: str) -> PolicySpec:
+    spec = REGISTRY.get(policy) if isinstance(policy, str) else None
+    if spec is None or spec.closed_form is None:
+        raise ConfigError(f"no closed form for policy {policy!r}; known: {', '.join(POLICIES)}")
+    return spec
 
-    The table deals ``K = S_f + S_b - 1`` *deals* in turn to devices ``k mod D``: ``S_f - 1``
-    forward stages (``c_k = f``), the fused head (``f + b``), ``S_b - 1`` backward stages (``b``);
-    each deal runs all ``M`` microbatches. Deal ``k``'s microbatch ``j`` waits for deal ``k - 1``'s
-    microbatch ``j`` and for its device's previous deal ``k - D`` to finish. The step time is the
-    longest of two kinds of paths through that grid:
 
-    - the chain: ``sum(c) + (M - 1) max(c)`` (one microbatch all the way through, the slowest deal
-      pacing the rest);
-    - a device ``d``'s deals back to back: ``sum(c_k, k < d) + M * sum(c_k, k = d mod D) +
-      sum(c_k, k > last deal of d)`` (fill to its first deal, all its work, drain after its last).
-
-    ``T = max(chain, max over devices)``. With ``S = vD`` and ``M >= D`` this is
-    ``(v M + D - 1)(f + b)``, interleaved 1F1B's step without its ``D | M`` constraint; when ``D``
-    does not divide ``S`` some device gets one deal more and is the bottleneck. (Checked exactly
-    against the table for ``D <= 8``, ``S, M < 20`` and several ``f : b``.)
-    """
-    n_dev, s_f, m = (
-        _positive("devices", devices),
-        _positive("stages", stages),
-        _positive("microbatches", microbatches),
-    )
-    s_b = _positive("stages_backward", stages_backward) if stages_backward is not None else s_f
-    c = [f] * (s_f - 1) + [f + b] + [b] * (s_b - 1)
-    k_total = len(c)
-    best = sum(c) + (m - 1) * max(c)
-    prefix = [0.0]
-    for x in c:
-        prefix.append(prefix[-1] + x)
-    for d in range(min(n_dev, k_total)):
-        deals = range(d, k_total, n_dev)
-        last = deals[-1]
-        best = max(best, prefix[d] + m * sum(c[k] for k in deals) + prefix[k_total] - prefix[last + 1])
-    return best
+def _check_stages(spec: PolicySpec, devices: int, stages: int) -> None:
+    """ConfigError unless ``spec`` runs ``stages`` stages on ``devices`` devices (its registry rule)."""
+    if spec.accepts_stages(stages, devices):
+        return
+    unit = spec.stages_per_device * devices
+    if spec.exact_stages:
+        per = "one stage" if spec.stages_per_device == 1 else f"{spec.stages_per_device} stages"
+        what = "devices" if spec.stages_per_device == 1 else f"{spec.stages_per_device} x devices"
+        raise ConfigError(
+            f"{spec.name} runs {per} per device: stages must equal {what} ({unit}), got {stages}"
+        )
+    raise ConfigError(f"{spec.name} needs a multiple of {unit} stages for {devices} devices, got {stages}")
 
 
 def closed_form(
@@ -153,48 +133,14 @@ def closed_form(
     policy, non-positive counts, or a shape the policy cannot run (1F1B with ``S != D``,
     interleaved with ``D`` not dividing ``S`` or ``M``, chimera with odd ``D`` or ``M``, ...).
     """
-    if policy not in POLICIES:
-        raise ConfigError(f"no closed form for policy {policy!r}; known: {', '.join(POLICIES)}")
-    n_dev, m = _positive("devices", devices), _positive("microbatches", microbatches)
-    s = _positive("stages", stages if stages is not None else default_stages(policy, n_dev))
+    spec = _spec(policy)
+    n_dev, m = positive("devices", devices), positive("microbatches", microbatches)
+    s = positive("stages", stages if stages is not None else default_stages(policy, n_dev))
     if f < 0 or b < 0:
         raise ConfigError(f"stage times must be >= 0, got f={f}, b={b}")
-    step = f + b
-    if policy in ("gpipe", "1f1b", "zb", "chimera") and s != n_dev:
-        raise ConfigError(f"{policy} runs one stage per device: stages must equal devices ({n_dev}), got {s}")
-    if policy == "gpipe":
-        t, peak = (m + n_dev - 1) * step, m
-    elif policy == "1f1b":
-        t, peak = (m + n_dev - 1) * step, min(n_dev, m)
-    elif policy == "zb":
-        t, peak = m * step + (n_dev - 1) * f + max(0, n_dev - m) * b / 2, min(n_dev, m)
-    elif policy == "chimera":
-        if n_dev % 2 or m % 2 or m < 2 * n_dev or f > b:
-            raise ConfigError(
-                f"the chimera closed form holds for even devices, an even number of microbatches "
-                f"M >= 2D and b >= f; got D={n_dev}, M={m}, f={f}, b={b}. Simulate the table for "
-                f"other shapes (roundpipe simulate)"
-            )
-        t, peak = m * step + (n_dev - 2) * max(f, b), n_dev + 1
-    elif policy == "hanayo":
-        if s != 2 * n_dev or m < 2 * n_dev or b != 2 * f:
-            raise ConfigError(
-                f"the hanayo closed form holds for one wave (S = 2D = {2 * n_dev} stages), M >= 2D "
-                f"microbatches and b = 2f, the grid its table is built on; got S={s}, M={m}, f={f}, "
-                f"b={b}. Simulate the table for other shapes (roundpipe simulate)"
-            )
-        t, peak = (2 * m + n_dev - 1) * step, 4 * n_dev
-    elif policy == "interleaved":
-        if s % n_dev:
-            raise ConfigError(f"{policy} needs a multiple of {n_dev} stages for {n_dev} devices, got {s}")
-        v = s // n_dev
-        if m % n_dev:
-            raise ConfigError(f"interleaved needs microbatches divisible by devices, got {m} and {n_dev}")
-        t = (v * m + n_dev - 1) * step
-        peak = min(v * m, 2 * (n_dev - 1) + (v - 1) * n_dev + 1)
-    else:
-        t, peak = roundpipe_makespan(n_dev, s, m, f, b), 1
-    return ClosedForm(policy, n_dev, s, m, float(t), m * s * step / n_dev, peak)
+    _check_stages(spec, n_dev, s)
+    t, peak = spec.closed_form(n_dev, s, m, f, b)
+    return ClosedForm(policy, n_dev, s, m, float(t), m * s * (f + b) / n_dev, peak)
 
 
 def bubble_fraction(

@@ -54,6 +54,7 @@ from roundpipe.partition.cost import LayerCost
 from roundpipe.partition.partitioner import memory_vectors
 from roundpipe.presets import load_hardware
 from roundpipe.schedule import POLICIES
+from roundpipe.schedule.deps import BACKWARD_KINDS
 from roundpipe.schedule.table import Partition
 from roundpipe.sim.engine import SimOptions
 from roundpipe.sim.search import (  # the search's rules; re-exported for the runtime's planner
@@ -211,7 +212,7 @@ def _one_device_per_backward_stage(table) -> bool:
     where: dict[int, int] = {}
     for d, row in enumerate(table.devices):
         for t in row:
-            if t.kind in ("B", "I", "W") and where.setdefault(t.stage, d) != d:
+            if t.kind in BACKWARD_KINDS and where.setdefault(t.stage, d) != d:
                 return False
     return True
 

@@ -53,7 +53,8 @@ from operator import attrgetter
 
 from roundpipe.errors import ConfigError
 from roundpipe.presets import Server
-from roundpipe.schedule.flow import StageWork, device_flows
+from roundpipe.schedule.deps import TaskKind
+from roundpipe.schedule.flow import FUSED, StageWork, device_flows
 from roundpipe.schedule.table import ScheduleTable, Task
 from roundpipe.schedule.timeline import HOST_DEVICE, Span, Timeline
 from roundpipe.sim.ready import ReadyOrder
@@ -288,7 +289,7 @@ def _task_index(table: ScheduleTable) -> dict[str, list[list[_OpState | None]]]:
     """An empty ``index[kind][stage][microbatch]`` for ``table``'s tasks (lists, not a dict keyed by
     tuples: built and looked up once per task, this is a large share of setting up a simulation)."""
     m = table.num_microbatches
-    parts = {"F": table.forward, "B": table.backward, "I": table.backward, "W": table.backward}
+    parts = {k.value: table.forward if k is TaskKind.F else table.backward for k in TaskKind}
     return {kind: [[None] * m for _ in range(part.num_stages)] for kind, part in parts.items()}
 
 
@@ -405,12 +406,12 @@ class _Sim:
         dur = self._duration(work)
         bwd = work.bwd_layers
         trainable = [i for i in bwd if layers[i].grad_bytes > 0 or layers[i].trainable_params > 0]
-        if work.kind in ("B", "I") and bwd.start == 0 and not trainable and not work.produces:
+        if work.kind in (TaskKind.B, TaskKind.I) and bwd.start == 0 and not trainable and not work.produces:
             dur, bwd = 0.0, range(0)  # frozen embedding alone: nothing to run
         trainable = trainable if work.weight_grads else []
         wgrad = sum(layers[i].grad_bytes for i in trainable)
         work_bytes, hold = self._work_bytes(work)
-        release = sum(layers[i].saved_bytes for i in work.bwd_layers) if work.kind == "W" else 0
+        release = sum(layers[i].saved_bytes for i in work.bwd_layers) if work.kind == TaskKind.W else 0
         cost = _OpCost(
             dur, bwd, trainable, wgrad, work_bytes, hold, release, list(work.layers) if dur > 0 else []
         )
@@ -449,7 +450,7 @@ class _Sim:
                         k = (name, b, st.mb)
                         consumers[k] += 1
                         waiters[k].append(st)
-                if st.kind != "W" and (st.keys or consumes) and (st.it, st.mb) != prev:
+                if st.kind != TaskKind.W and (st.keys or consumes) and (st.it, st.mb) != prev:
                     st.ctx_bytes, prev = ctx, (st.it, st.mb)
                 st.in_bytes = round((st.cost.in_bytes + st.ctx_bytes) * st.scale)
 
@@ -463,7 +464,7 @@ class _Sim:
                 for kind, stage in st.cost.waits_for:
                     by_task[kind][stage][st.mb].dependents.append(st)
                     st.deps += 1
-                if weight_bound[st.it] and st.kind == "F":
+                if weight_bound[st.it] and st.kind == TaskKind.F:
                     self._keep_stash(self.tables[st.it], by_task, st, d)
 
     def _keep_stash(self, table: ScheduleTable, by_task: dict, st: _OpState, d: int) -> None:
@@ -471,14 +472,14 @@ class _Sim:
         t = st.task
         if t.stage >= table.backward.num_stages:
             return
-        closing = "W" if table.split_backward else "B"
+        closing = TaskKind.W if table.split_backward else TaskKind.B
         peer = by_task[closing][t.stage][t.microbatch]
         same = table.forward.bounds[t.stage] == table.backward.bounds[t.stage]
         if peer is not None and peer is not st and peer.dev == d and same:
             st.stash_drop = False
             peer.stash_add = False
             if table.split_backward:
-                inp = by_task["I"][t.stage][t.microbatch]
+                inp = by_task[TaskKind.I][t.stage][t.microbatch]
                 if inp is not None:
                     inp.stash_add = inp.stash_drop = False
 
@@ -530,16 +531,16 @@ class _Sim:
     def _duration(self, op: StageWork) -> float:
         ly, wf = self.w.layers, self.w.w_fraction
         fwd = sum(ly[i].fwd_s for i in op.fwd_layers)
-        if op.kind == "F":
+        if op.kind == TaskKind.F:
             return fwd
-        if op.kind == "FB":
+        if op.kind == FUSED:
             share = (1 - wf) if op.split else 1.0
             return fwd + sum(ly[i].fwd_s + ly[i].bwd_s * share for i in op.bwd_layers)
         recompute = sum(ly[i].fwd_s for i in op.bwd_layers if ly[i].recompute or op.first_forward)
         back = sum(ly[i].bwd_s for i in op.bwd_layers)
-        if op.kind == "B":
+        if op.kind == TaskKind.B:
             return recompute + back
-        if op.kind == "I":
+        if op.kind == TaskKind.I:
             return recompute + back * (1 - wf)
         return back * wf
 
@@ -549,11 +550,11 @@ class _Sim:
         fwd = max((ly[i].fwd_work_bytes for i in op.fwd_layers), default=0)
         saved = sum(ly[i].saved_bytes for i in op.bwd_layers)
         bwd = saved + max((ly[i].transient_bytes for i in op.bwd_layers), default=0)
-        if op.kind == "F":
+        if op.kind == TaskKind.F:
             return fwd, 0
-        if op.kind == "W":
+        if op.kind == TaskKind.W:
             return 0, 0
-        return max(fwd, bwd), (saved if op.kind == "I" else 0)
+        return max(fwd, bwd), (saved if op.kind == TaskKind.I else 0)
 
     # ------------------------------------------------------------------ event loop
     def _at(self, t: float, kind: int, a, b=None) -> None:

@@ -8,14 +8,16 @@ span, one colour per span kind (legend below the chart). matplotlib is imported 
 from __future__ import annotations
 
 from roundpipe.errors import ConfigError
+from roundpipe.schedule.deps import TaskKind
+from roundpipe.schedule.flow import FUSED
 from roundpipe.schedule.timeline import HOST_DEVICE, Timeline
 
 KIND_COLOURS = {
-    "F": "#4C72B0",
-    "B": "#DD8452",
-    "FB": "#8172B3",
-    "I": "#C44E52",
-    "W": "#937860",
+    TaskKind.F: "#4C72B0",
+    TaskKind.B: "#DD8452",
+    FUSED: "#8172B3",
+    TaskKind.I: "#C44E52",
+    TaskKind.W: "#937860",
     "upload": "#55A868",
     "act": "#64B5CD",
     "download": "#DA8BC3",
@@ -24,11 +26,11 @@ KIND_COLOURS = {
     "idle": "#EEEEEE",
 }
 KIND_LABELS = {
-    "F": "forward",
-    "B": "backward (+recompute)",
-    "FB": "fused head F+B",
-    "I": "input grad",
-    "W": "weight grad",
+    TaskKind.F: "forward",
+    TaskKind.B: "backward (+recompute)",
+    FUSED: "fused head F+B",
+    TaskKind.I: "input grad",
+    TaskKind.W: "weight grad",
     "upload": "weights up",
     "act": "activations / grads",
     "download": "weight grads down",

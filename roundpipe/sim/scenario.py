@@ -29,7 +29,7 @@ from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleErr
 from roundpipe.partition.cost import check_fp16_accumulation, check_label_fraction, layer_times, model_costs
 from roundpipe.partition.model_plan import HEAD_SHARD_CANDIDATES, plan
 from roundpipe.presets import Server, load_hardware, load_model_config, normalize_dtype
-from roundpipe.schedule import POLICIES, build_table, policy_options
+from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.search import partitions
@@ -50,7 +50,7 @@ class Scenario:
 
     model: str | Mapping[str, Any]
     hardware: str | Server = "8xrtx4090"
-    policy: str = "roundpipe"
+    policy: str = PROVISIONAL_POLICY
     seq_len: int = 4096
     global_batch: int = 64
     microbatches: int | None = None

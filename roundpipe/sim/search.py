@@ -41,7 +41,6 @@ from roundpipe.schedule import POLICIES, policy_options
 from roundpipe.schedule.table import Partition
 from roundpipe.sim.engine import SimResult
 
-GRAIN_OPTIONS = ("virtual_stages", "waves")  # policy options that set the stages per device
 MICROBATCHES_PER_DEVICE = (1, 2, 4, 8)
 ONE_PER_MICROBATCH_UP_TO = 16  # one sample per microbatch is tried up to this many per device
 
@@ -144,7 +143,7 @@ def stage_count(policy: str, num_devices: int, options: Mapping[str, Any], num_l
     spec = POLICIES[policy]
     if spec.stages_per_device is None:
         return None
-    grain = next((options[o] for o in GRAIN_OPTIONS if options.get(o)), None)
+    grain = options.get(spec.grain_option) if spec.grain_option else None
     stages = num_devices * spec.stages_per_device * grain if grain else spec.default_stages(num_devices)
     if stages > num_layers:
         raise ConfigError(
@@ -243,7 +242,6 @@ def _balanced(times, stages, w, a, p, d, budget, reserve, names) -> Partition:
 
 
 __all__ = [
-    "GRAIN_OPTIONS",
     "Candidate",
     "default_partition",
     "microbatch_candidates",

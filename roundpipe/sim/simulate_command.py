@@ -17,7 +17,7 @@ import json
 import sys
 
 from roundpipe.errors import ConfigError, RoundpipeError
-from roundpipe.schedule import POLICIES
+from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY
 from roundpipe.sim.engine import SimOptions
 from roundpipe.sim.report import dumps, result_table
 
@@ -92,7 +92,7 @@ def _stages(text: str | None):
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="roundpipe simulate", description=__doc__.split("\n\n")[0])
     add_model_args(ap, seq_required=True)
-    ap.add_argument("--policy", default="roundpipe", choices=list(POLICIES))
+    ap.add_argument("--policy", default=PROVISIONAL_POLICY, choices=list(POLICIES))
     ap.add_argument(
         "--microbatches",
         type=int,

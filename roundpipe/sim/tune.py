@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
 from roundpipe.partition.cost import layer_times, model_costs
 from roundpipe.presets import load_model_config
-from roundpipe.schedule import POLICIES, build_table, policy_options
+from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, TaskKind, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.scenario import Prepared, Scenario, check_scenario, failed_result, prepare
@@ -144,11 +144,11 @@ def stage_blame(result: SimResult, table: ScheduleTable) -> tuple[dict[int, floa
             head = sp.name.split("+")[0]
             kind, rest = head[0], head[1:]
             stage = int(rest.split(".")[0])
-            if kind == "F" and stage > 0:
+            if kind == TaskKind.F and stage > 0:
                 fwd_blame[stage - 1] += wait
-            elif kind in ("B", "I") and stage < last_b:
+            elif kind in (TaskKind.B, TaskKind.I) and stage < last_b:
                 bwd_blame[stage + 1] += wait
-            elif kind in ("B", "I") and stage == last_b and last_f > 0:
+            elif kind in (TaskKind.B, TaskKind.I) and stage == last_b and last_f > 0:
                 fwd_blame[last_f - 1] += wait
     return fwd_blame, bwd_blame
 
@@ -168,7 +168,7 @@ def heavy_stages(result: SimResult, table: ScheduleTable) -> list[tuple[str, int
         if sp.lane != "compute":
             continue
         for part in sp.name.split("+"):
-            key = ("F" if part[0] == "F" else "B", int(part[1:].split(".")[0]))
+            key = (TaskKind.F if part[0] == TaskKind.F else TaskKind.B, int(part[1:].split(".")[0]))
             longest[key] = max(longest.get(key, 0.0), sp.duration)
     return sorted(longest, key=longest.__getitem__, reverse=True)[:2]
 
@@ -209,9 +209,11 @@ def _move(bounds: tuple[int, ...], stage: int, times: Sequence[float]) -> list[t
 
 
 def _moved(table: ScheduleTable, which: str, new: Partition, same: bool, options: dict, accept):
-    """``table`` rebuilt with its forward (``which == "F"``) or backward partition replaced by
+    """``table`` rebuilt with its forward (``which`` ``TaskKind.F``) or backward partition replaced by
     ``new`` (both when they are one partition), or None if the policy refuses it or ``accept`` vetoes it."""
-    fwd, bwd = (new, new) if same else ((new, table.backward) if which == "F" else (table.forward, new))
+    fwd, bwd = (
+        (new, new) if same else ((new, table.backward) if which == TaskKind.F else (table.forward, new))
+    )
     try:
         cand = build_table(table.policy, fwd, bwd, table.num_devices, table.num_microbatches, **options)
     except ScheduleError:
@@ -246,16 +248,18 @@ def refine(
         if time.monotonic() > deadline:
             break
         fb, bb = stage_blame(best, table)
-        tries: list[tuple[float, str, int]] = [(w, "F", s) for s, w in fb.items()] + [
-            (w, "B", s) for s, w in bb.items()
+        tries: list[tuple[float, str, int]] = [(w, TaskKind.F, s) for s, w in fb.items()] + [
+            (w, TaskKind.B, s) for s, w in bb.items()
         ]
         tries.sort(reverse=True)
         tries = tries[:3] + [(0.0, which, stage) for which, stage in heavy_stages(best, table)]
         improved = False
         for _, which, stage in _unique(tries):
-            part = table.forward if which == "F" else table.backward
+            part = table.forward if which == TaskKind.F else table.backward
             times = (
-                [x + y for x, y in zip(f_times, b_times)] if same else (f_times if which == "F" else b_times)
+                [x + y for x, y in zip(f_times, b_times)]
+                if same
+                else (f_times if which == TaskKind.F else b_times)
             )
             for bounds in _move(part.bounds, stage, times):
                 cand_table = _moved(table, which, Partition(bounds), same, options, accept)
@@ -298,10 +302,10 @@ def polish(
     moves = 0
     for _ in range(passes):
         improved = False
-        for which in ("F",) if same else ("F", "B"):
+        for which in (TaskKind.F,) if same else (TaskKind.F, TaskKind.B):
             stage = 1
-            while stage < (table.forward if which == "F" else table.backward).num_stages:
-                part = table.forward if which == "F" else table.backward
+            while stage < (table.forward if which == TaskKind.F else table.backward).num_stages:
+                part = table.forward if which == TaskKind.F else table.backward
                 for delta in (-1, 1):
                     if time.monotonic() > deadline:
                         return table, best, moves
@@ -352,7 +356,7 @@ def tune(
     t0 = time.monotonic()
     deadline = t0 + time_budget_s
     base = Scenario(
-        model, hardware, "roundpipe", seq_len=seq_len, global_batch=global_batch, lora_rank=lora_rank,
+        model, hardware, PROVISIONAL_POLICY, seq_len=seq_len, global_batch=global_batch, lora_rank=lora_rank,
         dtype=dtype, optimizer=optimizer, num_devices=num_devices, label_fraction=label_fraction,
         fp16_accumulation=fp16_accumulation,
     )  # fmt: skip
@@ -467,7 +471,7 @@ def max_seq_len(
     microbatches: int | None = None,
     lora_rank: int | None = None,
     dtype: str = "bf16",
-    policy: str = "roundpipe",
+    policy: str = PROVISIONAL_POLICY,
     num_devices: int | None = None,
     upper: int | None = None,
     grain: int = SEQ_LEN_GRAIN,

@@ -38,6 +38,7 @@ import torch
 
 from roundpipe.config import RunConfig, recipe_settings
 from roundpipe.errors import CheckpointError, DataError, DataParallelError
+from roundpipe.schedule import PROVISIONAL_POLICY, TaskKind
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.lr_schedule import lr_at
 from roundpipe.train.ranks import Ranks
@@ -342,7 +343,7 @@ class Trainer:
         forecast = predict(
             model,
             parse_device_spec(devices),
-            policy="roundpipe" if run.policy == "auto" else run.policy,
+            policy=PROVISIONAL_POLICY if run.policy == "auto" else run.policy,
             seq_len=cfg.data.max_length,
             batch=rows,
             microbatches=run.num_microbatches,
@@ -645,7 +646,10 @@ def exact_match(model, batches, samples) -> float:
 
 def _plan_line(plan) -> str:
     parts = "; ".join(f"{part} {line}" for part, line in plan.why.items())
-    stages = sum(1 for r in plan.rows if r["kind"] == "F"), sum(1 for r in plan.rows if r["kind"] == "B")
+    stages = (
+        sum(1 for r in plan.rows if r["kind"] == TaskKind.F),
+        sum(1 for r in plan.rows if r["kind"] == TaskKind.B),
+    )
     return (
         f"plan: policy {plan.policy}, {stages[0]} forward + {stages[1]} backward stages, "
         f"{plan.num_microbatches} microbatches ({parts})"
