@@ -74,6 +74,26 @@ class ModelShape:
         return self.sliding_window if layer in self.sliding_layers else None
 
 
+class ConfigView(Mapping):
+    """A transformers config object read as the dict :func:`model_shape` takes: each key by
+    attribute, so that a config's own aliases apply (gpt2's ``n_embd`` answers ``hidden_size``)."""
+
+    def __init__(self, config: Any):
+        self._config = config
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self._config, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def __iter__(self):
+        return iter(self._config.to_dict())
+
+    def __len__(self) -> int:
+        return len(self._config.to_dict())
+
+
 def _need(config: Mapping[str, Any], key: str) -> Any:
     if config.get(key) is None:
         raise ConfigError(
@@ -157,4 +177,4 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
     return shape
 
 
-__all__ = ["ModelShape", "model_shape"]
+__all__ = ["ConfigView", "ModelShape", "model_shape"]

@@ -4,8 +4,9 @@ The figure is the planner's own: the partitioner's memory rule (``partition/part
 a stage's weights, the largest other stage prefetched and another's gradients still downloading,
 the fp32 gradient accumulators and saved activations of a backward stage, one layer's working set;
 the device running the last forward and backward stages together holds their union) over the
-layer bytes the planner estimates for the plan's largest microbatch (``Planner._layer_costs``),
-which is what an automatic partition is cut to fit. A device's planned peak is the largest of the stages it runs; under a policy that rotates its
+layer bytes the planner estimates for the plan's largest microbatch (``Planner._layer_costs``: the
+cost model's own estimate, ``partition.cost.model_costs``, with the store's weights and gradient
+accumulators), which is what an automatic partition is cut to fit. A device's planned peak is the largest of the stages it runs; under a policy that rotates its
 deal from step to step (roundpipe) every device runs every stage sooner or later, so each is
 planned for the largest. Free memory is the backend's (``Device.free_bytes``: on CUDA what the
 driver has free plus the allocator's unused cache; on ``cpu:N`` the capacity less what is alive).

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from roundpipe.config import RunConfig, known_policies
 from roundpipe.errors import ConfigError, DeviceOutOfMemory, PlanError
-from roundpipe.partition.cost import DTYPE_BYTES, LayerCost
+from roundpipe.partition.cost import LayerCost, model_costs
+from roundpipe.partition.shape import ConfigView
 from roundpipe.runtime import memory_guard
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
 from roundpipe.runtime.store import ParameterStore
@@ -62,6 +63,7 @@ class Planner:
         self.names = [layer.name for layer in adapter.layers]
         self.kinds = [layer.kind for layer in adapter.layers]
         self.model_config = adapter.config
+        self._analytic: dict[int, list[LayerCost] | None] = {}  # model_costs per microbatch tokens
         self.store = store
         self.device_names = tuple(d.name for d in backend.devices)
         self.capacity = backend.devices[0].memory.capacity
@@ -251,39 +253,19 @@ class Planner:
 
     def _layer_costs(self, tokens: float) -> list[LayerCost]:
         """The layers' device bytes for a microbatch of ``tokens`` tokens, for the memory checks of
-        an automatic choice: weights, fp32 gradient accumulators and hand-offs as the store and the
-        runtime hold them; a block's saved activations and working set estimated from the model
-        config by the cost model's dense-block rule (``partition/cost.py``), the head's from its
-        token chunks."""
-        cfg, store = self.model_config, self.store
-        t, b = int(tokens), DTYPE_BYTES[self.config.dtype]
-        h = int(getattr(cfg, "hidden_size", 0) or 0)
-        heads = int(getattr(cfg, "num_attention_heads", 0) or 1)
-        head_dim = int(getattr(cfg, "head_dim", 0) or (h // heads if heads else 0))
-        q, kv = heads * head_dim, int(getattr(cfg, "num_key_value_heads", 0) or heads) * head_dim
-        inter = int(getattr(cfg, "intermediate_size", 0) or 4 * h)
-        if getattr(cfg, "num_experts_per_tok", None) and getattr(cfg, "moe_intermediate_size", None):
-            inter = int(cfg.num_experts_per_tok) * int(cfg.moe_intermediate_size)
-        shards = sum(1 for k in self.kinds if k == "head")
-        vocab_rows = -(-int(getattr(cfg, "vocab_size", 0) or 0) // max(shards, 1))
-        chunk = min(self.config.head_chunk_tokens, t)
-        out = []
+        an automatic choice: the cost model's own estimate from the model's config
+        (``partition.cost.model_costs``, the rule the partitioner and ``roundpipe plan`` use), with
+        what the store really holds replacing the config's figures: weights, trainable parameters
+        and their fp32 gradient accumulators."""
+        t = int(tokens)
+        analytic = self._analytic_costs(t)
+        store, out = self.store, []
         for i, (name, kind) in enumerate(zip(self.names, self.kinds)):
             trainable = sum(
                 store.piece_bytes(p) // store.entries[p[0]].compute.element_size()
                 for p in store.trainable_pieces([i])
             )
-            hidden = t * h * b
-            if kind == "embed":
-                act_in, saved, transient, fwd_work = t * 8, 0, hidden, hidden
-            elif kind == "block":
-                act_in = hidden
-                saved = t * b * (4 * h + (q + 2 * kv) + (q + kv) + q + 4 * inter) + t * 4 * (heads + 2)
-                transient = t * b * (2 * h + max(2 * (q + 2 * kv), 3 * inter))
-                fwd_work = t * b * (2 * h + max(2 * q + 2 * kv, 3 * inter))
-            else:  # a head (shard): one token chunk's fp32 logits and their gradient at a time
-                act_in = saved = hidden
-                transient = fwd_work = 2 * chunk * vocab_rows * 4 + hidden
+            est = analytic[i] if analytic is not None else None
             out.append(
                 LayerCost(
                     name,
@@ -291,17 +273,35 @@ class Planner:
                     0.0,
                     param_bytes=store.layer_bytes[i],
                     trainable_params=trainable,
-                    act_in_bytes=act_in,
-                    work_bytes=saved + transient,
+                    act_in_bytes=est.act_in_bytes if est else 0,
+                    work_bytes=est.work_bytes if est else 0,
                     kind=kind,
                     recompute=kind != "head",
-                    saved_bytes=saved,
-                    fwd_work_bytes=fwd_work,
+                    saved_bytes=est.saved_bytes if est else 0,
+                    fwd_work_bytes=est.fwd_work_bytes if est else 0,
                     grad_device_bytes=4 * trainable,
                     tokens=t,
                 )  # fmt: skip
             )
         return out
+
+    def _analytic_costs(self, tokens: int) -> list[LayerCost] | None:
+        """The cost model's layers for the model's config at ``tokens`` tokens a microbatch (every
+        token labelled: the head's bound), or None when it cannot read the config or its layers are
+        not the adapter's (then only the store's bytes are known)."""
+        if tokens not in self._analytic:
+            shards = sum(1 for k in self.kinds if k == "head")
+            try:
+                costs = model_costs(
+                    ConfigView(self.model_config), seq_len=max(tokens, 1), dtype=self.config.dtype,
+                    head_shards=shards, head_chunk_tokens=self.config.head_chunk_tokens,
+                )  # fmt: skip
+            except (ConfigError, TypeError, ValueError):
+                costs = None
+            if costs is not None and [c.kind for c in costs] != list(self.kinds):
+                costs = None
+            self._analytic[tokens] = costs
+        return self._analytic[tokens]
 
     # ----------------------------------------------------------------- the plan of a step
     def flow_plan(self, decision: Decision) -> FlowPlan:
