@@ -7,9 +7,8 @@ final (``executor``, ``step``, ``optimizer_steps``), and keep the step's spans (
 from any thread reach the caller as ``StageError`` / ``OptimizerError`` with where they happened;
 a watchdog turns a stall into ``WatchdogTimeout``. Nothing is left running after an error.
 
-Workers read ``store``, ``adapter``, ``config``, ``host_memory``, ``store_num_layers``,
-``random_layers``, ``weight_bound`` and ``weight_cache_bytes`` from the pipeline; everything else
-here is the caller's.
+Workers get a ``WorkerSetup`` (``worker_setup.py``): the parts of the pipeline they read, and no
+more; everything else here is the caller's.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from roundpipe.runtime.router_totals import RouterTotals
 from roundpipe.runtime.step import StepOutput, StepRun
 from roundpipe.runtime.store import ParameterStore, Weights
 from roundpipe.runtime.worker import Worker
+from roundpipe.runtime.worker_setup import WorkerSetup
 
 
 class Pipeline:
@@ -81,16 +81,26 @@ class Pipeline:
                 weights=weights,
             )
             self.backend.host_buffers = self.store.host.pool  # where downloads land
-            self.store_num_layers = len(self.adapter.layers)
             self._planner = Planner(self.config, self.adapter, self.store, self.backend)
             self._planner.check_capacity()
-            self.random_layers = _layers_with_dropout(self.adapter)
-            self.workers = [Worker(self, d) for d in self.backend.devices]
+            # Hand-offs (activations, gradients) held on the CPU.
+            self.host_memory = MemoryLedger("host", None)
+            capacity = self.backend.devices[0].memory.capacity
+            setup = WorkerSetup(
+                self.backend,
+                self.store,
+                self.adapter,
+                self.config,
+                self.host_memory,
+                random_layers=frozenset(_layers_with_dropout(self.adapter)),
+                rank=None if self.dp is None else self.dp.rank,
+                weight_cache_bytes=self.config.weight_cache_bytes or (capacity // 2 if capacity else None),
+            )
+            self.workers = [Worker(setup, d) for d in self.backend.devices]
             self._hostq = HostQueue()
         except BaseException:
             self.backend.close()
             raise
-        self.host_memory = MemoryLedger("host", None)  # hand-offs (activations, gradients) held on the CPU
         self._recorder = Recorder(self.backend, self.host_memory, self.store.host_memory_stats)
         self._updates = OptimizerSteps(
             self.store, names, self._recorder, loss_scaling=self.config.dtype == "fp16",
@@ -101,9 +111,6 @@ class Pipeline:
         )
         self._ranks = DataParallelSteps(self) if self.dp is not None else None
         self.last_plan: FlowPlan | None = None  # the flow plan of the last forward_backward
-        self.weight_bound = False  # the running table keeps weights resident (every policy but roundpipe)
-        capacity = self.backend.devices[0].memory.capacity
-        self.weight_cache_bytes = self.config.weight_cache_bytes or (capacity // 2 if capacity else None)
         self._steps_run = 0  # forward_backward calls: with the layer and microbatch, the dropout seeds
         self._steps_at_update = 0  # ... as the last completed step() left it (abandon_step)
         # Optimizer steps taken: every forward_backward of optimizer step k reads compute copy k % 2
@@ -435,7 +442,6 @@ class Pipeline:
         self._planner.check_table_memory(table, len(microbatches), tuple(input_ids.shape))
         plan = build_flow_plan(table, fuse=False, frozen=self.store.frozen_prefix)
         spans = []
-        self.weight_bound = False
         for _ in range(steps):
             step = self._new_step(microbatches, total, plan, eager=False)
             with self._recorder.recording():
@@ -514,7 +520,6 @@ class Pipeline:
         with ``ranks_step``, the gradient reduction across ranks runs beside it and is waited for."""
         self.store.set_read_buffer(self._updates_run)
         step = self._new_step(microbatches, total, plan, eager, batch_tokens)
-        self.weight_bound = plan.table.weight_bound
         if ranks_step is not None:
             ranks_step.attach(step)
         with self._recorder.recording():

@@ -22,10 +22,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import roundpipe.runtime.memory_guard as memory_guard
 from roundpipe.config import RunConfig, known_policies
 from roundpipe.errors import ConfigError, DeviceOutOfMemory, PlanError
 from roundpipe.partition.cost import DTYPE_BYTES, LayerCost
-from roundpipe.runtime import memory_guard
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
 from roundpipe.runtime.store import ParameterStore
 from roundpipe.schedule import Partition

@@ -32,10 +32,10 @@ from roundpipe.runtime.exchange import AbortedWait, HandOff, Slot
 from roundpipe.runtime.numerics import TaskChecks
 from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.residency import Resident, WeightResidency
+from roundpipe.runtime.worker_setup import WorkerSetup
 from roundpipe.testing import faults
 
 if TYPE_CHECKING:
-    from roundpipe.runtime.pipeline import Pipeline
     from roundpipe.runtime.step import StepRun
 
 # How many tasks back the compute must have finished before a worker issues the next task. The
@@ -103,11 +103,11 @@ def _collect(v, seen: set[int], out: list[torch.Tensor]) -> None:
 
 
 class Worker:
-    def __init__(self, pipe: Pipeline, device: Device):
-        self.pipe = pipe
+    def __init__(self, setup: WorkerSetup, device: Device):
+        self.setup = setup
         self.device = device
         self.streams = device.streams
-        self.weights = WeightResidency(pipe, device)
+        self.weights = WeightResidency(setup, device)
         self._shells: dict[int, list[tuple[nn.Module, nn.Module, str, bool, int]]] = {}
         self._context_module: Slot | None = None
         self._ctx: tuple | None = None  # (microbatch, inputs slot, context slot, ledger-held slot)
@@ -161,15 +161,15 @@ class Worker:
         """This device's shell of ``layer`` with ``weights`` bound in. Runs on the compute stream;
         ``_unbind`` must follow once the layer's work (and its autograd graph) is done."""
         if layer not in self._shells:
-            shell = make_shell(self.pipe.adapter.layers[layer].module)
+            shell = make_shell(self.setup.adapter.layers[layer].module)
             self._shells[layer] = [
                 (shell, shell.get_submodule(b.module_path), b.attr, b.is_buffer, b.piece)
-                for b in self.pipe.store.bindings[layer]
+                for b in self.setup.store.bindings[layer]
             ]
         bound = self._shells[layer]
         for _, mod, attr, is_buffer, piece in bound:
             (mod._buffers if is_buffer else mod._parameters)[attr] = weights[piece]
-        return bound[0][0] if bound else self.pipe.adapter.layers[layer].module
+        return bound[0][0] if bound else self.setup.adapter.layers[layer].module
 
     def _unbind(self, layers: range) -> None:
         """Take the device tensors out of the cached shells: a shell that kept them would keep every
@@ -182,7 +182,7 @@ class Worker:
     def _ensure_context_module(self) -> Slot:
         """The rotary tables' module on this device (buffers only), uploaded once per step."""
         if self._context_module is None:
-            module = self.pipe.adapter.context_module
+            module = self.setup.adapter.context_module
             slot = Slot()
             sources = [
                 (target, n, t.detach(), is_param)
@@ -263,8 +263,8 @@ class Worker:
             return self._ctx[1], self._ctx[2]
         self._drop_context()
         module = self._ensure_context_module()
-        dev, adapter, dtype = self.device, self.pipe.adapter, self.pipe.store.dtype
-        backend = self.pipe.backend
+        dev, adapter, dtype = self.device, self.setup.adapter, self.setup.store.dtype
+        backend = self.setup.backend
         # Staged into (pinned) host buffers first, so that their copies are asynchronous on CUDA.
         staged = [
             None if t is None else backend.host_empty(t.shape, t.dtype).copy_(t)
@@ -286,7 +286,7 @@ class Worker:
             held.value.append([t for t in uploaded.value if t is not None])
             uploaded.value = None
             c = adapter.build_context(module.value, inputs.value, dtype, mask_all_ones=all_ones)
-            c.head_chunk_tokens = self.pipe.config.head_chunk_tokens
+            c.head_chunk_tokens = self.setup.config.head_chunk_tokens
             c.labels_checked = True  # inputs.split_batch checked them on the host
             seen = {t.untyped_storage().data_ptr() for t in (*held.value[0], *device_tensors(module.value))}
             tensors = device_tensors(c, seen)  # only what the build made: not the inputs or tables
@@ -328,11 +328,11 @@ class Worker:
         self._draining: list = []  # (downloaded, slot, what) of each flushed gradient accumulator
         self._acc: Slot | None = None  # open weight-gradient accumulator (see _accumulator)
         self._acc_range, self._acc_count = range(0), 0
-        ready = self.pipe.config.order == "ready"
+        ready = self.setup.config.order == "ready"
         while remaining:
             flow = remaining.pop(self._pick_ready(step, remaining) if ready else 0)
             upcoming = None
-            if self.pipe.config.prefetch:
+            if self.setup.config.prefetch:
                 upcoming = next((f.layers for f in remaining if f.layers != flow.layers), None)
             self._issue(step, flow, upcoming, remaining)
             self.tasks_done += 1
@@ -354,7 +354,7 @@ class Worker:
 
     # ----------------------------------------------------------------- router statistics
     def _router_layers(self, layers: range) -> list[int]:
-        return [i for i in layers if getattr(self.pipe.adapter.layers[i], "routers", ())]
+        return [i for i in layers if getattr(self.setup.adapter.layers[i], "routers", ())]
 
     def _router_pairs(self, flow: TaskFlow) -> list[tuple[int, int]]:
         """The (router layer, microbatch) pairs whose statistics this op computes: the forwards it
@@ -391,7 +391,7 @@ class Worker:
             self._issue_empty(step, flow)
             return
         self._wait_for_the_device(label)
-        residents = self.weights.ensure(layers_all, upcoming, remaining)
+        residents = self.weights.ensure(layers_all, upcoming, remaining, step.weight_bound)
 
         # At most two tasks in flight per device on the streams too: this compute starts once the
         # downloads two tasks back are done, and frees those outputs first (so the device holds the
@@ -470,11 +470,11 @@ class Worker:
         the slot of their packed flags) for the host to read; returns the event that fires when
         the downloads are done."""
         dev, streams = self.device, self.streams
-        backend = self.pipe.backend
+        backend = self.setup.backend
         host_out = {
             key: HandOff(
                 step.flow_plan.consumers[key],
-                self.pipe.host_memory,
+                self.setup.host_memory,
                 f"{key[0]}[{key[1]}].{key[2]}",
                 backend.host_release,
             )
@@ -511,7 +511,7 @@ class Worker:
         self._outputs.append((done, [(slot, what) for slot, what, _ in outputs]))
         # The host reads the task's flags (and adds its loss) in queue order, before any update
         # that could carry a non-finite value: queued before the outputs reach another device.
-        if flow.layers_bwd and flow.layers_bwd.stop == self.pipe.store_num_layers:
+        if flow.layers_bwd and flow.layers_bwd.stop == self.setup.num_layers:
             step.on_loss(host_loss, done)
         step.on_checks(checks, host_checks, done)
         pairs = self._router_pairs(flow) if step.router is not None else []
@@ -567,7 +567,7 @@ class Worker:
         dev, streams = self.device, self.streams
         host_grads = Slot()
 
-        first = self.pipe.adapter.layers[layers.start].name
+        first = self.setup.adapter.layers[layers.start].name
 
         def download():
             try:
@@ -597,7 +597,7 @@ class Worker:
             downloaded.synchronize()
             if keep and added is not None:
                 while not added.wait(0.05):
-                    if self.pipe.backend.aborted:
+                    if self.setup.backend.aborted:
                         raise AbortedWait(f"abandoned waiting for the host to add {what}")
             compute.wait_event(downloaded)
 
@@ -624,7 +624,7 @@ class Worker:
 
     def _backward_needed(self, flow: TaskFlow) -> bool:
         r = flow.layers_bwd
-        return bool(flow.produces) or bool(self.pipe.store.trainable_keys(r)) or flow.fused_with is not None
+        return bool(flow.produces) or bool(self.setup.store.trainable_keys(r)) or flow.fused_with is not None
 
     # ----------------------------------------------------------------- compute (compute stream)
     def _compute(
@@ -644,7 +644,7 @@ class Worker:
             stats: list[torch.Tensor] = []  # router statistics, in _router_pairs order
             with torch.no_grad():
                 for i in flow.layers_fwd:
-                    layer_name = self.pipe.adapter.layers[i].name
+                    layer_name = self.setup.adapter.layers[i].name
                     x = self._run_layer(step, i, weights, x, ctx, t.microbatch, checks)
                     got = ctx.router_logits.pop(i, None)
                     if got:
@@ -701,14 +701,13 @@ class Worker:
     def _run_layer(self, step, i: int, weights, x, ctx, mb: int, checks: TaskChecks | None):
         """Layer ``i``'s forward; ``checks``: where to note whether its output is finite (None for a
         recompute: the first forward noted it)."""
-        layer = self.pipe.adapter.layers[i]
+        layer = self.setup.adapter.layers[i]
         poison = faults.point(
             "forward", step=step.index, layer=layer.name, microbatch=mb, device=self.device.name
         )
         module = self._bound_modules(i, weights)
-        if i in self.pipe.random_layers:
-            rank = None if self.pipe.dp is None else self.pipe.dp.rank  # ranks draw their own masks
-            with self.device.seeded(_seed(self.pipe.config.seed, step.index, i, mb, rank)):
+        if i in self.setup.random_layers:  # data-parallel ranks draw their own masks
+            with self.device.seeded(_seed(self.setup.config.seed, step.index, i, mb, self.setup.rank)):
                 y = layer.forward(module, x, ctx)
         else:
             y = layer.forward(module, x, ctx)
@@ -721,7 +720,7 @@ class Worker:
     def _backward(
         self, step, flow, weights, x, ctx, incoming, produced, param_grads, loss_slot, stats, checks
     ) -> None:
-        pipe, dev = self.pipe, self.device
+        setup, dev = self.setup, self.device
         t = flow.task
         mb = t.microbatch
         r = flow.layers_bwd
@@ -729,13 +728,13 @@ class Worker:
         if grad_in:
             x = x.detach().requires_grad_(True)
         x0 = x
-        pieces = pipe.store.trainable_pieces(r)
+        pieces = setup.store.trainable_pieces(r)
         params = [weights[p] for p in pieces]
         acc = param_grads.value  # this stage's open fp32 accumulator, keyed by piece
         made: list = []
         # Each parameter's gradient goes into the accumulator as soon as autograd has it (and is then
         # dropped), instead of all of a stage's fresh gradients living at once beside the accumulator.
-        entries = pipe.store.entries
+        entries = setup.store.entries
         hooks = [
             param.register_post_accumulate_grad_hook(
                 self._into(
@@ -757,7 +756,7 @@ class Worker:
                         if flow.first_forward:
                             stats.append(step.router.loss.stats(got, ctx.inputs.attention_mask))
                     del got
-                if r.stop == pipe.store_num_layers:
+                if r.stop == setup.num_layers:
                     self._produce(loss_slot, y.detach(), f"loss.{mb}")
                     seed = y.new_full(y.shape, step.grad_seed)  # a fill kernel: no host-to-device copy
                 else:
@@ -771,7 +770,7 @@ class Worker:
                 routed.clear()
                 wrt = ([x0] if grad_in else []) + params
                 if faults.point(
-                    "backward", step=step.index, layer=pipe.adapter.layers[r.start].name, microbatch=mb,
+                    "backward", step=step.index, layer=setup.adapter.layers[r.start].name, microbatch=mb,
                     device=dev.name,
                 ):  # fmt: skip
                     seeds = [s * float("nan") for s in seeds]
@@ -796,7 +795,7 @@ class Worker:
         own = set(self._router_pairs(flow))
         self.status = f"{flow.task}: waiting for the router statistics of the batch"
         with self.device.waiting():
-            others = step.router.totals(own, lambda: self.pipe.backend.aborted)
+            others = step.router.totals(own, lambda: self.setup.backend.aborted)
         totals = self.device.to_device(others)
         if stats:
             totals = totals + torch.stack(stats).sum(0)
@@ -828,7 +827,7 @@ class Worker:
         except BaseException as e:
             err = task_error(
                 e, self.device, f"{type(e).__name__} in {t.kind} of stage {t.stage}: {e}", task=str(t),
-                stage=t.stage, layer=self.pipe.adapter.layers[i].name, microbatch=mb, step=step.index,
+                stage=t.stage, layer=self.setup.adapter.layers[i].name, microbatch=mb, step=step.index,
             )  # fmt: skip
             if err is e:
                 raise
