@@ -22,11 +22,11 @@ from torch import nn
 from roundpipe.backend import MemoryLedger, make_backend
 from roundpipe.config import RunConfig
 from roundpipe.distributed import join as join_data_parallel
-from roundpipe.distributed.steps import DataParallelSteps
 from roundpipe.errors import InputError, PipelineStateError
 from roundpipe.models import adapt_model
 from roundpipe.models.verify import verify_model
 from roundpipe.optim import LayerwiseAdamW, OptimizerConfig
+from roundpipe.runtime.data_parallel import DataParallelSteps
 from roundpipe.runtime.exchange import Exchange
 from roundpipe.runtime.executor import Executor
 from roundpipe.runtime.hostqueue import HostQueue
@@ -109,7 +109,9 @@ class Pipeline:
         self._executor = Executor(
             self.backend, self.workers, self._hostq, self.host_memory, self.config.watchdog_s
         )
-        self._ranks = DataParallelSteps(self) if self.dp is not None else None
+        self._ranks = None
+        if self.dp is not None:
+            self._ranks = DataParallelSteps(self.dp, self.store, self._updates, self._recorder, self.config)
         self.last_plan: FlowPlan | None = None  # the flow plan of the last forward_backward
         self._steps_run = 0  # forward_backward calls: with the layer and microbatch, the dropout seeds
         self._steps_at_update = 0  # ... as the last completed step() left it (abandon_step)
@@ -170,8 +172,11 @@ class Pipeline:
             )
         if self._ranks is not None:
             with self._ranks.failing("forward_backward"):
-                return self._ranks.forward_backward(
-                    input_ids, labels, attention_mask, position_ids, accumulate, loss_tokens
+                return self._forward_backward(
+                    *self._ranks.rows_of(input_ids, labels, attention_mask, position_ids),
+                    accumulate,
+                    loss_tokens,
+                    ranks_step=self._ranks.step(reduce=not accumulate),
                 )
         return self._forward_backward(
             input_ids, labels, attention_mask, position_ids, accumulate, loss_tokens
@@ -239,7 +244,10 @@ class Pipeline:
         self._hostq.drain()  # an async update still reading the gradient buffers must finish
         if self._ranks is not None:
             with self._ranks.failing("evaluate"):
-                return self._ranks.evaluate(input_ids, labels, attention_mask, position_ids)
+                return self._evaluate(
+                    *self._ranks.rows_of(input_ids, labels, attention_mask, position_ids),
+                    ranks_step=self._ranks.step(reduce=False),
+                )
         return self._evaluate(input_ids, labels, attention_mask, position_ids)
 
     def _evaluate(self, input_ids, labels, attention_mask, position_ids, ranks_step=None) -> StepOutput:
