@@ -27,6 +27,7 @@ from roundpipe.models import adapt_model
 from roundpipe.models.verify import verify_model
 from roundpipe.optim import LayerwiseAdamW, OptimizerConfig
 from roundpipe.runtime.data_parallel import DataParallelSteps
+from roundpipe.runtime.decision import RuntimePlan
 from roundpipe.runtime.exchange import Exchange
 from roundpipe.runtime.executor import Executor
 from roundpipe.runtime.hostqueue import HostQueue
@@ -35,7 +36,7 @@ from roundpipe.runtime.masters import export_masters, load_masters, load_stale, 
 from roundpipe.runtime.numerics import first_nonfinite, nonfinite_error
 from roundpipe.runtime.optimizer_steps import OptimizerSteps
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
-from roundpipe.runtime.planning import Planner, RuntimePlan
+from roundpipe.runtime.planning import Planner
 from roundpipe.runtime.report import Recorder
 from roundpipe.runtime.router_totals import RouterTotals
 from roundpipe.runtime.step import StepOutput, StepRun
