@@ -76,9 +76,15 @@ class TaskCompute:
         self.shells = shells
 
     def run(
-        self, step: StepRun, flow: TaskFlow, residents: list[Resident], inputs, ctx, slots: TaskSlots,
+        self,
+        step: StepRun,
+        flow: TaskFlow,
+        residents: list[Resident],
+        inputs,
+        ctx,
+        slots: TaskSlots,
         say: Callable[[str], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """The task ``flow`` on the weights of ``residents``, the microbatch's ``inputs`` and layer
         context ``ctx``; ``say``: the worker's status (a wait for the router statistics)."""
         dev = self.device
@@ -89,9 +95,12 @@ class TaskCompute:
             weights.update(r.slot.value)
         dev.ledger.mark(f"compute {t}")
         where = dict(
-            task=str(t) + (f"+{flow.fused_with}" if flow.fused_with else ""), stage=t.stage, layer=None,
-            microbatch=t.microbatch, step=step.index,
-        )  # fmt: skip
+            task=str(t) + (f"+{flow.fused_with}" if flow.fused_with else ""),
+            stage=t.stage,
+            layer=None,
+            microbatch=t.microbatch,
+            step=step.index,
+        )
 
         def oom_note() -> str:
             return (
@@ -194,9 +203,12 @@ class TaskCompute:
                 y = x
                 for i in r:
                     where = dict(
-                        task=str(t), stage=t.stage, layer=setup.adapter.layers[i].name, microbatch=mb,
+                        task=str(t),
+                        stage=t.stage,
+                        layer=setup.adapter.layers[i].name,
+                        microbatch=mb,
                         step=step.index,
-                    )  # fmt: skip
+                    )
                     with failing_as_task(dev, _failed_in(t), where):
                         y = self._run_layer(step, i, weights, y, ctx, mb, first)
                     got = ctx.router_logits.pop(i, None)
@@ -219,9 +231,12 @@ class TaskCompute:
                 routed.clear()
                 wrt = ([x0] if grad_in else []) + params
                 if faults.point(
-                    "backward", step=step.index, layer=setup.adapter.layers[r.start].name, microbatch=mb,
+                    "backward",
+                    step=step.index,
+                    layer=setup.adapter.layers[r.start].name,
+                    microbatch=mb,
                     device=dev.name,
-                ):  # fmt: skip
+                ):
                     seeds = [s * float("nan") for s in seeds]
                 if wrt:
                     torch.autograd.backward(outputs, grad_tensors=seeds, inputs=wrt)

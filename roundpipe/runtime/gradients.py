@@ -84,9 +84,10 @@ class GradientAccumulators:
 
         def download():
             with failing_as_task(
-                dev, lambda e: f"downloading the gradients of {first}.. failed: {e}",
+                dev,
+                lambda e: f"downloading the gradients of {first}.. failed: {e}",
                 dict(layer=first, task=f"grads:{first}", step=step.index),
-            ):  # fmt: skip
+            ):
                 faults.point("grads", step=step.index, device=dev.name, layer=first)
                 host_grads.value = {k: dev.to_host(g) for k, g in acc.value.items()}
 

@@ -53,9 +53,10 @@ def upload(
         if task is not None:
             step, name, mb = task
             with failing_as_task(
-                dev, lambda e: f"upload of {what} for {name} failed: {e}",
+                dev,
+                lambda e: f"upload of {what} for {name} failed: {e}",
                 dict(task=name, microbatch=mb, step=step),
-            ):  # fmt: skip
+            ):
                 faults.point("upload", step=step, device=dev.name)
         for dst, src in zip((slot.value,) if single else slot.value, sources):
             if src is not None:
@@ -111,9 +112,10 @@ class TaskOutputs:
 
         def download():
             with failing_as_task(
-                dev, lambda e: f"download after {label} failed: {e}",
+                dev,
+                lambda e: f"download after {label} failed: {e}",
                 dict(task=label, microbatch=flow.task.microbatch, step=step.index),
-            ):  # fmt: skip
+            ):
                 faults.point("download", step=step.index, device=dev.name)
                 for slot, _, fill in outputs:
                     if slot.value is not None:

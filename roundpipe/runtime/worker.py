@@ -207,9 +207,15 @@ class Worker:
             host_slot, event = step.exchange.get(key)
             what = f"{key[0]}[{key[1]}].{key[2]}"
             incoming[key] = upload(
-                self.device, [host_slot.value], what, "activations", after=event, label=(what, "upload"),
-                task=(step.index, label, key[2]), single=True,
-            )  # fmt: skip
+                self.device,
+                [host_slot.value],
+                what,
+                "activations",
+                after=event,
+                label=(what, "upload"),
+                task=(step.index, label, key[2]),
+                single=True,
+            )
             host_slot.take(after=h2d.record_event())  # the copy's end frees the host buffer
         return incoming
 
