@@ -46,8 +46,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("partition/",),  # costs and the partitioner; no torch
     ("sim/",),  # simulator, tuner, the automatic choice; no torch
     ("backend/", "config.py", "models/", "optim/", "testing/"),  # what the runtime builds on
-    ("runtime/",),  # the Pipeline
-    ("distributed/",),  # data parallelism around the Pipeline
+    ("distributed/",),  # data parallelism's collectives, over the optimizer's master store
+    ("runtime/",),  # the Pipeline (its data-parallel side: runtime/data_parallel.py)
     ("train/",),  # the training product
     ("cli.py", "demo.py", "__init__.py"),  # the command and the public API
 )

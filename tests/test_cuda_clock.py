@@ -89,11 +89,11 @@ def test_a_tasks_finiteness_checks_are_queued_before_its_outputs_reach_another_d
 
     from roundpipe.runtime.exchange import Exchange
     from roundpipe.runtime.step import StepRun
-    from roundpipe.runtime.worker import Worker
+    from roundpipe.runtime.transfers import TaskOutputs
 
     calls = threading.local()
     groups: list[list[str]] = []
-    issue, put, on_checks, on_loss = Worker._issue_downloads, Exchange.put, StepRun.on_checks, StepRun.on_loss
+    issue, put, on_checks, on_loss = TaskOutputs.download, Exchange.put, StepRun.on_checks, StepRun.on_loss
 
     def issue_downloads(self, *args, **kwargs):
         calls.group = []
@@ -109,7 +109,7 @@ def test_a_tasks_finiteness_checks_are_queued_before_its_outputs_reach_another_d
 
         return wrapper
 
-    monkeypatch.setattr(Worker, "_issue_downloads", issue_downloads)
+    monkeypatch.setattr(TaskOutputs, "download", issue_downloads)
     monkeypatch.setattr(Exchange, "put", record("put", put))
     monkeypatch.setattr(StepRun, "on_checks", record("checks", on_checks))
     monkeypatch.setattr(StepRun, "on_loss", record("loss", on_loss))

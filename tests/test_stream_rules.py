@@ -26,6 +26,9 @@ import roundpipe
 from roundpipe.backend import MemoryLedger, make_backend
 from roundpipe.errors import StreamProtocolError
 from roundpipe.runtime import memory_guard
+from roundpipe.runtime.microbatch_context import MicrobatchContext
+from roundpipe.runtime.shells import LayerShells
+from roundpipe.runtime.transfers import TaskOutputs
 from roundpipe.runtime.worker import Worker
 from roundpipe.testing import faults
 
@@ -51,12 +54,11 @@ def test_an_output_freed_before_its_download_is_caught_naming_the_tensor_and_bot
     """An activation a compute made is read by the download on d2h: freed on the host (at issue time,
     on CUDA) before compute has waited for that download, the caching allocator could give its block
     to compute's next tensor while d2h still reads it."""
-    from roundpipe.runtime import worker as worker_module
 
     def drops_at_once(self, keep):  # frees the outputs without waiting for their downloads
         dev = self.device
-        while len(self._outputs) > keep:
-            _, slots = self._outputs.pop(0)
+        while len(self.waiting) > keep:
+            _, slots = self.waiting.pop(0)
 
             def free(slots=slots):
                 for slot, what in slots:
@@ -67,7 +69,7 @@ def test_an_output_freed_before_its_download_is_caught_naming_the_tensor_and_bot
 
             self.streams["compute"].submit(free, name="release outputs")
 
-    monkeypatch.setattr(worker_module.Worker, "_drop_outputs", drops_at_once)
+    monkeypatch.setattr(TaskOutputs, "drop", drops_at_once)
     with pytest.raises(StreamProtocolError) as info:
         _train(CONFIG)
     msg = str(info.value)
@@ -78,7 +80,7 @@ def test_an_output_freed_before_its_download_is_caught_naming_the_tensor_and_bot
 
 def test_a_shell_that_keeps_its_weights_is_caught(monkeypatch):
     """Cached module shells that stay bound keep every layer a device ever ran alive on it."""
-    monkeypatch.setattr(Worker, "_unbind", lambda self, layers: None)
+    monkeypatch.setattr(LayerShells, "unbind", lambda self, layers: None)
     with pytest.raises(StreamProtocolError) as info:
         _train(CONFIG)
     msg = str(info.value)
@@ -105,14 +107,14 @@ def test_memory_released_before_its_last_use_is_caught(monkeypatch):
 
 def test_a_device_that_still_holds_a_tensor_after_the_step_is_caught(monkeypatch):
     """Workers are stateless: a context module left on the device after a step is a leak."""
-    release_all = Worker.release_all
+    release = MicrobatchContext.release
 
     def keeps_the_context_module(self):
-        module, self._context_module = self._context_module, None
-        release_all(self)
-        self._context_module = module
+        module, self.module = self.module, None
+        release(self)
+        self.module = module
 
-    monkeypatch.setattr(Worker, "release_all", keeps_the_context_module)
+    monkeypatch.setattr(MicrobatchContext, "release", keeps_the_context_module)
     with pytest.raises(StreamProtocolError, match=r"still holds \d+ tensors .* after the step") as info:
         _train(CONFIG)
     assert "context module" in str(info.value)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from roundpipe.distributed.group import DataParallel
-from roundpipe.runtime.store import ParameterStore
+from roundpipe.optim import MasterStore
 
 _DONE = object()
 # A gradient (or master) of at least this many bytes is summed (or sent) in place, by its own
@@ -50,7 +50,7 @@ class Bucket:
 
 
 def plan_buckets(
-    dp: DataParallel, store: ParameterStore, groups: dict[int, list[int]], bucket_bytes: int
+    dp: DataParallel, store: MasterStore, groups: dict[int, list[int]], bucket_bytes: int
 ) -> list[Bucket]:
     """The buckets of ``groups`` (owner layer -> entry keys), in canonical order."""
     order = sorted(groups, reverse=True)
@@ -90,7 +90,7 @@ class GradientReduction:
     def __init__(
         self,
         dp: DataParallel,
-        store: ParameterStore,
+        store: MasterStore,
         buckets: list[Bucket],
         known_nonfinite: Callable[[], bool],
         step_groups: Callable[[tuple[int, ...]], None] | None,
@@ -214,7 +214,7 @@ class GradientReduction:
         self._queue.put(_DONE)
 
 
-def broadcast_masters(dp: DataParallel, store: ParameterStore, b: Bucket, group=None) -> Callable[[], None]:
+def broadcast_masters(dp: DataParallel, store: MasterStore, b: Bucket, group=None) -> Callable[[], None]:
     """Start sending the owner's fp32 masters of bucket ``b`` to every rank (large ones in place,
     small ones packed); the returned call waits for it and, on a receiver, refreshes its compute
     copies. Nothing reads a receiver's masters of ``b`` meanwhile: its backward is done, and
@@ -256,7 +256,7 @@ def broadcast_masters(dp: DataParallel, store: ParameterStore, b: Bucket, group=
     return finish
 
 
-def _in_place(store: ParameterStore, b: Bucket) -> tuple[list[int], list[int]]:
+def _in_place(store: MasterStore, b: Bucket) -> tuple[list[int], list[int]]:
     """Bucket ``b``'s entries summed or sent in place (fp32, at least ``IN_PLACE_BYTES``), and the
     small ones packed together."""
     large = [k for k in b.keys if 4 * store.entries[k].grad.numel() >= IN_PLACE_BYTES]

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from roundpipe.distributed.group import DataParallel
 from roundpipe.distributed.reducer import Bucket, broadcast_masters
-from roundpipe.runtime.store import ParameterStore
+from roundpipe.optim import MasterStore
 
 
 class RankUpdates:
     """``held``: the step groups this rank steps (its own when sharded, all otherwise)."""
 
-    def __init__(self, dp: DataParallel, store: ParameterStore, buckets: list[Bucket]):
+    def __init__(self, dp: DataParallel, store: MasterStore, buckets: list[Bucket]):
         self.dp, self.store, self.buckets = dp, store, buckets
         self.held = {g for b in buckets if b.owner == dp.rank for g in b.groups}
 

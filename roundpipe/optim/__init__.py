@@ -1,6 +1,13 @@
 """CPU optimizer driver: layer-wise fused AdamW on fp32 masters, loss scaling."""
 
-from roundpipe.optim.adamw import LayerwiseAdamW, OptimizerConfig, clip_factor
+from roundpipe.optim.adamw import LayerwiseAdamW, MasterStore, OptimizerConfig, SteppedEntry, clip_factor
 from roundpipe.optim.scaler import DynamicLossScaler
 
-__all__ = ["DynamicLossScaler", "LayerwiseAdamW", "OptimizerConfig", "clip_factor"]
+__all__ = [
+    "DynamicLossScaler",
+    "LayerwiseAdamW",
+    "MasterStore",
+    "OptimizerConfig",
+    "SteppedEntry",
+    "clip_factor",
+]

@@ -10,12 +10,40 @@ exactly ``torch.optim.AdamW``'s.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from roundpipe.errors import ConfigError
-from roundpipe.runtime.store import ParameterStore
+
+
+class SteppedEntry(Protocol):
+    """One tensor as the optimizer sees it (``runtime.store.Entry`` is one): an fp32 ``master``
+    stepped in place with its accumulated fp32 ``grad``, grouped by ``owner``."""
+
+    key: int
+    name: str
+    trainable: bool
+    master: torch.Tensor | None
+    grad: torch.Tensor | None
+
+    @property
+    def owner(self) -> int:
+        """The layer whose backward makes the gradient final: the step group."""
+        ...
+
+
+class MasterStore(Protocol):
+    """What the optimizer (and the data-parallel reduction) steps through
+    (``runtime.store.ParameterStore`` is one): ``entries[key]``, and a refresh of the copies the
+    devices read after the masters changed."""
+
+    @property
+    def entries(self) -> Sequence[SteppedEntry]: ...
+
+    def refresh_compute(self, keys, into: int | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -40,9 +68,9 @@ class OptimizerConfig:
 
 
 class LayerwiseAdamW:
-    """Per-layer AdamW steps over a ParameterStore. Runs on the host (optimizer) thread."""
+    """Per-layer AdamW steps over a ``MasterStore``. Runs on the host (optimizer) thread."""
 
-    def __init__(self, store: ParameterStore, config: OptimizerConfig):
+    def __init__(self, store: MasterStore, config: OptimizerConfig):
         self.store = store
         self.config = config
         groups: dict[int, list[int]] = {}

@@ -26,7 +26,7 @@ attention core, peft LoRA adapters, and the chunked LM head + loss.
   size of the whole fused tensor per expert (select backward): ``FULL_GRAD`` kernels, charged
   ``expert_grad_passes`` passes over the full tensor.
 - **Weight gradients** of a trained layer are added into the runtime's fp32 accumulators on the
-  device (``runtime/worker.py``): ``b + 8`` bytes per parameter.
+  device (``runtime/gradients.py``): ``b + 8`` bytes per parameter.
 
 Time of one launch, with the GPU's tensor-core ``peak`` for the dtype (fp16 GEMMs at the
 fp16-accumulate rate when asked; FlashAttention always accumulates in fp32) and

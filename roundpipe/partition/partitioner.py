@@ -13,7 +13,7 @@ largest stage time (the bottleneck), such that every stage fits the per-device m
   the bound is then one stage-size conservative.)
 - ``draining``: in a backward stage, the fp32 gradient accumulator of the device's previous
   backward stage, which may still be on its way down while this stage's fills (the runtime lets one
-  download overlap the next stage's compute, ``runtime/worker.py``). Bounded like the prefetch by
+  download overlap the next stage's compute, ``runtime/gradients.py``). Bounded like the prefetch by
   the largest other stage's; the search, which caps stage weights at ``C``, bounds it by the most
   gradients any run of layers of weights ``<= C`` has (under bf16 full fine-tuning twice ``C``,
   under LoRA next to nothing).

@@ -7,9 +7,8 @@ final (``executor``, ``step``, ``optimizer_steps``), and keep the step's spans (
 from any thread reach the caller as ``StageError`` / ``OptimizerError`` with where they happened;
 a watchdog turns a stall into ``WatchdogTimeout``. Nothing is left running after an error.
 
-Workers read ``store``, ``adapter``, ``config``, ``host_memory``, ``store_num_layers``,
-``random_layers``, ``weight_bound`` and ``weight_cache_bytes`` from the pipeline; everything else
-here is the caller's.
+Workers get a ``WorkerSetup`` (``worker_setup.py``): the parts of the pipeline they read, and no
+more; everything else here is the caller's.
 """
 
 from __future__ import annotations
@@ -23,11 +22,12 @@ from torch import nn
 from roundpipe.backend import MemoryLedger, make_backend
 from roundpipe.config import RunConfig
 from roundpipe.distributed import join as join_data_parallel
-from roundpipe.distributed.steps import DataParallelSteps
 from roundpipe.errors import InputError, PipelineStateError
 from roundpipe.models import adapt_model
 from roundpipe.models.verify import verify_model
 from roundpipe.optim import LayerwiseAdamW, OptimizerConfig
+from roundpipe.runtime.data_parallel import DataParallelSteps
+from roundpipe.runtime.decision import RuntimePlan
 from roundpipe.runtime.exchange import Exchange
 from roundpipe.runtime.executor import Executor
 from roundpipe.runtime.hostqueue import HostQueue
@@ -36,12 +36,13 @@ from roundpipe.runtime.masters import export_masters, load_masters, load_stale, 
 from roundpipe.runtime.numerics import first_nonfinite, nonfinite_error
 from roundpipe.runtime.optimizer_steps import OptimizerSteps
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
-from roundpipe.runtime.planning import Planner, RuntimePlan
+from roundpipe.runtime.planning import Planner
 from roundpipe.runtime.report import Recorder
 from roundpipe.runtime.router_totals import RouterTotals
 from roundpipe.runtime.step import StepOutput, StepRun
 from roundpipe.runtime.store import ParameterStore, Weights
 from roundpipe.runtime.worker import Worker
+from roundpipe.runtime.worker_setup import WorkerSetup
 
 
 class Pipeline:
@@ -81,16 +82,26 @@ class Pipeline:
                 weights=weights,
             )
             self.backend.host_buffers = self.store.host.pool  # where downloads land
-            self.store_num_layers = len(self.adapter.layers)
             self._planner = Planner(self.config, self.adapter, self.store, self.backend)
             self._planner.check_capacity()
-            self.random_layers = _layers_with_dropout(self.adapter)
-            self.workers = [Worker(self, d) for d in self.backend.devices]
+            # Hand-offs (activations, gradients) held on the CPU.
+            self.host_memory = MemoryLedger("host", None)
+            capacity = self.backend.devices[0].memory.capacity
+            setup = WorkerSetup(
+                self.backend,
+                self.store,
+                self.adapter,
+                self.config,
+                self.host_memory,
+                random_layers=frozenset(_layers_with_dropout(self.adapter)),
+                rank=None if self.dp is None else self.dp.rank,
+                weight_cache_bytes=self.config.weight_cache_bytes or (capacity // 2 if capacity else None),
+            )
+            self.workers = [Worker(setup, d) for d in self.backend.devices]
             self._hostq = HostQueue()
         except BaseException:
             self.backend.close()
             raise
-        self.host_memory = MemoryLedger("host", None)  # hand-offs (activations, gradients) held on the CPU
         self._recorder = Recorder(self.backend, self.host_memory, self.store.host_memory_stats)
         self._updates = OptimizerSteps(
             self.store, names, self._recorder, loss_scaling=self.config.dtype == "fp16",
@@ -99,11 +110,10 @@ class Pipeline:
         self._executor = Executor(
             self.backend, self.workers, self._hostq, self.host_memory, self.config.watchdog_s
         )
-        self._ranks = DataParallelSteps(self) if self.dp is not None else None
+        self._ranks = None
+        if self.dp is not None:
+            self._ranks = DataParallelSteps(self.dp, self.store, self._updates, self._recorder, self.config)
         self.last_plan: FlowPlan | None = None  # the flow plan of the last forward_backward
-        self.weight_bound = False  # the running table keeps weights resident (every policy but roundpipe)
-        capacity = self.backend.devices[0].memory.capacity
-        self.weight_cache_bytes = self.config.weight_cache_bytes or (capacity // 2 if capacity else None)
         self._steps_run = 0  # forward_backward calls: with the layer and microbatch, the dropout seeds
         self._steps_at_update = 0  # ... as the last completed step() left it (abandon_step)
         # Optimizer steps taken: every forward_backward of optimizer step k reads compute copy k % 2
@@ -163,8 +173,11 @@ class Pipeline:
             )
         if self._ranks is not None:
             with self._ranks.failing("forward_backward"):
-                return self._ranks.forward_backward(
-                    input_ids, labels, attention_mask, position_ids, accumulate, loss_tokens
+                return self._forward_backward(
+                    *self._ranks.rows_of(input_ids, labels, attention_mask, position_ids),
+                    accumulate,
+                    loss_tokens,
+                    ranks_step=self._ranks.step(reduce=not accumulate),
                 )
         return self._forward_backward(
             input_ids, labels, attention_mask, position_ids, accumulate, loss_tokens
@@ -232,7 +245,10 @@ class Pipeline:
         self._hostq.drain()  # an async update still reading the gradient buffers must finish
         if self._ranks is not None:
             with self._ranks.failing("evaluate"):
-                return self._ranks.evaluate(input_ids, labels, attention_mask, position_ids)
+                return self._evaluate(
+                    *self._ranks.rows_of(input_ids, labels, attention_mask, position_ids),
+                    ranks_step=self._ranks.step(reduce=False),
+                )
         return self._evaluate(input_ids, labels, attention_mask, position_ids)
 
     def _evaluate(self, input_ids, labels, attention_mask, position_ids, ranks_step=None) -> StepOutput:
@@ -435,7 +451,6 @@ class Pipeline:
         self._planner.check_table_memory(table, len(microbatches), tuple(input_ids.shape))
         plan = build_flow_plan(table, fuse=False, frozen=self.store.frozen_prefix)
         spans = []
-        self.weight_bound = False
         for _ in range(steps):
             step = self._new_step(microbatches, total, plan, eager=False)
             with self._recorder.recording():
@@ -514,7 +529,6 @@ class Pipeline:
         with ``ranks_step``, the gradient reduction across ranks runs beside it and is waited for."""
         self.store.set_read_buffer(self._updates_run)
         step = self._new_step(microbatches, total, plan, eager, batch_tokens)
-        self.weight_bound = plan.table.weight_bound
         if ranks_step is not None:
             ranks_step.attach(step)
         with self._recorder.recording():

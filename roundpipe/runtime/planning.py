@@ -9,44 +9,30 @@ and produces.
 Until the first batch has been profiled an automatic part runs as the provisional plan (roundpipe,
 which executes any stage count, one layer per stage, one microbatch per device); after it the
 three are chosen together from the measured times (``roundpipe.sim.choice``), once per batch
-shape, and cached. A value the config gives pins its part. ``RuntimePlan`` is the printable report
-of what the next step runs and why (``pipe.plan``). The first time a plan is asked for a batch
-shape, each device's planned peak is compared with its free memory (``memory_guard``), so a plan
-that cannot fit is refused with ``DeviceMemoryError`` before any of it runs.
+shape, and cached. A value the config gives pins its part. ``RuntimePlan`` (``decision.py``) is
+the printable report of what the next step runs and why (``pipe.plan``). The first time a plan is
+asked for a batch shape, each device's planned peak is compared with its free memory
+(``memory_guard``), so a plan that cannot fit is refused with ``DeviceMemoryError`` before any of
+it runs.
 
 All of it runs on the caller's thread, between steps; workers and the host thread never touch it.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-
+import roundpipe.runtime.memory_guard as memory_guard
 from roundpipe.config import RunConfig, known_policies
 from roundpipe.errors import ConfigError, DeviceOutOfMemory, PlanError
 from roundpipe.partition.cost import LayerCost, model_costs
 from roundpipe.partition.shape import ConfigView
-from roundpipe.runtime import memory_guard
+from roundpipe.runtime.decision import Decision, RuntimePlan
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
 from roundpipe.runtime.store import ParameterStore
-from roundpipe.schedule import Partition, TaskKind
+from roundpipe.schedule import Partition
 from roundpipe.schedule.policies import POLICIES, PROVISIONAL_POLICY
 
 BUDGET_SHARE = 0.9  # of a device's capacity, for the stages' estimated bytes
 GIVEN = "given by RunConfig"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What a batch shape runs and why: ``why`` has one line per part (``policy``, ``partition``,
-    ``num_microbatches``). ``choice`` holds the predictions behind an automatic choice."""
-
-    policy: str
-    forward: Partition
-    backward: Partition
-    num_microbatches: int | None  # None: "auto" before any batch was seen (only in reports)
-    why: dict[str, str] = field(default_factory=dict)
-    choice: object = None  # roundpipe.sim.choice.Choice
 
 
 class Planner:
@@ -461,7 +447,14 @@ class Planner:
                 decision = self._scheduled()
             else:
                 decision = self._fixed(None)
-        return RuntimePlan.build(self, decision)
+        return RuntimePlan.build(
+            decision,
+            self.names,
+            self.layer_times,
+            self.store,
+            self.device_names,
+            shown_predictions(decision.choice),
+        )
 
     # ----------------------------------------------------------------- measured costs
     def set_measured(
@@ -579,98 +572,3 @@ def shown_predictions(choice) -> tuple[dict, ...]:
     shown = choice.ranked[:SHOWN_PREDICTIONS]
     shown += (choice.best,) if choice.best not in shown else ()
     return tuple(c.summary() for c in shown)
-
-
-@dataclass(frozen=True)
-class RuntimePlan:
-    """What the runtime will run: the policy, the stages of both partitions with their estimated
-    cost, the microbatch count, and why each was chosen.
-
-    ``est_s`` is per microbatch from measured layer times (None before ``profile``); ``weight_bytes``
-    in the run dtype; ``peak_bytes`` a worker's bound for that stage: its weights, the next stage's
-    (prefetched), and its fp32 weight-gradient accumulator. ``why`` has one line each for
-    ``policy``, ``partition`` and ``num_microbatches``; ``predictions`` the fastest five candidates of an
-    automatic choice (policy, count, stages, predicted step seconds), followed by the chosen one when
-    it is not among them (the tie rule and the repeatability rule can pick a slower candidate).
-    """
-
-    policy: str
-    devices: tuple[str, ...]
-    rows: tuple[dict, ...]
-    num_microbatches: int | None = None
-    why: dict = field(default_factory=dict)
-    predictions: tuple[dict, ...] = ()
-
-    @classmethod
-    def build(cls, planner: Planner, decision: Decision) -> RuntimePlan:
-        names, times, store = planner.names, planner.layer_times, planner.store
-        wbytes = store.layer_bytes
-        rows = []
-        for kind, part in ((TaskKind.F, decision.forward), (TaskKind.B, decision.backward)):
-            stage_w = [sum(wbytes[i] for i in part.layers(s)) for s in range(part.num_stages)]
-            for s in range(part.num_stages):
-                layers = part.layers(s)
-                est = None
-                if times is not None:
-                    est = sum(
-                        times[names[i]][0]
-                        + (times[names[i]][1] + times[names[i]][0] if kind == TaskKind.B else 0)
-                        for i in layers
-                    )
-                grads = (
-                    0
-                    if kind == TaskKind.F
-                    else sum(4 * e.tensor.numel() for e in store.entries if e.trainable and e.owner in layers)
-                )
-                nxt = stage_w[s + 1] if s + 1 < part.num_stages else 0
-                rows.append(
-                    {
-                        "kind": kind,
-                        "stage": s,
-                        "layers": f"{names[layers.start]}..{names[layers.stop - 1]}"
-                        if len(layers) > 1
-                        else names[layers.start],
-                        "num_layers": len(layers),
-                        "est_s": est,
-                        "weight_bytes": stage_w[s],
-                        "peak_bytes": stage_w[s] + nxt + grads,
-                    }
-                )
-        return cls(
-            decision.policy,
-            planner.device_names,
-            tuple(rows),
-            decision.num_microbatches,
-            dict(decision.why),
-            shown_predictions(decision.choice),
-        )
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "policy": self.policy,
-                "devices": list(self.devices),
-                "num_microbatches": self.num_microbatches,
-                "why": self.why,
-                "predictions": list(self.predictions),
-                "stages": list(self.rows),
-            },
-            indent=2,
-        )
-
-    def table(self) -> str:
-        m = "auto" if self.num_microbatches is None else self.num_microbatches
-        lines = [
-            f"plan: policy {self.policy} on {', '.join(self.devices)}, {m} microbatch{'' if m == 1 else 'es'}",
-            *(f"  {part}: {line}" for part, line in self.why.items()),
-            f"{'stage':>6}  {'layers':<24} {'est. ms':>9} {'weights MiB':>12} {'peak MiB':>9}",
-        ]
-        for r in self.rows:
-            est = "-" if r["est_s"] is None else f"{r['est_s'] * 1e3:.2f}"
-            lines.append(
-                f"{r['kind']}{r['stage']:>5}  {r['layers']:<24} {est:>9} {r['weight_bytes'] / 2**20:>12.2f} {r['peak_bytes'] / 2**20:>9.2f}"
-            )
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()

@@ -13,16 +13,13 @@ per-policy rule. Runs on the worker thread; the closures run on the streams (doc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from roundpipe.backend import Device, tensor_bytes
 from roundpipe.runtime.exchange import Slot
 from roundpipe.runtime.plan import TaskFlow
-
-if TYPE_CHECKING:
-    from roundpipe.runtime.pipeline import Pipeline
+from roundpipe.runtime.worker_setup import WorkerSetup
 
 
 @dataclass
@@ -37,21 +34,24 @@ class Resident:
 class WeightResidency:
     """The weights one device holds. Not thread-safe: only its worker thread calls it."""
 
-    def __init__(self, pipe: Pipeline, device: Device):
-        self.pipe = pipe
+    def __init__(self, setup: WorkerSetup, device: Device):
+        self.setup = setup
         self.device = device
         self.layers: dict[int, Resident] = {}
 
-    def ensure(self, need: range, upcoming: range | None, remaining: list[TaskFlow]) -> list[Resident]:
+    def ensure(
+        self, need: range, upcoming: range | None, remaining: list[TaskFlow], weight_bound: bool
+    ) -> list[Resident]:
         """Make ``need`` resident, deciding first which resident layers to release.
 
         Always kept: ``need`` and, with prefetch, ``upcoming`` (the next task's layers). Streaming
-        tables (roundpipe) release everything else; weight-bound tables keep layers this device runs
-        again later in the step as long as ``weight_cache_bytes`` allows.
+        tables (roundpipe) release everything else; weight-bound tables (``weight_bound``, the
+        step's table's) keep layers this device runs again later in the step as long as
+        ``weight_cache_bytes`` allows.
         """
         keep = set(need) | (set(upcoming) if upcoming is not None else set())
         evict = [i for i in self.layers if i not in keep]
-        if self.pipe.weight_bound and evict:
+        if weight_bound and evict:
             evict = self._beyond_budget(keep, evict, remaining)
         for i in evict:
             self._release(i)
@@ -82,19 +82,19 @@ class WeightResidency:
         for pos, f in enumerate(remaining):
             for i in f.layers:
                 next_use.setdefault(i, pos)
-        layer_bytes = self.pipe.store.layer_bytes
+        layer_bytes = self.setup.store.layer_bytes
         held = [i for i in evict if i in next_use]
         total = sum(layer_bytes[i] for i in keep) + sum(layer_bytes[i] for i in held)
-        budget = self.pipe.weight_cache_bytes
+        budget = self.setup.weight_cache_bytes
         held.sort(key=lambda i: next_use[i], reverse=True)
         while held and budget is not None and total > budget:
             total -= layer_bytes[held.pop(0)]
         return [i for i in evict if i not in held]
 
     def _upload(self, layer: int) -> None:
-        store, dev = self.pipe.store, self.device
+        store, dev = self.setup.store, self.device
         pieces = store.layer_pieces(layer)  # whole entries, or only the rows the layer uses
-        name = self.pipe.adapter.layers[layer].name
+        name = self.setup.adapter.layers[layer].name
         slot = Slot()
         stream, compute = dev.streams["h2d_weights"], dev.streams["compute"]
 
@@ -112,7 +112,7 @@ class WeightResidency:
         # after the tasks that used the memory the released layers gave back.
         compute.submit(allocate, name=f"weights:{name}")
         stream.wait_event(compute.record_event())
-        chunk = self.pipe.config.copy_chunk_bytes
+        chunk = self.setup.config.copy_chunk_bytes
         for piece in pieces:
             src = store.piece_source(piece)  # for its shape; each copy reads the source when it runs
             rows = src.shape[0] if src.dim() else 1
@@ -134,7 +134,7 @@ class WeightResidency:
 
     def _release(self, layer: int) -> None:
         r = self.layers.pop(layer)
-        dev, name = self.device, self.pipe.adapter.layers[layer].name
+        dev, name = self.device, self.setup.adapter.layers[layer].name
 
         def free():
             tensors = list(r.slot.value.values())

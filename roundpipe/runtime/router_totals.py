@@ -17,10 +17,24 @@ import threading
 
 import torch
 
+from roundpipe.models.base import ModelAdapter
 from roundpipe.models.router_loss import RouterLoss
 from roundpipe.runtime.exchange import AbortedWait, Exchange, Slot
+from roundpipe.runtime.plan import TaskFlow
 
 Pair = tuple[int, int]  # (layer index, microbatch)
+
+
+def router_layers(adapter: ModelAdapter, layers: range) -> list[int]:
+    """The layers of ``layers`` that hold routers."""
+    return [i for i in layers if getattr(adapter.layers[i], "routers", ())]
+
+
+def router_pairs(adapter: ModelAdapter, flow: TaskFlow) -> list[Pair]:
+    """The (router layer, microbatch) pairs whose statistics the op ``flow`` computes: the forwards
+    it runs first, in the order it runs them."""
+    first = list(flow.layers_fwd) + (list(flow.layers_bwd) if flow.first_forward else [])
+    return [(i, flow.task.microbatch) for i in router_layers(adapter, first)]
 
 
 class RouterTotals:

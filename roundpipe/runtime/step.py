@@ -57,6 +57,8 @@ class StepRun:
         self.index = index
         self.microbatches = microbatches
         self.flow_plan = flow_plan
+        # Devices keep their stages' weights resident between tasks (every policy but roundpipe).
+        self.weight_bound = flow_plan.table.weight_bound
         self.eager = eager
         self.exchange = exchange
         self.grad_seed = updates.loss_scale() / total_tokens

@@ -17,6 +17,10 @@ the rank's share of the tokens, and the reported loss adds their token-weighted 
 
 A rank on which any of this fails marks the group broken and closes its connections, so the peers'
 collectives fail at once instead of waiting ``dp_timeout_s``; no further step runs on a broken group.
+
+The Pipeline calls its own ``_forward_backward`` / ``_evaluate`` with this rank's rows and a
+``step(reduce)`` of this object; nothing here reaches back into the Pipeline. The collectives
+themselves live in ``roundpipe.distributed``.
 """
 
 from __future__ import annotations
@@ -26,27 +30,40 @@ import dataclasses
 
 import torch
 
+from roundpipe.config import RunConfig
+from roundpipe.distributed import DataParallel
 from roundpipe.distributed.reducer import GradientReduction, plan_buckets
 from roundpipe.distributed.updates import RankUpdates
 from roundpipe.runtime.numerics import NonFinite
+from roundpipe.runtime.optimizer_steps import OptimizerSteps
+from roundpipe.runtime.report import Recorder
+from roundpipe.runtime.store import ParameterStore
 
 
 class DataParallelSteps:
-    """The data-parallel side of a ``Pipeline`` (``pipe.dp`` is its group)."""
+    """The data-parallel side of a ``Pipeline``: its group ``dp``, and the store, optimizer steps
+    and recorder of the pipeline it serves. Gives ``updates`` the groups this rank steps."""
 
-    def __init__(self, pipe):
-        self.pipe, self.dp = pipe, pipe.dp
-        self.buckets = plan_buckets(self.dp, pipe.store, pipe._updates.groups(), pipe.config.dp_bucket_bytes)
-        pipe._updates.ranks = RankUpdates(self.dp, pipe.store, self.buckets)
+    def __init__(
+        self,
+        dp: DataParallel,
+        store: ParameterStore,
+        updates: OptimizerSteps,
+        recorder: Recorder,
+        config: RunConfig,
+    ):
+        self.dp, self.store, self.updates, self.recorder, self.config = dp, store, updates, recorder, config
+        self.buckets = plan_buckets(self.dp, store, updates.groups(), config.dp_bucket_bytes)
+        updates.ranks = RankUpdates(self.dp, store, self.buckets)
         self._reduction: GradientReduction | None = None
-        c = pipe.config
+        c = config
         self.dp.agree(
             {
                 "dtype": c.dtype,
                 "nan_policy": c.nan_policy,
                 "optimizer_sharding": c.optimizer_sharding,
                 "seed": c.seed,
-                "parameters": [(e.name, tuple(e.tensor.shape), e.trainable) for e in pipe.store.entries],
+                "parameters": [(e.name, tuple(e.tensor.shape), e.trainable) for e in store.entries],
                 "gradient buckets": [(b.groups, b.numel) for b in self.buckets],
             }
         )
@@ -54,16 +71,16 @@ class DataParallelSteps:
     def describe(self) -> str:
         """One line for ``pipe.plan``: the rank, the reduction, and what this rank's optimizer holds."""
         dp = self.dp
-        held = self.pipe._updates.ranks.held
+        held = self.updates.ranks.held
         mine = sum(4 * b.numel for b in self.buckets if b.owner == dp.rank)
         total = sum(4 * b.numel for b in self.buckets)
         line = (
             f"rank {dp.rank} of {dp.world_size} (this rank's rows of every global batch), gradients summed in "
-            f"{len(self.buckets)} bucket(s) of <= {_mib(self.pipe.config.dp_bucket_bytes)} MiB"
+            f"{len(self.buckets)} bucket(s) of <= {_mib(self.config.dp_bucket_bytes)} MiB"
         )
         if dp.sharded:
             line += (
-                f"; optimizer sharded: this rank steps {len(held)} of {len(self.pipe._updates.groups())} layer "
+                f"; optimizer sharded: this rank steps {len(held)} of {len(self.updates.groups())} layer "
                 f"groups, {_mib(mine)} of {_mib(total)} MiB of fp32 parameters, so AdamW state of "
                 f"{_mib(2 * mine)} MiB instead of {_mib(2 * total)} MiB"
             )
@@ -82,19 +99,10 @@ class DataParallelSteps:
             self.dp.fail(f"{what} raised {type(e).__name__} on rank {self.dp.rank}")
             raise
 
-    def forward_backward(self, input_ids, labels, attention_mask, position_ids, accumulate, loss_tokens):
-        return self.pipe._forward_backward(
-            *self.rows_of(input_ids, labels, attention_mask, position_ids),
-            accumulate,
-            loss_tokens,
-            ranks_step=_RankStep(self, reduce=not accumulate),
-        )
-
-    def evaluate(self, input_ids, labels, attention_mask, position_ids):
-        return self.pipe._evaluate(
-            *self.rows_of(input_ids, labels, attention_mask, position_ids),
-            ranks_step=_RankStep(self, reduce=False),
-        )
+    def step(self, reduce: bool) -> RankStep:
+        """One call's collectives: ``reduce`` for a ``forward_backward`` that ends an optimizer
+        step (not ``accumulate=True``), False for an evaluation."""
+        return RankStep(self, reduce)
 
     def rows_of(self, input_ids, *others) -> tuple:
         """This rank's rows of a global batch's tensors; a malformed batch stays whole for the
@@ -105,7 +113,7 @@ class DataParallelSteps:
         return tuple(_take(t, rows) for t in (input_ids, *others))
 
 
-class _RankStep:
+class RankStep:
     """One call's collectives (see ``DataParallelSteps``); ``reduce``: sum the gradients (the last
     call of an optimizer step; ``accumulate=True`` calls keep theirs local)."""
 
@@ -122,7 +130,7 @@ class _RankStep:
         """Before the step runs: hand its final gradients to a new reduction."""
         if not self.reduce:
             return
-        updates = self.owner.pipe._updates
+        updates = self.owner.updates
 
         def step_groups(groups):
             for g in groups:
@@ -130,11 +138,11 @@ class _RankStep:
 
         reduction = GradientReduction(
             self.dp,
-            self.owner.pipe.store,
+            self.owner.store,
             self.owner.buckets,
             known_nonfinite=lambda: bool(step.nonfinite),
             step_groups=step_groups if step.eager else None,
-            recorder=self.owner.pipe._recorder,
+            recorder=self.owner.recorder,
             names=updates.names,
         )
         self.owner._reduction = step.reduction = reduction

@@ -1,0 +1,156 @@
+"""A worker's copies between the host and its device: uploads, and each task's output downloads.
+
+Every device allocation is made on the compute stream, so that a device's memory is one
+caching-allocator pool, freed and reused in compute order (docs/design.md §5): an upload allocates
+on compute and copies on ``h2d`` once compute has reached the allocation; a task's outputs are
+downloaded on ``d2h`` after its compute and freed on compute once the download is done. The worker
+thread only issues these closures; on CUDA each one runs when it is issued.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from roundpipe.backend import Device
+from roundpipe.runtime.exchange import HandOff, Slot
+from roundpipe.runtime.plan import TaskFlow
+from roundpipe.runtime.router_totals import router_pairs
+from roundpipe.runtime.task_errors import failing_as_task
+from roundpipe.runtime.worker_setup import WorkerSetup
+from roundpipe.testing import faults
+
+if TYPE_CHECKING:
+    from roundpipe.runtime.compute import TaskSlots
+    from roundpipe.runtime.step import StepRun
+
+
+def upload(
+    device: Device, sources: list, what: str, tag: str, *, after=None, label=None, task=None, single=False
+) -> Slot:
+    """Copy host tensors (None: skipped) onto ``device``; returns the slot of the device tensors
+    (a list in order, or the one tensor when ``single``) that compute may read from here on.
+
+    The copies run on ``h2d`` after compute has reached the allocation (and after ``after``, the
+    event of the download that fills the host tensors), and compute waits for them before it goes
+    on. ``what``/``tag``: how the memory ledger books them; ``label``: the copy's span. ``task``:
+    the step, task and microbatch of a hand-off upload (its ``upload`` fault point; a failure
+    names the task)."""
+    dev, streams = device, device.streams
+    compute, h2d = streams["compute"], streams["h2d"]
+    slot = Slot()
+
+    def allocate():
+        made = [None if t is None else dev.empty(t.shape, t.dtype) for t in sources]
+        dev.ledger.reserve(made, what, tag)
+        slot.value = made[0] if single else made
+
+    compute.submit(allocate, name=f"allocate {what}")
+    h2d.wait_event(compute.record_event())
+    if after is not None:
+        h2d.wait_event(after)
+
+    def copy():
+        if task is not None:
+            step, name, mb = task
+            with failing_as_task(
+                dev,
+                lambda e: f"upload of {what} for {name} failed: {e}",
+                dict(task=name, microbatch=mb, step=step),
+            ):
+                faults.point("upload", step=step, device=dev.name)
+        for dst, src in zip((slot.value,) if single else slot.value, sources):
+            if src is not None:
+                dev.copy_in(dst, src)
+
+    h2d.submit(copy, label, name=what)
+    compute.wait_event(h2d.record_event())
+    return slot
+
+
+class TaskOutputs:
+    """One device's task outputs on their way down: hand-offs, losses, router statistics and
+    finiteness flags, downloaded after each compute and freed on compute after the download.
+    Only the device's worker thread calls it."""
+
+    def __init__(self, setup: WorkerSetup, device: Device):
+        self.setup = setup
+        self.device = device
+        self.streams = device.streams
+        self.waiting: list = []  # (downloaded, [(slot, what)]) of the tasks whose outputs are kept
+
+    def start(self) -> None:
+        """A new step: nothing is waiting to be freed."""
+        self.waiting = []
+
+    def download(self, step: StepRun, flow: TaskFlow, label: str, slots: TaskSlots):
+        """Download what the compute produced (on ``d2h``, after it) into host hand-offs and put
+        them in the exchange, and its finiteness flags for the host to read; returns the event that
+        fires when the downloads are done."""
+        dev, streams = self.device, self.streams
+        backend = self.setup.backend
+        host_out = {
+            key: HandOff(
+                step.flow_plan.consumers[key],
+                self.setup.host_memory,
+                f"{key[0]}[{key[1]}].{key[2]}",
+                backend.host_release,
+            )
+            for key in slots.produced
+        }
+        host_loss, host_stats, host_checks = Slot(), Slot(), Slot()  # filled by the download
+
+        mb = flow.task.microbatch
+        # (device slot, what the ledger books it as, where its host copy goes)
+        outputs = [(slots.stats, f"router.{mb}", host_stats.fill)]
+        outputs += [
+            (s, f"{key[0]}[{key[1]}].{key[2]}", host_out[key].fill) for key, s in slots.produced.items()
+        ]
+        outputs += [
+            (slots.loss, f"loss.{mb}", host_loss.fill),
+            (slots.checks_flags, f"checks.{mb}", host_checks.fill),
+        ]
+
+        def download():
+            with failing_as_task(
+                dev,
+                lambda e: f"download after {label} failed: {e}",
+                dict(task=label, microbatch=flow.task.microbatch, step=step.index),
+            ):
+                faults.point("download", step=step.index, device=dev.name)
+                for slot, _, fill in outputs:
+                    if slot.value is not None:
+                        fill(dev.to_host(slot.value))
+
+        streams["d2h"].submit(download, (f"out:{label}", "download"))
+        done = streams["d2h"].record_event()
+        # The device outputs stay until compute has waited for this download (``drop``): freed in
+        # compute order, their memory is reused by compute with no record_stream.
+        self.waiting.append((done, [(slot, what) for slot, what, _ in outputs]))
+        # The host reads the task's flags (and adds its loss) in queue order, before any update
+        # that could carry a non-finite value: queued before the outputs reach another device.
+        if flow.layers_bwd and flow.layers_bwd.stop == self.setup.num_layers:
+            step.on_loss(host_loss, done)
+        step.on_checks(slots.checks, host_checks, done)
+        pairs = router_pairs(self.setup.adapter, flow) if step.router is not None else []
+        if pairs:
+            step.router.put(pairs, host_stats, done)
+        for key, s in host_out.items():
+            step.exchange.put(key, s, done, step.flow_plan.consumers[key])
+        return done
+
+    def drop(self, keep: int) -> None:
+        """Free the device outputs of every downloaded task but the last ``keep``, on compute after
+        their downloads (a compute-stream free: reusable by compute's next allocation at once)."""
+        compute, dev = self.streams["compute"], self.device
+        while len(self.waiting) > keep:
+            done, slots = self.waiting.pop(0)
+            compute.wait_event(done)
+
+            def free(slots=slots):
+                for slot, what in slots:
+                    if slot.value is not None:
+                        v, slot.value = slot.value, None
+                        dev.ledger.release(v, what, "activations")
+                        del v
+
+            compute.submit(free, name="release outputs")
