@@ -56,18 +56,9 @@ def test_an_output_freed_before_its_download_is_caught_naming_the_tensor_and_bot
     to compute's next tensor while d2h still reads it."""
 
     def drops_at_once(self, keep):  # frees the outputs without waiting for their downloads
-        dev = self.device
         while len(self.waiting) > keep:
             _, slots = self.waiting.pop(0)
-
-            def free(slots=slots):
-                for slot, what in slots:
-                    if slot.value is not None:
-                        v, slot.value = slot.value, None
-                        dev.ledger.release(v, what, "activations")
-                        del v
-
-            self.streams["compute"].submit(free, name="release outputs")
+            self.release(slots)
 
     monkeypatch.setattr(TaskOutputs, "drop", drops_at_once)
     with pytest.raises(StreamProtocolError) as info:

@@ -141,16 +141,21 @@ class TaskOutputs:
     def drop(self, keep: int) -> None:
         """Free the device outputs of every downloaded task but the last ``keep``, on compute after
         their downloads (a compute-stream free: reusable by compute's next allocation at once)."""
-        compute, dev = self.streams["compute"], self.device
         while len(self.waiting) > keep:
             done, slots = self.waiting.pop(0)
-            compute.wait_event(done)
+            self.streams["compute"].wait_event(done)
+            self.release(slots)
 
-            def free(slots=slots):
-                for slot, what in slots:
-                    if slot.value is not None:
-                        v, slot.value = slot.value, None
-                        dev.ledger.release(v, what, "activations")
-                        del v
+    def release(self, slots) -> None:
+        """Free these output slots' device tensors in a compute closure (the caller has ordered
+        compute after every stream that still reads them)."""
+        dev = self.device
 
-            compute.submit(free, name="release outputs")
+        def free():
+            for slot, what in slots:
+                if slot.value is not None:
+                    v, slot.value = slot.value, None
+                    dev.ledger.release(v, what, "activations")
+                    del v
+
+        self.streams["compute"].submit(free, name="release outputs")
