@@ -50,8 +50,8 @@ from roundpipe.schedule import POLICIES
 from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.report import jsonable
 from roundpipe.sim.scenario import Scenario, safe_run
-from roundpipe.sim.search import microbatch_candidates
-from roundpipe.sim.tune import COUNT_GRAINS, tune
+from roundpipe.sim.search import COUNT_GRAINS, microbatch_candidates
+from roundpipe.sim.tune import tune
 
 NAME = "joint_tuning"
 HARDWARE = "8xrtx4090"

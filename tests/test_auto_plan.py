@@ -21,6 +21,7 @@ from roundpipe.runtime.pipeline import Pipeline
 from roundpipe.schedule import POLICIES, Partition
 from roundpipe.sim.choice import choose
 from roundpipe.sim.engine import SimOptions
+from roundpipe.sim.search import OBJECTIVE_GRAINS
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import LayerWork, Workload
 from roundpipe.testing import faults
@@ -153,7 +154,7 @@ def test_roundpipe_with_partition_auto_takes_the_free_grain_not_a_multiple_of_th
     per_layer = times[0]
     fwd = [f for f, _ in per_layer]
     bwd = [b + (f if c.recompute else 0.0) for (f, b), c in zip(per_layer, costs)]
-    grains = grain_choices(costs, fwd, bwd, num_devices=2, microbatches=4, limit=2)
+    grains = grain_choices(costs, fwd, bwd, num_devices=2, microbatches=4, limit=OBJECTIVE_GRAINS)
     assert (table.forward, table.backward) in [(g.forward, g.backward) for g in grains]
     assert table.forward.bounds[-2] == table.backward.bounds[-2]  # the head fused in the last stage
 

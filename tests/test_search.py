@@ -89,6 +89,10 @@ def _runtime_choice(model: str, hardware: str, devices: int, seq_len: int, batch
         ("qwen3-0.6b", "4xrtx4090", 4, 1024, 8, ["1f1b"]),
         ("qwen3-0.6b", "4xrtx4090", 4, 4096, 8, ["gpipe", "1f1b", "zb"]),
         ("qwen3-1.7b", "8xrtx4090", 8, 2048, 16, ["gpipe", "1f1b", "zb", "chimera"]),
+        ("qwen3-0.6b", "4xrtx4090", 4, 1024, 8, ["interleaved"]),  # 4 stages per device
+        ("qwen3-1.7b", "8xrtx4090", 8, 2048, 16, ["interleaved"]),
+        ("qwen3-0.6b", "4xrtx4090", 4, 4096, 16, ["roundpipe"]),  # (4, 8) stages: a count grain
+        ("qwen3-0.6b", "4xrtx4090", 4, 4096, 16, ["roundpipe", "1f1b", "interleaved"]),
     ],
 )
 def test_roundpipe_plan_and_the_runtime_choice_pick_the_same_plan(
@@ -122,3 +126,18 @@ def test_the_runtime_and_the_tuner_consider_the_same_policies_and_counts():
         for c in tuned.ranked
         if c.stages[0] == POLICIES[c.policy].default_stages(4)
     } == expected
+
+
+def test_the_runtime_tries_every_stage_grain_the_tuner_tries():
+    """Interleaved's 2 and 4 stages per device, roundpipe's objective grains and its (1, 2) and
+    (2, 2) stages per device: the runtime's candidates hold every stage option of
+    ``search.stage_options``, as the tuner's grid does."""
+    policies = ["roundpipe", "interleaved"]
+    chosen = _runtime_choice("qwen3-0.6b", "4xrtx4090", 4, 4096, 16, policies, 1)
+    tried = {(c.policy, c.stages) for c in chosen.ranked}
+    assert {("interleaved", (8, 8)), ("interleaved", (16, 16))} <= tried
+    assert {("roundpipe", (4, 8)), ("roundpipe", (8, 8))} <= tried
+    objective = {s for p, s in tried if p == "roundpipe"} - {(4, 8), (8, 8)}
+    assert objective  # the objective's own grains besides the count grains
+    for options in (search.stage_options("interleaved", 4), search.stage_options("roundpipe", 4)):
+        assert options == [8, 16] or options == [None, (4, 8), (8, 8)]

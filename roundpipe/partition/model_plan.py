@@ -19,7 +19,7 @@ from typing import Any
 
 from roundpipe.errors import ConfigError, PlanError
 from roundpipe.partition.cost import DEFAULT_HEAD_CHUNK_TOKENS, LayerCost, layer_times, model_costs
-from roundpipe.partition.grain import grain_choices
+from roundpipe.partition.grain import GrainChoice, grain_choices
 from roundpipe.partition.partitioner import (
     DEFAULT_TARGET_BUBBLE,
     LEVERS,
@@ -246,6 +246,51 @@ def partition_result(
     )
 
 
+def cut_phases(
+    costs: list[LayerCost],
+    fwd_t: list[float],
+    bwd_t: list[float],
+    *,
+    stages: int | tuple[int, int] | None,
+    num_devices: int,
+    budget: int,
+    reserve: int,
+    grain: GrainChoice | None = None,
+) -> tuple[PartitionResult, PartitionResult]:
+    """The forward and backward partitions of a separate-partition plan: ``grain``'s when one is
+    given, else each phase cut on its own by the exact minimum-bottleneck partitioner (``stages``:
+    counts, or None for the smallest multiple of the devices that fits); then, while the device
+    interleaving the last forward and backward stages is over ``budget`` and the forward count is
+    free, more forward stages. The rule :func:`plan` and the plan search (``sim/search.py``) share.
+
+    Raises:
+        PlanError: no partition fits (the message names the bytes and the levers).
+    """
+    sf, sb = _stage_counts(stages)
+    if grain is not None:
+        fwd = partition_result(grain.forward, fwd_t, costs, "forward", reserve)
+        bwd = partition_result(grain.backward, bwd_t, costs, "backward", reserve)
+    else:
+        bwd = _partition_phase(bwd_t, costs, "backward", sb, num_devices, budget, reserve)
+        fwd = _partition_phase(fwd_t, costs, "forward", sf, num_devices, budget, reserve)
+    last = last_stage_bytes(costs, fwd.partition, bwd.partition, reserve)
+    while last > budget and sf is None and fwd.partition.num_stages < len(costs):
+        # The device interleaving the last F and B stages holds both: shrink the forward stages.
+        fwd = _partition_phase(
+            fwd_t, costs, "forward", None, num_devices, budget, reserve, fwd.partition.num_stages + 1
+        )
+        last = last_stage_bytes(costs, fwd.partition, bwd.partition, reserve)
+    if last > budget:
+        raise plan_error(
+            f"the device running the last forward stage ({fwd.partition.num_stages - 1}) and the last backward "
+            f"stage ({bwd.partition.num_stages - 1}) interleaved needs {last:,} bytes, over the budget of "
+            f"{budget:,}; use more forward stages. {LEVERS}",
+            needed=last,
+            budget=budget,
+        )
+    return fwd, bwd
+
+
 def _plan_with_shards(
     k: int,
     *,
@@ -281,7 +326,6 @@ def _plan_with_shards(
         label_fraction=label_fraction,
     )
     fwd_t, bwd_t = layer_times(costs, hw, efficiency=efficiency, times=times)
-    sf, sb = _stage_counts(stages)
     notes = []
     grain = None
     if stages is None:
@@ -296,27 +340,17 @@ def _plan_with_shards(
             notes.append(
                 f"no free stage grain fits ({err}); stage counts are multiples of the devices instead"
             )
-    if grain is not None:
-        fwd = partition_result(grain.forward, fwd_t, costs, "forward", reserve)
-        bwd = partition_result(grain.backward, bwd_t, costs, "backward", reserve)
-    else:
-        bwd = _partition_phase(bwd_t, costs, "backward", sb, num_devices, budget, reserve)
-        fwd = _partition_phase(fwd_t, costs, "forward", sf, num_devices, budget, reserve)
+    fwd, bwd = cut_phases(
+        costs,
+        fwd_t,
+        bwd_t,
+        stages=stages,
+        num_devices=num_devices,
+        budget=budget,
+        reserve=reserve,
+        grain=grain,
+    )
     last = last_stage_bytes(costs, fwd.partition, bwd.partition, reserve)
-    while last > budget and sf is None and fwd.partition.num_stages < len(costs):
-        # The device interleaving the last F and B stages holds both: shrink the forward stages.
-        fwd = _partition_phase(
-            fwd_t, costs, "forward", None, num_devices, budget, reserve, fwd.partition.num_stages + 1
-        )
-        last = last_stage_bytes(costs, fwd.partition, bwd.partition, reserve)
-    if last > budget:
-        raise plan_error(
-            f"the device running the last forward stage ({fwd.partition.num_stages - 1}) and the last backward "
-            f"stage ({bwd.partition.num_stages - 1}) interleaved needs {last:,} bytes, over the budget of "
-            f"{budget:,}; use more forward stages. {LEVERS}",
-            needed=last,
-            budget=budget,
-        )
     if microbatches == "auto":
         m = auto_microbatches(fwd.stage_times, bwd.stage_times, num_devices, target_bubble)
     elif isinstance(microbatches, int) and microbatches >= 1:

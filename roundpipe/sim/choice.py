@@ -12,10 +12,12 @@ device count. Microbatch counts: the one given, else ``search.microbatch_candida
 count times 1, 2, 4 and 8, and the batch up to 16 per device; uneven splits are fine: the runtime
 cuts by sample). Partitions: given; the policy's default (``partition=None``: one layer per stage
 for a policy that takes any stage count, even stages for the others); or ``"auto"``:
-``search.partitions``: a policy with separate forward and backward partitions takes the best two
-grains of the RoundPipe objective ``(M * S + N * (N - 1)) * t_max`` for that count
-(``partition/grain.py``, free stage counts, the head fused in the last stage), the others their
-registry stage count balanced on the measured times, under the device memory budget in both cases.
+``search.stage_plans``, the tuner's stage options: a policy with separate forward and backward
+partitions takes the objective's best grains (``(M * S + N * (N - 1)) * t_max`` for that count,
+``partition/grain.py``, free stage counts, the head fused in the last stage) and the
+``search.COUNT_GRAINS`` stage counts, each phase cut on its own; the others each of their registry
+grains (interleaved: 2 and 4 stages per device) balanced on the measured times; under the device
+memory budget in every case.
 
 **Prediction.** Every candidate's table is simulated (``sim/simulator.py``) on the measured
 per-layer times, scaled linearly to its microbatch size, with free copies and a free optimizer
@@ -63,13 +65,12 @@ from roundpipe.sim.search import (  # the search's rules; re-exported for the ru
     microbatch_candidates,
     runs_here,
     stage_count,
+    stage_plans,
 )
-from roundpipe.sim.search import partitions as search_partitions
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import LayerWork, Workload
 
 PREFER_FEWER_WITHIN = 0.02  # predictions this close count as a tie (see the module docstring)
-GRAINS_PER_COUNT = 2  # grains of the objective simulated per microbatch count
 SIM_OPTIONS = SimOptions(transfers=False, optimizer_time=False, record_timeline=False, iterations=1)
 PREDICTION = "simulated on the measured layer times, copies and the optimizer not modelled"
 
@@ -238,10 +239,13 @@ def _partitions(policy, partition, per_token, costs, tokens_mb, d, m, options, b
     layer_costs = list(costs(tokens_mb))
     fwd_t = [f for f, _ in per_token]
     bwd_t = [b + (f if c.recompute else 0.0) for (f, b), c in zip(per_token, layer_costs)]
-    return search_partitions(
+    pairs, why = stage_plans(
         policy, layer_costs, fwd_t, bwd_t, num_devices=d, microbatches=m, options=options,
-        budget=_binding(layer_costs, budget), limit=GRAINS_PER_COUNT,
+        budget=_binding(layer_costs, budget),
     )  # fmt: skip
+    if not pairs:
+        raise PlanError("; ".join(why))
+    return pairs
 
 
 def _binding(costs: Sequence[LayerCost], budget: int | None) -> int | None:

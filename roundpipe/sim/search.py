@@ -6,8 +6,11 @@ times, compute only), the tuner behind ``roundpipe plan`` (``sim/tune.py``, on t
 copies, memory and refinement) and a single scenario (``sim/scenario.py``). They differ in how they
 *evaluate* a candidate, not in which candidates exist: the counts and the partitions come from here,
 so for the same inputs the runtime's candidates are among the tuner's (which adds the levers the
-runtime does not have: more stage grains, head shard counts, moved boundaries), and judged the same
-way both pick the same plan (``tests/test_search.py``).
+runtime does not have: head shard counts and moved boundaries), and judged the same way both pick
+the same plan (``tests/test_search.py``). Where they still part: the runtime predicts every count
+from one profiled microbatch shape, scaled linearly, while the tuner's cost model times each
+microbatch size on its own (kernels are less efficient on fewer tokens); the runtime also prefers
+repeatable plans and, within 2%, fewer microbatches (``sim/choice.py``).
 
 **Microbatch counts** (:func:`microbatch_candidates`): the device count times 1, 2, 4 and 8, and the
 batch itself (one sample per microbatch) while that is at most 16 per device, up to the batch and
@@ -17,11 +20,17 @@ microbatches shrink the fill and drain but not the fixed cost every task pays, w
 linear scaling of measured times cannot see: beyond 8 per device its predicted gains are within
 that error, and every simulated count costs the tuner time.
 
-**Partitions** (:func:`partitions`): a policy with separate forward and backward partitions
-(``roundpipe``) takes the best grains of the RoundPipe objective ``(M * S + N * (N - 1)) * t_max``
+**Stage options** (:func:`stage_options`): a policy with separate forward and backward partitions
+(``roundpipe``) tries its free grain and :data:`COUNT_GRAINS`; the others their registry grains
+(interleaved and hanayo 2 and 4 stages per device, the rest one), or the grain its options set.
+
+**Partitions** (:func:`partitions`, every option at once: :func:`stage_plans`): a free grain is the
+:data:`OBJECTIVE_GRAINS` best grains of the RoundPipe objective ``(M * S + N * (N - 1)) * t_max``
 for the candidate's microbatch count (``partition/grain.py``: free stage counts, the head fused in
-the last stage); the others their stage count (:func:`stage_count`, or the one given), one partition
-balanced on forward + backward time. Both under a device memory budget when one is given.
+the last stage); given (forward, backward) counts cut each phase on its own
+(``partition.model_plan.cut_phases``); a policy with one partition is balanced on forward + backward
+time for its stage count (:func:`stage_count`, or the one given). All under a device memory budget
+when one is given.
 
 Pure Python (no torch).
 """
@@ -33,9 +42,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from roundpipe.errors import ConfigError
+from roundpipe.errors import ConfigError, PlanError
 from roundpipe.partition.cost import LayerCost
 from roundpipe.partition.grain import grain_choices
+from roundpipe.partition.model_plan import cut_phases
 from roundpipe.partition.partitioner import memory_vectors, optimal_partition
 from roundpipe.schedule import POLICIES, policy_options
 from roundpipe.schedule.table import Partition
@@ -43,6 +53,8 @@ from roundpipe.sim.engine import SimResult
 
 MICROBATCHES_PER_DEVICE = (1, 2, 4, 8)
 ONE_PER_MICROBATCH_UP_TO = 16  # one sample per microbatch is tried up to this many per device
+OBJECTIVE_GRAINS = 3  # grains of the RoundPipe objective tried per microbatch count, best first
+COUNT_GRAINS = ((1, 2), (2, 2))  # (forward, backward) stages per device, each phase cut on its own
 
 
 @dataclass(frozen=True)
@@ -153,9 +165,11 @@ def stage_count(policy: str, num_devices: int, options: Mapping[str, Any], num_l
     return stages
 
 
-def stage_options(policy: str, num_devices: int, count_grains: Sequence[tuple[int, int]] = ()) -> list:
-    """Stage counts the tuner tries: ``None`` is the policy's default (for a free grain, the
-    objective's best); a free-grain policy adds ``(f * devices, b * devices)`` for each of
+def stage_options(
+    policy: str, num_devices: int, count_grains: Sequence[tuple[int, int]] = COUNT_GRAINS
+) -> list:
+    """Stage counts a search tries: ``None`` is the policy's default (for a free grain, the
+    objective's best grains); a free-grain policy adds ``(f * devices, b * devices)`` for each of
     ``count_grains``, the others their registry grains."""
     spec = POLICIES[policy]
     if spec.separate_partitions:
@@ -195,7 +209,7 @@ def partitions(
     *,
     num_devices: int,
     microbatches: int,
-    stages: int | None = None,
+    stages: int | tuple[int, int] | None = None,
     options: Mapping[str, Any] | None = None,
     budget: int | None = None,
     reserve_bytes: int = 0,
@@ -207,7 +221,9 @@ def partitions(
 
     ``fwd_times``/``bwd_times``: per layer, forward and backward-stage (recompute + backward)
     seconds, as ``partition.layer_times`` gives them. ``stages``: a policy with one partition cuts
-    that many stages (default: :func:`stage_count` with ``options``). ``limit``: grains of the
+    that many stages (default: :func:`stage_count` with ``options``); a policy with separate
+    partitions given ``(forward, backward)`` counts cuts each phase on its own
+    (``partition.model_plan.cut_phases``, as ``roundpipe plan`` does for such counts). ``limit``: grains of the
     objective returned for a policy with separate partitions (one partition for the others).
     ``budget=None`` ignores memory; ``steady`` is ``grain_choices``' (an asynchronous optimizer).
 
@@ -216,6 +232,12 @@ def partitions(
         ConfigError: the model has fewer layers than the policy's stages.
     """
     spec = POLICIES[policy]
+    if spec.separate_partitions and stages is not None:
+        fwd, bwd = cut_phases(
+            list(costs), list(fwd_times), list(bwd_times), stages=stages, num_devices=num_devices,
+            budget=_UNBOUNDED if budget is None else budget, reserve=reserve_bytes,
+        )  # fmt: skip
+        return [(fwd.partition, bwd.partition)]
     if spec.separate_partitions:
         grains = grain_choices(
             costs, fwd_times, bwd_times, num_devices=num_devices, microbatches=microbatches,
@@ -229,6 +251,46 @@ def partitions(
     names = tuple(c.name for c in costs)
     part = _balanced(both, stages, *(tuple(v) for v in vectors), budget, reserve_bytes, names)
     return [(part, part)]
+
+
+_UNBOUNDED = 1 << 62  # a budget no stage reaches: memory is not checked
+
+
+def stage_plans(
+    policy: str,
+    costs: Sequence[LayerCost],
+    fwd_times: Sequence[float],
+    bwd_times: Sequence[float],
+    *,
+    num_devices: int,
+    microbatches: int,
+    options: Mapping[str, Any] | None = None,
+    budget: int | None = None,
+    reserve_bytes: int = 0,
+    steady: bool = False,
+) -> tuple[list[tuple[Partition, Partition]], list[str]]:
+    """Every (forward, backward) partition pair a search tries for ``policy`` at ``microbatches``:
+    :func:`partitions` for each of :func:`stage_options` (the objective's :data:`OBJECTIVE_GRAINS`
+    best grains and :data:`COUNT_GRAINS` for a free-grain policy; the registry's grains for the
+    others, or the one ``options`` sets), without repeats. Returns the pairs and, per stage option
+    that could not be cut, why."""
+    spec = POLICIES[policy]
+    pinned = spec.grain_option is not None and (options or {}).get(spec.grain_option) is not None
+    choices = [None] if pinned else stage_options(policy, num_devices)
+    found: list[tuple[Partition, Partition]] = []
+    why: list[str] = []
+    for stages in choices:
+        try:
+            pairs = partitions(
+                policy, costs, fwd_times, bwd_times, num_devices=num_devices, microbatches=microbatches,
+                stages=stages, options=options, budget=budget, reserve_bytes=reserve_bytes,
+                limit=OBJECTIVE_GRAINS, steady=steady,
+            )  # fmt: skip
+        except (PlanError, ConfigError) as err:
+            why.append(f"{stages or 'default'} stages: {err}")
+            continue
+        found += [pair for pair in pairs if pair not in found]
+    return found, why
 
 
 @lru_cache(maxsize=256)
@@ -249,4 +311,5 @@ __all__ = [
     "runs_here",
     "stage_count",
     "stage_options",
+    "stage_plans",
 ]

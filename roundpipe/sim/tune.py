@@ -39,7 +39,13 @@ from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, TaskKind, build_tab
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.scenario import Prepared, Scenario, check_scenario, failed_result, prepare
-from roundpipe.sim.search import Candidate, microbatch_candidates, partitions, stage_options
+from roundpipe.sim.search import (
+    OBJECTIVE_GRAINS,
+    Candidate,
+    microbatch_candidates,
+    partitions,
+    stage_options,
+)
 from roundpipe.sim.simulator import simulate
 
 DEFAULT_TIME_BUDGET_S = 15.0
@@ -63,8 +69,7 @@ def _rank_key(c: Candidate) -> tuple:
     return (not c.fits, -c.result.tokens_per_s, c.policy, c.num_microbatches)
 
 
-GRAIN_ALTERNATIVES = 2  # grains of the objective simulated besides its best
-COUNT_GRAINS = ((1, 2), (2, 2))  # (forward, backward) stages per device, head shards spread
+GRAIN_ALTERNATIVES = OBJECTIVE_GRAINS - 1  # grains of the objective simulated besides its best
 GRID_SHARE = 0.6  # of the time budget; the rest refines
 
 
@@ -395,7 +400,7 @@ def tune(
         (stages is not None, abs(math.log(m / (4 * n_dev))), i, policy, m, stages)
         for i, policy in enumerate(names)
         for m in microbatch_candidates(policy, n_dev, global_batch) or [global_batch]  # the table says why
-        for stages in stage_options(policy, n_dev, COUNT_GRAINS)
+        for stages in stage_options(policy, n_dev)
     ]
     grid.sort(key=lambda g: g[:3])
     grid_deadline = t0 + GRID_SHARE * time_budget_s
