@@ -84,28 +84,33 @@ def _runtime_choice(model: str, hardware: str, devices: int, seq_len: int, batch
 
 
 @pytest.mark.parametrize(
-    "model, hardware, devices, seq_len, batch, policies",
+    "model, hardware, devices, seq_len, batch, policies, shards",
     [
-        ("qwen3-0.6b", "4xrtx4090", 4, 1024, 8, ["1f1b"]),
-        ("qwen3-0.6b", "4xrtx4090", 4, 4096, 8, ["gpipe", "1f1b", "zb"]),
-        ("qwen3-1.7b", "8xrtx4090", 8, 2048, 16, ["gpipe", "1f1b", "zb", "chimera"]),
-        ("qwen3-0.6b", "4xrtx4090", 4, 1024, 8, ["interleaved"]),  # 4 stages per device
-        ("qwen3-1.7b", "8xrtx4090", 8, 2048, 16, ["interleaved"]),
-        ("qwen3-0.6b", "4xrtx4090", 4, 4096, 16, ["roundpipe"]),  # (4, 8) stages: a count grain
-        ("qwen3-0.6b", "4xrtx4090", 4, 4096, 16, ["roundpipe", "1f1b", "interleaved"]),
+        ("qwen3-0.6b", "4xrtx4090", 4, 1024, 8, ["1f1b"], "auto"),
+        ("qwen3-0.6b", "4xrtx4090", 4, 4096, 8, ["gpipe", "1f1b", "zb"], "auto"),
+        ("qwen3-1.7b", "8xrtx4090", 8, 2048, 16, ["gpipe", "1f1b", "zb", "chimera"], "auto"),
+        ("qwen3-0.6b", "4xrtx4090", 4, 1024, 8, ["interleaved"], "auto"),  # 4 stages per device
+        ("qwen3-1.7b", "8xrtx4090", 8, 2048, 16, ["interleaved"], "auto"),
+        ("qwen3-0.6b", "4xrtx4090", 4, 4096, 16, ["roundpipe"], "auto"),  # (4, 8) stages: a count grain
+        ("qwen3-0.6b", "4xrtx4090", 4, 4096, 16, ["roundpipe", "1f1b", "interleaved"], "auto"),
+        ("qwen3-1.7b", "8xrtx4090", 8, 2048, 16, ["roundpipe"], 4),  # the model's head shards, kept
+        ("qwen3-1.7b", "8xrtx4090", 8, 4096, 8, ["roundpipe"], 4),  # (16, 16) stages
     ],
 )
 def test_roundpipe_plan_and_the_runtime_choice_pick_the_same_plan(
-    monkeypatch, model, hardware, devices, seq_len, batch, policies
+    monkeypatch, model, hardware, devices, seq_len, batch, policies, shards
 ):
     """The same model, server, batch and policies, judged as the runtime judges (compute only, no
     boundary refinement): ``roundpipe plan``'s tuner and the runtime's automatic choice agree on the
-    policy, the microbatch count and both partitions."""
+    policy, the microbatch count and both partitions. ``shards``: ``"auto"`` lets the tuner search
+    the head's shards (the runtime is handed the count it found); an int is a wrapped model's count,
+    which both keep."""
     monkeypatch.setattr(tune, "REFINE_PER_POLICY", 0)  # the runtime does not move boundaries
     tuned = tune.tune(
         model, hardware, seq_len=seq_len, global_batch=batch, num_devices=devices, policies=policies,
-        options=RUNTIME_VIEW, time_budget_s=120,
+        options=RUNTIME_VIEW, time_budget_s=120, head_shards=shards,
     ).best  # fmt: skip
+    assert shards == "auto" or tuned.head_shards == shards
     chosen = _runtime_choice(model, hardware, devices, seq_len, batch, policies, tuned.head_shards).best
     assert tuned.fits and tuned.refined == 0
     assert (chosen.policy, chosen.num_microbatches) == (tuned.policy, tuned.num_microbatches)

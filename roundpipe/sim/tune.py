@@ -351,9 +351,13 @@ def tune(
     refine_top: int = REFINE_TOP,
     label_fraction: float = 1.0,
     fp16_accumulation: bool = False,
+    head_shards: int | str = "auto",
 ) -> TuneResult:
     """Search policy x partition x microbatches x stage grain (head shards with the partition) and
     return the best plan and a ranked table of alternatives (see the module docstring).
+
+    ``head_shards``: ``"auto"`` searches the LM head's vocabulary shards too; an int keeps the count
+    a wrapped model already has (``RunConfig.head_shards``), as the runtime's choice does.
 
     Raises :class:`ConfigError` on bad settings (unknown model, hardware or policy, seq len < 1, more
     devices than the server holds); configurations that do not fit are ranked last, not raised.
@@ -363,7 +367,7 @@ def tune(
     base = Scenario(
         model, hardware, PROVISIONAL_POLICY, seq_len=seq_len, global_batch=global_batch, lora_rank=lora_rank,
         dtype=dtype, optimizer=optimizer, num_devices=num_devices, label_fraction=label_fraction,
-        fp16_accumulation=fp16_accumulation,
+        fp16_accumulation=fp16_accumulation, head_shards=head_shards,
     )  # fmt: skip
     hw, _, _ = check_scenario(base)
     n_dev = hw.num_gpus
@@ -415,7 +419,7 @@ def tune(
                 consider(replace(s, partitions=bounds, head_shards=prep.head_shards))
     found.sort(key=lambda cp: _rank_key(cp[0]))
     # Head shards: around each policy's best, half and twice as many vocabulary shards.
-    for policy in names:
+    for policy in names if head_shards == "auto" else ():
         top = next((c for c, p in found if c.policy == policy and c.fits and p is not None), None)
         if top is None or time.monotonic() > deadline:
             continue
