@@ -29,7 +29,8 @@ from pathlib import Path
 
 from roundpipe.partition.cost import model_costs
 from roundpipe.partition.grain import grain_choices, objective
-from roundpipe.partition.partitioner import optimal_partition, pair_peak_bytes
+from roundpipe.partition.memory import pair_peak_bytes
+from roundpipe.partition.partitioner import optimal_partition
 from roundpipe.presets import load_hardware, load_measured_layers, load_model_config
 from roundpipe.schedule import build_table
 from roundpipe.schedule.table import Partition, ScheduleTable

@@ -67,7 +67,7 @@ def test_a_plan_that_does_not_fit_a_device_is_refused_with_the_figures_and_the_l
 def test_the_planned_figure_is_the_partitioners_rule_for_the_plan(monkeypatch):
     """Not a second ledger: the refused figure is the largest stage by ``partition.stage_bytes`` /
     ``last_stage_bytes`` over the planner's layer bytes (a rotating deal runs every stage)."""
-    from roundpipe.partition.partitioner import pair_peak_bytes
+    from roundpipe.partition.memory import pair_peak_bytes
 
     _fake_free(monkeypatch, {0: 1})
     batch = make_batch(batch=4)

@@ -1,21 +1,19 @@
 """Cost model and optimal partitioner (pure Python, no torch).
 
 ``cost``: per-layer FLOPs, bytes and times from a model config (analytic, or measured times per
-layer). ``partitioner``: contiguous forward/backward stages that minimise the slowest stage within
+layer). ``memory``: the memory rule (a stage's, a device's and a task's bytes). ``partitioner``: contiguous forward/backward stages that minimise the slowest stage within
 a per-device memory budget, and the microbatch choice. ``grain``: a streaming policy's stage
 counts. ``model_plan``: head sharding and the resulting :class:`Plan`.
 """
 
 from roundpipe.partition.cost import LayerCost, layer_time, layer_times, model_costs, model_totals
+from roundpipe.partition.memory import last_stage_bytes, memory_vectors, stage_bytes, task_bytes
 from roundpipe.partition.model_plan import Plan, choose_head_shards, plan
 from roundpipe.partition.partitioner import (
     PartitionResult,
     auto_microbatches,
-    last_stage_bytes,
-    memory_vectors,
     optimal_partition,
     roundpipe_bubble,
-    stage_bytes,
 )
 
 __all__ = [
@@ -34,4 +32,5 @@ __all__ = [
     "plan",
     "roundpipe_bubble",
     "stage_bytes",
+    "task_bytes",
 ]

@@ -48,7 +48,7 @@ Bytes (``b`` = bytes of the compute dtype):
   ``saved_bytes`` + a transient of ``tokens * b * (2H + max(2(q + 2kv), 3 I_act [+ 2kH for MoE]))``
   (gradients of the block's input/output and of its widest part, alive while it backpropagates;
   ``I_act`` = ``I`` or ``k I_moe``). A backward stage of several layers keeps every layer's
-  ``saved_bytes`` at once and one layer's transient (see ``partitioner.stage_bytes``).
+  ``saved_bytes`` at once and one layer's transient (see ``memory.stage_bytes``).
 - ``fwd_work_bytes``: forward without autograd (forward stages save only their input, on the CPU):
   ``tokens * b * (2H + max(2q + 2kv, 3 I_act [+ 2kH]))``.
 - head shard: working set ``2 * chunk * Vs * 4`` (one token chunk's fp32 logits and their gradient;

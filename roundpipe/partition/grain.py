@@ -46,12 +46,8 @@ from itertools import accumulate
 
 from roundpipe.errors import PlanError
 from roundpipe.partition.cost import LayerCost
-from roundpipe.partition.partitioner import (
-    first_true,
-    memory_vectors,
-    optimal_partition,
-    pair_peak_bytes,
-)
+from roundpipe.partition.memory import memory_vectors, pair_peak_bytes
+from roundpipe.partition.partitioner import first_true, optimal_partition
 from roundpipe.schedule.table import Partition
 
 MAX_FUSED_LAYERS = 2  # decoder layers the fused head stage may take on (more never paid in practice)
@@ -322,7 +318,7 @@ def _merge_idle(part: Partition, times: Sequence[float], fits) -> Partition:
     """Merge a stage that takes no time (an embedding alone) into a neighbour before the fused head
     stage, where ``fits`` allows it: a deal fewer for nothing. The search's memory rule counts the
     largest stage as every stage's prefetch; the final check (each stage with the largest *other*
-    stage, ``partitioner.largest_others``) sometimes has room for it."""
+    stage, ``memory.largest_others``) sometimes has room for it."""
     bounds = list(part.bounds)
     s = 0
     while s < len(bounds) - 3:  # stages before the last (the fused head stage)

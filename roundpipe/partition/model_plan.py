@@ -20,17 +20,15 @@ from typing import Any
 from roundpipe.errors import ConfigError, PlanError
 from roundpipe.partition.cost import DEFAULT_HEAD_CHUNK_TOKENS, LayerCost, layer_times, model_costs
 from roundpipe.partition.grain import GrainChoice, grain_choices
+from roundpipe.partition.memory import last_stage_bytes, memory_vectors, stage_bytes
 from roundpipe.partition.partitioner import (
     DEFAULT_TARGET_BUBBLE,
     LEVERS,
     PartitionResult,
     auto_microbatches,
-    last_stage_bytes,
-    memory_vectors,
     optimal_partition,
     plan_error,
     roundpipe_bubble,
-    stage_bytes,
 )
 from roundpipe.presets import GPU, Server, load_hardware, load_model_config
 from roundpipe.schedule.deps import TaskKind

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from roundpipe.errors import DeviceMemoryError
 from roundpipe.partition.cost import LayerCost
-from roundpipe.partition.partitioner import last_stage_bytes, stage_bytes
+from roundpipe.partition.memory import last_stage_bytes, stage_bytes
 from roundpipe.schedule import ScheduleTable, TaskKind
 from roundpipe.schedule.deps import BACKWARD_KINDS
 

@@ -53,7 +53,7 @@ from typing import Any
 
 from roundpipe.errors import ConfigError, PlanError, ScheduleError
 from roundpipe.partition.cost import LayerCost
-from roundpipe.partition.partitioner import memory_vectors
+from roundpipe.partition.memory import memory_vectors
 from roundpipe.presets import load_hardware
 from roundpipe.schedule import POLICIES
 from roundpipe.schedule.deps import BACKWARD_KINDS

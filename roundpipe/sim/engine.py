@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from roundpipe.errors import ConfigError
+from roundpipe.partition.memory import task_bytes
 from roundpipe.presets import Server
 from roundpipe.schedule.deps import TaskKind
 from roundpipe.schedule.flow import FUSED, StageWork, device_flows
@@ -411,7 +412,7 @@ class _Sim:
         trainable = trainable if work.weight_grads else []
         wgrad = sum(layers[i].grad_bytes for i in trainable)
         work_bytes, hold = self._work_bytes(work)
-        release = sum(layers[i].saved_bytes for i in work.bwd_layers) if work.kind == TaskKind.W else 0
+        release = task_bytes(layers, (), work.bwd_layers)[1] if work.kind == TaskKind.W else 0
         cost = _OpCost(
             dur, bwd, trainable, wgrad, work_bytes, hold, release, list(work.layers) if dur > 0 else []
         )
@@ -546,15 +547,12 @@ class _Sim:
 
     def _work_bytes(self, op: StageWork) -> tuple[int, int]:
         """(working set while ``op`` computes, bytes an I leaves on the device for its W)."""
-        ly = self.w.layers
-        fwd = max((ly[i].fwd_work_bytes for i in op.fwd_layers), default=0)
-        saved = sum(ly[i].saved_bytes for i in op.bwd_layers)
-        bwd = saved + max((ly[i].transient_bytes for i in op.bwd_layers), default=0)
-        if op.kind == TaskKind.F:
-            return fwd, 0
         if op.kind == TaskKind.W:
             return 0, 0
-        return max(fwd, bwd), (saved if op.kind == TaskKind.I else 0)
+        if op.kind == TaskKind.F:
+            return task_bytes(self.w.layers, op.fwd_layers, ())[0], 0
+        work, saved = task_bytes(self.w.layers, op.fwd_layers, op.bwd_layers)
+        return work, (saved if op.kind == TaskKind.I else 0)
 
     # ------------------------------------------------------------------ event loop
     def _at(self, t: float, kind: int, a, b=None) -> None:

@@ -45,8 +45,9 @@ from typing import Any
 from roundpipe.errors import ConfigError, PlanError
 from roundpipe.partition.cost import LayerCost
 from roundpipe.partition.grain import grain_choices
+from roundpipe.partition.memory import memory_vectors
 from roundpipe.partition.model_plan import cut_phases
-from roundpipe.partition.partitioner import memory_vectors, optimal_partition
+from roundpipe.partition.partitioner import optimal_partition
 from roundpipe.schedule import POLICIES, policy_options
 from roundpipe.schedule.table import Partition
 from roundpipe.sim.engine import SimResult

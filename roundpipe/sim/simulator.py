@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from roundpipe.errors import ConfigError
+from roundpipe.partition.memory import task_bytes
 from roundpipe.presets import GIB, Server
 from roundpipe.schedule import build_table, policy_options
 from roundpipe.schedule.flow import StageWork, device_flows
@@ -43,13 +44,12 @@ def resident_bytes(table: ScheduleTable, work: Workload) -> list[int]:
 
 
 def _task_bytes(stage: StageWork, ly) -> int:
-    """Working set, weight gradients and hand-offs of one task of ``stage`` on its device."""
-    saved = sum(ly[i].saved_bytes for i in stage.bwd_layers)
-    trans = max((ly[i].transient_bytes for i in stage.bwd_layers), default=0)
-    fwd = max((ly[i].fwd_work_bytes for i in stage.fwd_layers), default=0)
+    """Working set (the memory rule's, ``partition.memory.task_bytes``), weight gradients and
+    hand-offs of one task of ``stage`` on its device."""
+    work, _ = task_bytes(ly, stage.fwd_layers, stage.bwd_layers)
     grads = sum(ly[i].grad_bytes for i in stage.bwd_layers) if stage.weight_grads else 0
     io = sum(ly[b].act_in_bytes for _, b in stage.consumes + stage.produces if b < len(ly))
-    return max(fwd, saved + trans) + grads + io
+    return work + grads + io
 
 
 def _iteration_tables(table: ScheduleTable, n: int) -> list[ScheduleTable]:
