@@ -34,14 +34,26 @@ def _reference(family, lora, tied, padding):
     return _reference_cache[key]
 
 
-CASES = [
-    (family, lora, tied, padding, mb)
-    for family in FAMILIES
-    for lora in (None, "default")
-    for tied in (False, True)
-    for padding, mbs in (("left", (1, 3, 4)), ("right", (3,)))
-    for mb in mbs
-]
+VARIANTS = (("left", 1), ("left", 3), ("left", 4), ("right", 3))  # (padding, microbatches)
+
+
+def _cases() -> list:
+    """Every family x LoRA/full x tied/untied x padding and microbatch variant. ``make test`` runs a
+    quarter of them (the rest are marked slow; CI runs them all): each family still meets LoRA and
+    full, tied and untied, and all four variants, rotated over the families so that every
+    (family, variant) and (LoRA, tied, variant) pair runs somewhere."""
+    cases = []
+    for k, family in enumerate(FAMILIES):
+        for i, lora in enumerate((None, "default")):
+            for j, tied in enumerate((False, True)):
+                for v, (padding, mb) in enumerate(VARIANTS):
+                    quick = v == (2 * i + j + k) % len(VARIANTS)
+                    marks = () if quick else (pytest.mark.slow,)
+                    cases.append(pytest.param(family, lora, tied, padding, mb, marks=marks))
+    return cases
+
+
+CASES = _cases()
 
 
 @pytest.mark.parametrize(("family", "lora", "tied", "padding", "microbatches"), CASES)

@@ -42,7 +42,9 @@ def _reference(lora):
 
 def _matrix():
     """Every (policy, devices, microbatches) the policy accepts; LoRA/full x strict/ready rotate
-    over the grid so each policy meets all four combinations without running 4x the cases."""
+    over the grid so each policy meets all four combinations without running 4x the cases. Eight
+    microbatches on fewer than four devices run with the slow tests (CI runs them): ``make test``
+    keeps eight on four devices, the longest pipeline, and every count on every device number."""
     variants = itertools.cycle(
         [(None, "strict"), ("default", "ready"), ("default", "strict"), (None, "ready")]
     )
@@ -59,6 +61,7 @@ def _matrix():
                         lora,
                         order,
                         id=f"{policy}-d{devices}-m{microbatches}-{lora or 'full'}-{order}",
+                        marks=(pytest.mark.slow,) if microbatches == 8 and devices < 4 else (),
                     )
                 )
     return cases
