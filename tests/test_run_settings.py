@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
 import roundpipe
-from roundpipe.config import recipe_settings
+from roundpipe.config import RunConfig, recipe_settings, settings_table
 from roundpipe.errors import ConfigError, RecipeError
 from roundpipe.train.config import RunSection, TrainConfig
 from roundpipe.train.recipe import config_from_dict
@@ -81,3 +83,11 @@ def test_each_setting_is_checked_by_its_own_declared_rule(kwargs, match):
 def test_lists_become_tuples_and_an_infinite_watchdog_is_allowed():
     config = roundpipe.RunConfig(partition=[2, 2], backward_partition=[1, 1, 1, 1], watchdog_s=float("inf"))
     assert config.partition == (2, 2) and config.backward_partition == (1, 1, 1, 1)
+
+
+def test_the_guides_settings_table_is_generated_from_the_declarations():
+    """docs/guide.md lists every run setting, as ``settings_table`` reads them off ``RunConfig``
+    (``scripts/docs_tables.py`` rewrites it)."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text()
+    assert settings_table() in guide, "docs/guide.md is stale: run scripts/docs_tables.py"
+    assert all(f"| `{f.name}` |" in guide for f in fields(RunConfig))
