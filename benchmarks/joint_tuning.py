@@ -47,8 +47,9 @@ from roundpipe.errors import ConfigError
 from roundpipe.partition.cost import layer_times, model_costs
 from roundpipe.presets import load_hardware, load_model_config
 from roundpipe.schedule import POLICIES
-from roundpipe.sim.engine import SimOptions, SimResult
+from roundpipe.sim.options import SimOptions
 from roundpipe.sim.report import jsonable
+from roundpipe.sim.result import SimResult
 from roundpipe.sim.scenario import Scenario, safe_run
 from roundpipe.sim.search import COUNT_GRAINS, microbatch_candidates
 from roundpipe.sim.tune import tune

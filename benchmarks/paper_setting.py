@@ -34,7 +34,8 @@ from roundpipe.partition.partitioner import optimal_partition
 from roundpipe.presets import load_hardware, load_measured_layers, load_model_config
 from roundpipe.schedule import build_table
 from roundpipe.schedule.table import Partition, ScheduleTable
-from roundpipe.sim.engine import SimOptions, SimResult
+from roundpipe.sim.options import SimOptions
+from roundpipe.sim.result import SimResult
 from roundpipe.sim.scenario import Prepared, Scenario
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.tune import polish, refine

@@ -24,8 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from roundpipe.schedule import POLICIES
-from roundpipe.sim.engine import SimOptions
 from roundpipe.sim.gantt import save_gantt
+from roundpipe.sim.options import SimOptions
 from roundpipe.sim.report import jsonable
 from roundpipe.sim.scenario import Scenario, prepare
 from roundpipe.sim.simulator import simulate

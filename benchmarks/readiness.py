@@ -48,7 +48,7 @@ from _common import llama_model, write_results  # noqa: E402
 import roundpipe  # noqa: E402
 from roundpipe.partition.cost import model_costs  # noqa: E402
 from roundpipe.presets import load_hardware  # noqa: E402
-from roundpipe.sim.engine import SimOptions  # noqa: E402
+from roundpipe.sim.options import SimOptions  # noqa: E402
 from roundpipe.sim.simulator import simulate  # noqa: E402
 from roundpipe.sim.workload import workload_from_costs  # noqa: E402
 from roundpipe.testing import faults  # noqa: E402

@@ -49,8 +49,9 @@ from roundpipe.presets import Server, load_hardware
 from roundpipe.schedule import POLICIES, build_table
 from roundpipe.schedule.formulas import closed_form
 from roundpipe.schedule.table import Partition
-from roundpipe.sim.engine import SimOptions, SimResult
+from roundpipe.sim.options import SimOptions
 from roundpipe.sim.report import jsonable
+from roundpipe.sim.result import SimResult
 from roundpipe.sim.scenario import Scenario, prepare
 from roundpipe.sim.simulator import simulate, without_costs
 from roundpipe.sim.workload import Workload, uniform_workload

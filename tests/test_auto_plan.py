@@ -20,7 +20,7 @@ from roundpipe.presets import load_hardware
 from roundpipe.runtime.pipeline import Pipeline
 from roundpipe.schedule import POLICIES, Partition
 from roundpipe.sim.choice import choose
-from roundpipe.sim.engine import SimOptions
+from roundpipe.sim.options import SimOptions
 from roundpipe.sim.search import OBJECTIVE_GRAINS
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import LayerWork, Workload

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import roundpipe.runtime.plan as runtime_plan
-import roundpipe.sim.engine as sim_engine
+import roundpipe.sim.operations as sim_operations
 import roundpipe.sim.workload as sim_workload
 from roundpipe.schedule import POLICIES, Partition, ScheduleTable, build_table, flow, policy_options
 from roundpipe.schedule.flow import device_flows
@@ -221,7 +221,10 @@ def test_the_runtime_flow_plan_and_the_simulator_ops_are_the_same_ops(table):
 
 def test_the_runtime_and_the_simulator_read_one_flow_function():
     assert (
-        runtime_plan.device_flows is sim_engine.device_flows is sim_workload.device_flows is flow.device_flows
+        runtime_plan.device_flows
+        is sim_operations.device_flows
+        is sim_workload.device_flows
+        is flow.device_flows
     )
 
 

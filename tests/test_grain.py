@@ -15,7 +15,7 @@ from roundpipe.partition.grain import MAX_FUSED_LAYERS, grain_choices, objective
 from roundpipe.partition.memory import last_stage_bytes, memory_vectors, stage_bytes
 from roundpipe.partition.model_plan import plan
 from roundpipe.presets import load_hardware, load_model_config
-from roundpipe.sim.engine import SimOptions
+from roundpipe.sim.options import SimOptions
 from roundpipe.sim.scenario import Scenario, check_scenario, microbatch_sizes, prepare, run_scenario
 from roundpipe.sim.search import microbatch_candidates
 

@@ -15,7 +15,7 @@ from roundpipe.presets import load_hardware
 from roundpipe.runtime.inputs import split_batch
 from roundpipe.schedule import build_table
 from roundpipe.sim.choice import default_partition
-from roundpipe.sim.engine import SimOptions
+from roundpipe.sim.options import SimOptions
 from roundpipe.sim.scenario import Scenario, run_scenario
 from roundpipe.sim.simulator import simulate, without_costs
 from roundpipe.sim.workload import uniform_workload

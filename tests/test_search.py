@@ -16,7 +16,7 @@ from roundpipe.presets import load_hardware, load_model_config
 from roundpipe.schedule import POLICIES
 from roundpipe.sim import choice, scenario, search
 from roundpipe.sim.choice import choose
-from roundpipe.sim.engine import SimOptions
+from roundpipe.sim.options import SimOptions
 from roundpipe.sim.scenario import Scenario, prepare
 from roundpipe.sim.search import microbatch_candidates, partitions
 

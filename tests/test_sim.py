@@ -17,7 +17,7 @@ from roundpipe.schedule import POLICIES, build_table
 from roundpipe.schedule.formulas import closed_form
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.schedule.timeline import LANES, Span, Timeline
-from roundpipe.sim.engine import SimOptions
+from roundpipe.sim.options import SimOptions
 from roundpipe.sim.scenario import Scenario, check_scenario, run_scenario
 from roundpipe.sim.simulator import simulate, without_costs
 from roundpipe.sim.tune import refine, stage_blame, tune

@@ -16,7 +16,7 @@ from tiny_models import make_timing_llama
 import roundpipe
 from roundpipe.partition.cost import model_costs
 from roundpipe.presets import load_hardware
-from roundpipe.sim.engine import SimOptions
+from roundpipe.sim.options import SimOptions
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import workload_from_costs
 

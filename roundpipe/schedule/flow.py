@@ -1,8 +1,8 @@
 """The data flow of a schedule table: per device, the ops it runs and the hand-offs they move.
 
 The one place these rules are written; the runtime (``runtime/plan.py`` turns the ops into its
-workers' task flows) and the simulator (``sim/engine.py`` costs and replays them) both read them,
-so the two run the same ops.
+workers' task flows) and the simulator (``sim/operations.py`` costs them, ``sim/engine.py`` replays
+them) both read them, so the two run the same ops.
 
 - **Fusion.** ``F(last_f, j)`` directly followed in a device row by the last backward stage's
   ``B(last_b, j)`` (or ``I``) of the same microbatch is one *fused* op, provided the last forward

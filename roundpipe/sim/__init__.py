@@ -15,8 +15,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "SimOptions": "roundpipe.sim.engine",
-    "SimResult": "roundpipe.sim.engine",
+    "SimOptions": "roundpipe.sim.options",
+    "SimResult": "roundpipe.sim.result",
     "simulate": "roundpipe.sim.simulator",
     "without_costs": "roundpipe.sim.simulator",
     "LayerWork": "roundpipe.sim.workload",

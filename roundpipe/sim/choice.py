@@ -58,7 +58,7 @@ from roundpipe.presets import load_hardware
 from roundpipe.schedule import POLICIES
 from roundpipe.schedule.deps import BACKWARD_KINDS
 from roundpipe.schedule.table import Partition
-from roundpipe.sim.engine import SimOptions
+from roundpipe.sim.options import SimOptions
 from roundpipe.sim.search import (  # the search's rules; re-exported for the runtime's planner
     Candidate,
     default_partition,

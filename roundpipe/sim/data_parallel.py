@@ -49,7 +49,6 @@ from roundpipe.partition.cost import FP32, GRAD_HOST_BYTES_PER_PARAM, OPTIMIZER_
 from roundpipe.presets import Server
 from roundpipe.schedule.flow import device_flows
 from roundpipe.schedule.table import ScheduleTable
-from roundpipe.sim.engine import SimOptions, SimResult
 from roundpipe.sim.network import (
     Network,
     check_nodes,
@@ -58,6 +57,8 @@ from roundpipe.sim.network import (
     known_networks,
     load_network,
 )
+from roundpipe.sim.options import SimOptions
+from roundpipe.sim.result import SimResult
 from roundpipe.sim.workload import Workload
 
 SHARDING_CHOICES = ("none", "nodes")

@@ -26,16 +26,29 @@ Pure Python.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from roundpipe.sim.engine import _OpState, _Sim
+    from roundpipe.sim.operations import OpState
+
+
+class Replay(Protocol):
+    """What the ready order reads and calls on the simulation it orders (``engine._Sim``)."""
+
+    n_dev: int
+    ops: list[list[OpState]]  # per device, its operations, in the order they run (ReadyOrder moves them)
+    stream: list[bool]  # per device, whether it streams its weights group by group
+    eligible: list[int]  # per device, the weight groups whose uploads may start
+
+    def make_eligible(self, d: int, upto: int) -> None: ...
+
+    def check_inputs(self, st: OpState) -> None: ...
 
 
 class ReadyOrder:
     """The commit points of every device of one simulation (``sim``)."""
 
-    def __init__(self, sim: _Sim):
+    def __init__(self, sim: Replay):
         self.sim = sim
         self.slot = [0] * sim.n_dev
         self.moved = 0  # operations that ran ahead of one before them in the table
@@ -65,9 +78,9 @@ class ReadyOrder:
             st.alloc = not any(o.pos < k for o in others)
             st.flush = all(o.pos < k for o in others)
         if st.keys and st.group >= sim.eligible[d]:
-            sim._make_eligible(d, st.group + 1)
+            sim.make_eligible(d, st.group + 1)
         st.lookahead_ok = True
-        sim._check_inputs(st)
+        sim.check_inputs(st)
 
     def _first_ready(self, d: int, k: int) -> int | None:
         ops = self.sim.ops[d]
@@ -81,7 +94,7 @@ class ReadyOrder:
         return None
 
     @staticmethod
-    def _move(ops: list[_OpState], j: int, k: int) -> None:
+    def _move(ops: list[OpState], j: int, k: int) -> None:
         """Move ``ops[j]`` to ``k`` (< j); re-assign the position flags within ``ops[k..j]``."""
         ops.insert(k, ops.pop(j))
         span = ops[k : j + 1]

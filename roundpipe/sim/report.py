@@ -6,7 +6,7 @@ import json
 import math
 from typing import Any
 
-from roundpipe.sim.engine import SimResult
+from roundpipe.sim.result import SimResult
 
 GIB = 1 << 30
 

@@ -31,7 +31,8 @@ from roundpipe.partition.model_plan import HEAD_SHARD_CANDIDATES, plan
 from roundpipe.presets import Server, load_hardware, load_model_config, normalize_dtype
 from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
-from roundpipe.sim.engine import SimOptions, SimResult
+from roundpipe.sim.options import SimOptions
+from roundpipe.sim.result import SimResult
 from roundpipe.sim.search import partitions
 from roundpipe.sim.simulator import simulate
 from roundpipe.sim.workload import Workload, workload_from_costs

@@ -50,7 +50,7 @@ from roundpipe.partition.model_plan import cut_phases
 from roundpipe.partition.partitioner import optimal_partition
 from roundpipe.schedule import POLICIES, policy_options
 from roundpipe.schedule.table import Partition
-from roundpipe.sim.engine import SimResult
+from roundpipe.sim.result import SimResult
 
 MICROBATCHES_PER_DEVICE = (1, 2, 4, 8)
 ONE_PER_MICROBATCH_UP_TO = 16  # one sample per microbatch is tried up to this many per device

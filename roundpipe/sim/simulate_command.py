@@ -18,7 +18,7 @@ import sys
 
 from roundpipe.errors import ConfigError, RoundpipeError
 from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY
-from roundpipe.sim.engine import SimOptions
+from roundpipe.sim.options import SimOptions
 from roundpipe.sim.report import dumps, result_table
 
 

@@ -19,7 +19,9 @@ from roundpipe.schedule import build_table, policy_options
 from roundpipe.schedule.flow import StageWork, device_flows
 from roundpipe.schedule.rotation import next_start_device, rotation
 from roundpipe.schedule.table import ScheduleTable
-from roundpipe.sim.engine import SimOptions, SimResult, _Sim
+from roundpipe.sim.engine import _Sim
+from roundpipe.sim.options import SimOptions
+from roundpipe.sim.result import SimResult
 from roundpipe.sim.workload import Workload
 
 

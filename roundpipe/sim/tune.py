@@ -37,7 +37,8 @@ from roundpipe.partition.cost import layer_times, model_costs
 from roundpipe.presets import load_model_config
 from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, TaskKind, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
-from roundpipe.sim.engine import SimOptions, SimResult
+from roundpipe.sim.options import SimOptions
+from roundpipe.sim.result import SimResult
 from roundpipe.sim.scenario import Prepared, Scenario, check_scenario, failed_result, prepare
 from roundpipe.sim.search import (
     OBJECTIVE_GRAINS,
