@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_batch, make_model
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.backend.cpu import CpuDevice
