@@ -29,8 +29,8 @@ for _path in (REPO, REPO / "tests"):
 
 def measure(case: str, repeats: int) -> dict:
     import torch
+    from support.tiny_models import make_batch, make_model
     from test_faults import CASES, _pipe, _train, _weights
-    from tiny_models import make_batch, make_model
 
     from roundpipe.testing import faults
 

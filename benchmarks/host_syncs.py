@@ -4,7 +4,7 @@ Such a read (``.item()``, ``bool(t)``, ``.all()`` as a condition, ``nonzero``, a
 that is not an ordered download) waits until the device's stream has run everything issued before
 it: on a GPU the worker stops issuing ahead and the device idles through the next task's Python.
 The cpu backend keeps CUDA's clock and counts every such read with its call site
-(``pipe.stats()["host_syncs"]``). Each family of ``tests/tiny_models.py`` (and mixtral) is built
+(``pipe.stats()["host_syncs"]``). Each family of ``tests/support/tiny_models.py`` (and mixtral) is built
 tiny, trained two steps with left padding and an attention mask, full and LoRA, on ``cpu:2``
 with the roundpipe policy, one layer per stage; the table gives the second step's count and where
 the reads come from. Dense families must read nothing; a mixture of experts routes tokens by
@@ -52,7 +52,7 @@ EXPERTS = ("grouped_mm", "eager")
 
 
 def build(family: str, lora: bool, experts: str | None = None):
-    from tiny_models import make_model
+    from support.tiny_models import make_model
 
     if family == "mixtral":
         model = _mixtral()
@@ -69,7 +69,7 @@ def build(family: str, lora: bool, experts: str | None = None):
 
 def measure(family: str, lora: bool, experts: str | None = None) -> dict:
     """Two steps; the second step's host syncs."""
-    from tiny_models import make_batch
+    from support.tiny_models import make_batch
 
     import roundpipe
 
@@ -98,7 +98,7 @@ def _where(row: dict) -> str:
 
 def main() -> None:
     import torch
-    from tiny_models import FAMILIES
+    from support.tiny_models import FAMILIES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="llama and qwen3_moe only, full fine-tuning")

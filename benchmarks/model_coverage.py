@@ -4,7 +4,7 @@ Every entry of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is built tiny
 config (``roundpipe.models.tiny.tiny_config``, fp32, seed 0) and trained 3 AdamW steps twice, all
 parameters (``full``) and all-linear LoRA (``lora``), with roundpipe (``cpu:2``, 2 microbatches,
 the roundpipe policy, one layer per stage) and with plain PyTorch in fp32 and in float64. The
-family is ``exact`` when both runs meet the project's exactness rule (tests/reference.py:
+family is ``exact`` when both runs meet the project's exactness rule (tests/support/reference.py:
 ``assert_exact``): every loss equals plain fp32 to rtol 1e-5, and every weight is no further from
 the float64 run than twice as far as plain fp32 is, or within 1e-4 of it elementwise (where the float64 run is not finite, the
 suite's other rule: weights equal plain fp32 to rtol 1e-4, atol 1e-6). Each family runs in a
@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 DOCS = REPO / "docs" / "models.md"
-# tests/reference.py holds the plain-PyTorch baselines and the pipeline loop the test suite uses.
+# tests/support/reference.py holds the plain-PyTorch baselines and the pipeline loop the test suite uses.
 for _path in (REPO, REPO / "tests"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
@@ -227,7 +227,7 @@ def run_mode(model, batch: dict, mode: str, config: dict = ROUNDPIPE) -> dict:
     """Train ``mode`` (``full`` or ``lora``) with roundpipe (``config``) and plain PyTorch; one result
     dict with ``kind`` exact / inexact / refused / failed / unavailable and a ``detail``."""
     import torch
-    from reference import pipeline_train, reference_train
+    from support.reference import pipeline_train, reference_train
 
     import roundpipe
 
@@ -283,12 +283,12 @@ def _float64(model):
 
 
 def compare(got, plain, exact) -> dict:
-    """The exactness rule of tests/reference.py (``assert_exact``), reporting the worst case instead
+    """The exactness rule of tests/support/reference.py (``assert_exact``), reporting the worst case instead
     of stopping at the first."""
     loss_rel = max((abs(g - p) / max(abs(p), 1e-30) for g, p in zip(got.losses, plain.losses)), default=0.0)
     if got.weights.keys() != exact.weights.keys():
         return {"kind": "inexact", "detail": "the trained parameters differ from plain PyTorch's"}
-    from reference import EXACT_ATOL
+    from support.reference import EXACT_ATOL
 
     worst, worst_name = 0.0, ""
     for name, want in exact.weights.items():
@@ -314,7 +314,7 @@ def compare_fp32(got, plain, why: str) -> dict:
     """Where the float64 run cannot serve (several families' float64 attention turns the fully
     masked rows of left padding into NaN), the test suite's other rule: losses equal plain fp32 to
     rtol 1e-5 and weights to rtol 1e-4, atol 1e-6 (``assert_same_run``)."""
-    from reference import WEIGHT_ATOL
+    from support.reference import WEIGHT_ATOL
 
     note = f"checked against plain fp32 only: {why}"
     loss_rel = max((abs(g - p) / max(abs(p), 1e-30) for g, p in zip(got.losses, plain.losses)), default=0.0)
@@ -359,7 +359,7 @@ def one_family(model_type: str) -> dict:
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
-    from reference import reference_train
+    from support.reference import reference_train
 
     row = {"model_type": model_type, "class": dict(families()).get(model_type, "?")}
     try:
@@ -543,7 +543,7 @@ roundpipe runs with `RunConfig(devices="cpu:2", num_microbatches=2, policy="roun
 partition=None)`; plain PyTorch runs the same steps in fp32 and in float64. A run is exact when every
 loss equals plain fp32 to rtol 1e-5 and every weight is no further from the float64 run than twice
 as far as plain fp32 is, or within 1e-4 of plain fp32 elementwise (`assert_exact` in
-tests/reference.py). Where the float64 run is not
+tests/support/reference.py). Where the float64 run is not
 finite (in several families float64 attention turns the fully masked rows of left padding into
 NaN) or fails, the run is checked against plain fp32 only, by the suite's other rule (weights to
 rtol 1e-4, atol 1e-6: `assert_same_run`), and the detail says so.

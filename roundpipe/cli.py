@@ -1,4 +1,8 @@
-"""The ``roundpipe`` command: ``train``, ``demo``, ``partition``, ``simulate``, ``plan`` and ``costs``."""
+"""The ``roundpipe`` command: ``train``, ``demo``, ``partition``, ``simulate``, ``plan`` and ``costs``.
+
+Each command lives in its own module of ``roundpipe/commands/``, imported only when it runs (so
+``roundpipe plan`` never imports torch); this file only picks one and hands it the arguments.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +11,21 @@ import sys
 
 COMMANDS = {
     "train": (
-        "roundpipe.train.command",
+        "roundpipe.commands.train",
         "fine-tune a model as a YAML recipe says (roundpipe train RECIPE.yaml)",
     ),
     "demo": (
-        "roundpipe.demo",
+        "roundpipe.commands.demo",
         "train recipes/demo.yaml: a small model learns to reverse strings (what `make demo` runs)",
     ),
-    "partition": ("roundpipe.partition.__main__", "print balanced partition plans for preset models"),
+    "partition": ("roundpipe.commands.partition", "print balanced partition plans for preset models"),
     "simulate": (
-        "roundpipe.sim.simulate_command",
+        "roundpipe.commands.simulate",
         "simulate one configuration: step time, tokens/s, memory, fits",
     ),
-    "plan": ("roundpipe.sim.plan_command", "search policy, partition and microbatches (or --max-seq-len)"),
+    "plan": ("roundpipe.commands.plan", "search policy, partition and microbatches (or --max-seq-len)"),
     "costs": (
-        "roundpipe.sim.costs_command",
+        "roundpipe.commands.costs",
         "per-layer forward/backward seconds and bytes the cost model predicts (or --calibration)",
     ),
 }

@@ -49,7 +49,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distributed/",),  # data parallelism's collectives, over the optimizer's master store
     ("runtime/",),  # the Pipeline (its data-parallel side: runtime/data_parallel.py)
     ("train/",),  # the training product
-    ("cli.py", "demo.py", "__init__.py"),  # the command and the public API
+    ("commands/", "cli.py", "__init__.py"),  # the commands, the `roundpipe` entry point, the public API
 )
 
 

@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-from reference import EPS, LR
-from tiny_models import make_batch, make_model
+from support.reference import EPS, LR
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.config import known_policies
@@ -277,7 +277,7 @@ def test_a_device_as_small_as_one_layer_per_stage_needs_still_trains_on_the_defa
     what it runs stays within the device, also when every gradient download is slow, so that the
     previous stage's fp32 gradients are still on the device while the next stage's fill (CI once
     ran out of memory there: the plans' memory rule did not count them)."""
-    from memory_oracle import (
+    from support.memory_oracle import (
         device_of,
         gradients_downloading,
         hand_offs_in_flight,

@@ -21,9 +21,9 @@ from roundpipe.cli import main
 from roundpipe.errors import ConfigError
 from roundpipe.partition.cost import layer_time, layer_times, model_costs, model_totals
 from roundpipe.partition.kernels import gemm, gemm_efficiency, kernel_seconds, keys_per_query, rates
+from roundpipe.partition.layer_rows import QUANTITIES, calibration, layer_rows, totals
 from roundpipe.partition.shape import model_shape
 from roundpipe.presets import known_models, load_hardware, load_measured_layers, load_model_config
-from roundpipe.sim.costs_command import QUANTITIES, calibration, layer_rows, totals
 
 MEASURED = load_measured_layers()
 CASES = [(model, q) for model in MEASURED["models"] for q in QUANTITIES]
@@ -243,8 +243,8 @@ def test_layer_rows_refuse_a_head_shard_count_that_is_not_a_positive_int():
 
 def test_the_cost_model_and_the_command_never_import_torch():
     code = (
-        "import sys; import roundpipe.sim.costs_command, roundpipe.partition.kernels, roundpipe.partition.shape; "
-        "roundpipe.sim.costs_command.calibration(); "
+        "import sys; import roundpipe.commands.costs, roundpipe.partition.kernels, roundpipe.partition.shape; "
+        "from roundpipe.partition.layer_rows import calibration; calibration(); "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from gpu_check_support import (
+from support.gpu_check_support import (
     DRY_RUN,
     MiB,
     below_minimum,
@@ -47,8 +47,8 @@ pytestmark = [
 ]
 
 try:
-    from reference import assert_same_run, pipeline_train, reference_train
-    from tiny_models import make_batch, make_model, variable_length_batch
+    from support.reference import assert_same_run, pipeline_train, reference_train
+    from support.tiny_models import make_batch, make_model, variable_length_batch
 
     import roundpipe
     from roundpipe.config import known_policies
@@ -140,7 +140,7 @@ def _reference(lora):
     hanayo on two workers) and its plain-PyTorch training on the CPU."""
     if lora not in _references:
         model = build_or_skip(
-            "tests/tiny_models.make_model('qwen3')",
+            "tests/support/tiny_models.make_model('qwen3')",
             lambda: make_model("qwen3", num_layers=6, tied=True, lora=lora),
         )
         batch = make_batch(batch=8, padding="left")
@@ -173,7 +173,7 @@ def test_every_policy_trains_like_plain_pytorch(policy, spec, microbatches, lora
 # ----------------------------------------------------------------------------- smoke
 def test_bf16_lora_training_lowers_the_loss():
     model = build_or_skip(
-        "tests/tiny_models.make_model('llama')", lambda: make_model("llama", lora="all-linear")
+        "tests/support/tiny_models.make_model('llama')", lambda: make_model("llama", lora="all-linear")
     )
     batch = make_batch(batch=6, padding="right")
     got = pipeline_train(model, batch, 5, devices=devices("cuda:0x2"), num_microbatches=3, dtype="bf16")
@@ -184,7 +184,9 @@ def test_the_ledger_peak_bounds_what_is_really_allocated():
     """The ledger counts what the runtime places (weights, activations, gradients); the real peak
     (torch.cuda's allocator; the cpu devices' measured live bytes in a dry run) adds the compute's
     own temporaries, which for these tiny layers stay within a few MiB."""
-    model = build_or_skip("tests/tiny_models.make_model('llama')", lambda: make_model("llama", num_layers=3))
+    model = build_or_skip(
+        "tests/support/tiny_models.make_model('llama')", lambda: make_model("llama", num_layers=3)
+    )
     batch = make_batch(batch=6)
     if on_gpu():
         gc.collect()
@@ -230,7 +232,7 @@ def test_on_cudas_clock_a_slow_gpu_lora_run_with_the_embedding_alone_trains_like
     a pinned buffer given back while a download still wrote it, or a device buffer reused before the
     work reading it ran, would change the numbers."""
     model = build_or_skip(
-        "tests/tiny_models.make_model('llama')", lambda: make_model("llama", lora="default")
+        "tests/support/tiny_models.make_model('llama')", lambda: make_model("llama", lora="default")
     )
     batch = make_batch(batch=8, padding="left")
     want = reference_train(model, batch, STEPS)
@@ -251,7 +253,7 @@ def test_on_cudas_clock_a_warm_step_with_an_attention_mask_makes_no_host_sync():
     """Reading a device value on the host waits for the stream (the run-ahead collapses). With
     ``torch.cuda.set_sync_debug_mode("error")`` around a warm step (left padding, an attention mask)
     any such read raises where it happens; a dry run reads the cpu backend's count instead."""
-    model = build_or_skip("tests/tiny_models.make_model('llama')", lambda: make_model("llama"))
+    model = build_or_skip("tests/support/tiny_models.make_model('llama')", lambda: make_model("llama"))
     batch = make_batch(batch=8, padding="left")
     config = roundpipe.RunConfig(devices=devices("cuda:0x2"), num_microbatches=4, policy="roundpipe")
     with roundpipe.wrap(model, config) as pipe:
@@ -283,7 +285,9 @@ def test_on_cudas_clock_the_pinned_pool_stays_within_its_headroom_over_variable_
     """Lengths drawn per step change every hand-off's size: the pinned pool reuses size classes and
     larger buffers and gives the least recently used back, so its reserved bytes stay within 1.25x
     its peak in use (and it does not register new host memory with the driver every step)."""
-    model = build_or_skip("tests/tiny_models.make_model('llama')", lambda: make_model("llama", num_layers=2))
+    model = build_or_skip(
+        "tests/support/tiny_models.make_model('llama')", lambda: make_model("llama", num_layers=2)
+    )
     rng = torch.Generator().manual_seed(0)
     config = roundpipe.RunConfig(
         devices=devices("cuda:0x2"), num_microbatches=4, policy="roundpipe", partition=None
@@ -317,7 +321,9 @@ def test_the_stream_sanitizer_flags_a_roundpipe_wait_removed():
         from torch.cuda._sanitizer import CUDASanitizerErrors as flagged
     else:
         from roundpipe.errors import StreamProtocolError as flagged
-    model = build_or_skip("tests/tiny_models.make_model('llama')", lambda: make_model("llama", num_layers=2))
+    model = build_or_skip(
+        "tests/support/tiny_models.make_model('llama')", lambda: make_model("llama", num_layers=2)
+    )
     batch = make_batch(batch=4)
     config = roundpipe.RunConfig(
         devices=devices("cuda:0"), num_microbatches=2, policy="roundpipe", partition=None, sanitize=True

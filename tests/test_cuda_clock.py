@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_batch, make_model, variable_length_batch
+from support.tiny_models import make_batch, make_model, variable_length_batch
 
 import roundpipe
 from roundpipe.config import known_policies

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dp_cases import train_case
-from reference import RunResult, assert_exact, reference_train
-from tiny_models import make_batch, make_model
+from support.dp_cases import train_case
+from support.reference import RunResult, assert_exact, reference_train
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.errors import ConfigError
@@ -45,7 +45,7 @@ def launch(world: int, cases: list[dict], out: Path, timeout: float = 300) -> di
                "OMP_NUM_THREADS": "1"}  # fmt: skip
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(HERE / "dp_worker.py"), str(out), json.dumps(cases)],
+                [sys.executable, str(HERE / "support" / "dp_worker.py"), str(out), json.dumps(cases)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from reference import (
+from support.reference import (
     assert_exact,
     assert_same_run,
     pipeline_train,
@@ -14,7 +14,7 @@ from reference import (
     reference_train_one_step_stale,
     trainable_weights,
 )
-from tiny_models import FAMILIES, make_batch, make_model
+from support.tiny_models import FAMILIES, make_batch, make_model
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_batch, make_model
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.errors import ConfigError

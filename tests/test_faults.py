@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from tiny_models import make_batch, make_model
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.backend.cpu import PINNED, waiting

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import make_batch, make_model
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.cli import main

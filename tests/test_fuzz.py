@@ -799,7 +799,7 @@ ANY_DTYPES = [*INT_DTYPES, torch.int16, torch.uint8, torch.float32, torch.float6
 
 @pytest.fixture(scope="module")
 def pipe():
-    from tiny_models import make_model
+    from support.tiny_models import make_model
 
     pipe = roundpipe.wrap(make_model("llama", num_layers=1), roundpipe.RunConfig(devices="cpu:1"))
     pipe.configure_optimizer(lr=1e-3)
@@ -809,7 +809,7 @@ def pipe():
 
 
 def _still_trains(pipe) -> None:
-    from tiny_models import make_batch
+    from support.tiny_models import make_batch
 
     batch = make_batch(batch=2, seq=6)
     out = pipe.forward_backward(batch["input_ids"], batch["labels"], batch["attention_mask"])

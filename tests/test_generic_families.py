@@ -11,8 +11,8 @@ import copy
 
 import pytest
 import torch
-from reference import assert_exact, pipeline_train, reference_train
-from tiny_models import VOCAB, make_batch, make_model
+from support.reference import assert_exact, pipeline_train, reference_train
+from support.tiny_models import VOCAB, make_batch, make_model
 
 import roundpipe
 from roundpipe.errors import UnsupportedModel

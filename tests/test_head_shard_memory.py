@@ -15,13 +15,13 @@ import copy
 
 import pytest
 import torch
-from reference import (
+from support.reference import (
     assert_same_run,
     pipeline_train,
     reference_train,
     reference_train_one_step_stale,
 )
-from tiny_models import VOCAB, make_batch, make_model
+from support.tiny_models import VOCAB, make_batch, make_model
 
 import roundpipe
 from roundpipe.models import MicrobatchInputs, adapt_model

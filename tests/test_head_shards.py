@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from tiny_models import VOCAB, make_batch, make_model, saved_vocab_shapes
+from support.tiny_models import VOCAB, make_batch, make_model, saved_vocab_shapes
 from torch import nn
 from torch.nn import functional as F
 

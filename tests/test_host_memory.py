@@ -9,8 +9,8 @@ import threading
 
 import pytest
 import torch
-from reference import assert_same_run, pipeline_train, reference_train
-from tiny_models import make_batch, make_model
+from support.reference import assert_same_run, pipeline_train, reference_train
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe import config as config_module

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import EPS, LR
-from tiny_models import make_batch, make_model
+from support.reference import EPS, LR
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.errors import CheckpointError, ConfigError

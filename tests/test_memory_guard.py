@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_batch, make_model
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.backend.cpu import CpuDevice
@@ -156,7 +156,7 @@ def test_a_fixed_assignment_plans_each_device_for_its_own_stages():
 def test_roundpipe_train_exits_2_with_one_line_on_a_refusal(tmp_path: Path, monkeypatch, capsys):
     import yaml
 
-    from roundpipe.train.command import main
+    from roundpipe.commands.train import main
 
     run = tmp_path / "run"
     recipe = {

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from tiny_models import FAMILIES, VOCAB, make_batch, make_model, saved_vocab_shapes
+from support.tiny_models import FAMILIES, VOCAB, make_batch, make_model, saved_vocab_shapes
 from torch.nn import functional as F
 
 from roundpipe.errors import ConfigError, InputError, UnsupportedModel

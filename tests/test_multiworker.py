@@ -9,17 +9,17 @@ import time
 
 import pytest
 import torch
-from gpu_check_support import policy_accepts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from memory_oracle import hand_offs_in_flight, microbatches_of, working_set
-from reference import (
+from support.gpu_check_support import policy_accepts
+from support.memory_oracle import hand_offs_in_flight, microbatches_of, working_set
+from support.reference import (
     assert_same_run,
     pipeline_train,
     reference_train,
     reference_train_one_step_stale,
 )
-from tiny_models import make_batch, make_model
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.errors import ConfigError, ScheduleError

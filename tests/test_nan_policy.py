@@ -13,8 +13,8 @@ import math
 
 import pytest
 import torch
-from reference import pipeline_train, reference_train
-from tiny_models import make_batch, make_model
+from support.reference import pipeline_train, reference_train
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.errors import ConfigError, NonFiniteError

@@ -2,7 +2,7 @@
 
 The partitioner is checked against brute force on random small instances; on real configs its
 plans are checked for balance (against an independent min-max dynamic program) and for memory
-(by the cost model's own accounting). ``python -m roundpipe.partition`` prints the plans.
+(by the cost model's own accounting). ``roundpipe partition`` prints the plans.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from roundpipe.commands.partition import main as partition_main
 from roundpipe.errors import ConfigError, PlanError
 from roundpipe.partition import (
     auto_microbatches,
@@ -28,7 +29,6 @@ from roundpipe.partition import (
     roundpipe_bubble,
     stage_bytes,
 )
-from roundpipe.partition.__main__ import main as partition_main
 from roundpipe.presets import GIB, known_gpus, known_models, load_hardware, load_model_config
 from roundpipe.schedule.table import Partition
 
@@ -382,6 +382,6 @@ def test_plan_serialises_and_prints_a_table():
     assert "F3" in table and "B7" in table and "est. time" in table and "peak" in table
 
 
-def test_python_dash_m_prints_a_plan(capsys):
+def test_roundpipe_partition_prints_a_plan(capsys):
     partition_main(["qwen3-0.6b", "--stages", "4", "--seq", "1024"])
     assert "qwen3-0.6b on 8x rtx4090" in capsys.readouterr().out

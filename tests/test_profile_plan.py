@@ -8,8 +8,8 @@ import time
 
 import pytest
 import torch
-from reference import assert_same_run, pipeline_train, reference_train
-from tiny_models import make_batch, make_model, make_timing_llama
+from support.reference import assert_same_run, pipeline_train, reference_train
+from support.tiny_models import make_batch, make_model, make_timing_llama
 
 import roundpipe
 

@@ -10,8 +10,8 @@ import weakref
 
 import pytest
 import torch
-from memory_oracle import hand_offs_in_flight, microbatches_of, working_set
-from reference import (
+from support.memory_oracle import hand_offs_in_flight, microbatches_of, working_set
+from support.reference import (
     EPS,
     LR,
     RunResult,
@@ -21,7 +21,7 @@ from reference import (
     reference_train_one_step_stale,
     trainable_weights,
 )
-from tiny_models import make_batch, make_model
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.errors import ConfigError, ScheduleError

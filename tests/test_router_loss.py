@@ -12,8 +12,8 @@ import copy
 
 import pytest
 import torch
-from reference import assert_exact, pipeline_train, reference_train
-from tiny_models import VOCAB, make_batch
+from support.reference import assert_exact, pipeline_train, reference_train
+from support.tiny_models import VOCAB, make_batch
 
 import roundpipe
 from roundpipe.errors import ConfigError, UnsupportedModel

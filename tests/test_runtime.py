@@ -7,8 +7,14 @@ import time
 
 import pytest
 import torch
-from memory_oracle import device_of, gradients_downloading, hand_offs_in_flight, microbatches_of, working_set
-from tiny_models import make_batch, make_model
+from support.memory_oracle import (
+    device_of,
+    gradients_downloading,
+    hand_offs_in_flight,
+    microbatches_of,
+    working_set,
+)
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.errors import (

@@ -417,7 +417,7 @@ def test_tuner_ranks_fitting_plans_by_throughput():
 
 
 def test_simulate_command_prints_one_json_object(capsys, tmp_path):
-    from roundpipe.sim.simulate_command import main
+    from roundpipe.commands.simulate import main
 
     main(
         ["--model", "qwen3-0.6b", "--hardware", "2xrtx4090", "--policy", "1f1b", "--seq-len", "256",
@@ -432,7 +432,7 @@ def test_simulate_command_prints_one_json_object(capsys, tmp_path):
 
 
 def test_masked_labels_make_the_simulated_step_shorter(capsys):
-    from roundpipe.sim.simulate_command import main
+    from roundpipe.commands.simulate import main
 
     def step(*extra):
         main(["--model", "qwen3-0.6b", "--hardware", "2xrtx4090", "--seq-len", "512", "--global-batch", "8",
@@ -445,7 +445,7 @@ def test_masked_labels_make_the_simulated_step_shorter(capsys):
 
 
 def test_plan_command_tunes_and_finds_the_longest_sequence(capsys):
-    from roundpipe.sim.plan_command import main
+    from roundpipe.commands.plan import main
 
     main(["--model", "qwen3-0.6b", "--hardware", "2xrtx4090", "--seq-len", "256", "--global-batch", "4",
           "--lora-rank", "8", "--policies", "roundpipe,gpipe", "--time-budget", "10", "--json"])  # fmt: skip
@@ -458,7 +458,7 @@ def test_plan_command_tunes_and_finds_the_longest_sequence(capsys):
 
 
 def test_commands_exit_2_with_a_message_on_bad_input(capsys):
-    from roundpipe.sim.simulate_command import main
+    from roundpipe.commands.simulate import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--model", "nope", "--seq-len", "128"])

@@ -11,6 +11,7 @@ from functools import cache
 
 import pytest
 
+from roundpipe.commands.plan import main as plan_main
 from roundpipe.errors import ConfigError
 from roundpipe.partition.cost import model_costs, model_totals
 from roundpipe.presets import load_hardware, load_model_config
@@ -25,7 +26,6 @@ from roundpipe.sim.data_parallel import (
     replay,
 )
 from roundpipe.sim.network import Network, host_reduce_bw, known_networks, load_network, traffic
-from roundpipe.sim.plan_command import main as plan_main
 from roundpipe.sim.scenario import Scenario, prepare
 
 GB = 1e9
@@ -347,7 +347,7 @@ def test_plan_refuses_bad_multinode_settings(capsys, extra, message):
 def test_the_multinode_prediction_never_imports_torch():
     code = (
         "import sys; from roundpipe.sim.scenario import Scenario, prepare; "
-        "from roundpipe.sim.data_parallel import predict_prepared; import roundpipe.sim.plan_command; "
+        "from roundpipe.sim.data_parallel import predict_prepared; import roundpipe.commands.plan; "
         "p = prepare(Scenario('qwen3-0.6b', '2xrtx4090', seq_len=512, global_batch=4, microbatches=4)); "
         "print(predict_prepared(p, 2, '10gbe')[2].step_s); "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"

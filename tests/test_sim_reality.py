@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from tiny_models import make_timing_llama
+from support.tiny_models import make_timing_llama
 
 import roundpipe
 from roundpipe.partition.cost import model_costs

@@ -13,14 +13,14 @@ import time
 
 import pytest
 import torch
-from memory_oracle import (
+from support.memory_oracle import (
     gradients_downloading,
     hand_offs_in_flight,
     microbatches_of,
     slow_gradient_downloads,
     working_set,
 )
-from tiny_models import make_batch, make_model
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.backend import MemoryLedger, make_backend

@@ -8,8 +8,8 @@ import copy
 
 import pytest
 import torch
-from reference import EPS, LR, trainable_weights
-from tiny_models import make_batch, make_model
+from support.reference import EPS, LR, trainable_weights
+from support.tiny_models import make_batch, make_model
 
 import roundpipe
 

@@ -23,9 +23,9 @@ import argparse
 import math
 import sys
 
+from roundpipe.commands.model_args import add_model_args, model_settings
 from roundpipe.errors import ConfigError, RoundpipeError
 from roundpipe.sim.report import GIB, dumps, result_table
-from roundpipe.sim.simulate_command import add_model_args, model_settings
 from roundpipe.sim.tune import DEFAULT_TIME_BUDGET_S
 
 

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import torch
-from reference import EPS, LR, trainable_weights
-from tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.testing import faults
+from support.reference import EPS, LR, trainable_weights
+from support.tiny_models import make_batch, make_model
 
 
 def optimizer_state_bytes(pipe) -> int:

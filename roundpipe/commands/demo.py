@@ -11,12 +11,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml"
+from roundpipe.commands.train import main as train
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "demo.yaml"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from roundpipe.train.command import main as train
-
     argv = sys.argv[1:] if argv is None else argv
     if not RECIPE.exists():
         raise SystemExit(f"{RECIPE} is missing: run the demo from a roundpipe checkout")

@@ -1,7 +1,7 @@
 """One data-parallel rank of tests/test_data_parallel.py, launched as torchrun would (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment).
 
-    python tests/dp_worker.py OUT_DIR CASES_JSON
+    python tests/support/dp_worker.py OUT_DIR CASES_JSON
 
 Trains every case (a dict of ``train_case``'s arguments) in turn in the same process group and
 writes ``OUT_DIR/<name>.rank<r>.pt``: the losses, the trained weights, and the bytes of optimizer
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the support package
 torch.set_num_threads(1)
 
-from dp_cases import train_case  # noqa: E402
+from support.dp_cases import train_case  # noqa: E402
 
 
 def main() -> None:

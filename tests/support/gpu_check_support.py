@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 DRY_RUN = os.environ.get("ROUNDPIPE_GPU_CHECK_DRY_RUN", "") not in ("", "0")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 2**20
 
 # A dry run maps the GPU specs onto virtual cpu devices with as many workers.
@@ -131,7 +131,7 @@ def transformers_has(*names: str) -> list[str]:
 
 def build_or_skip(what: str, build):
     """``build()``, turning a failure into a skip that names the versions when this machine's
-    packages are older than the tested set (tests/tiny_models.py uses transformers 5 features:
+    packages are older than the tested set (tests/support/tiny_models.py uses transformers 5 features:
     ``from_config(..., dtype=)``, ``layer_types``, Qwen3 / Gemma3 configs); a failure with the
     tested versions or newer is a real failure and is raised."""
     import pytest

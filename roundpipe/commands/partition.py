@@ -1,4 +1,4 @@
-"""Print partition plans: ``python -m roundpipe.partition [model ...] [--hardware 8xrtx4090] ...``.
+"""Print partition plans: ``roundpipe partition [model ...] [--hardware 8xrtx4090] ...``.
 
 Without model names it prints the recorded reference set: balance of Qwen3-1.7B, Qwen3-8B and
 Llama-3.1-8B on 8 stages, and the 24 GB memory plans of Qwen3-8B and Qwen3-32B (full) and
@@ -25,7 +25,7 @@ REFERENCE = (
 
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` and print one plan per model; a PlanError/ConfigError exits with status 2."""
-    ap = argparse.ArgumentParser(prog="python -m roundpipe.partition", description=__doc__)
+    ap = argparse.ArgumentParser(prog="roundpipe partition", description=__doc__)
     ap.add_argument(
         "models", nargs="*", help="preset names or config.json paths (default: the reference set)"
     )
