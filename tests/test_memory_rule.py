@@ -18,7 +18,13 @@ from roundpipe.sim.workload import LayerWork
 ROOT = Path(__file__).resolve().parents[1] / "roundpipe"
 # Where a layer's transient bytes may be read: the rule, the cost model that defines them, the
 # simulator's copy of a cost into its workload, and the rows ``roundpipe costs`` prints.
-READERS = {"partition/memory.py", "partition/cost.py", "sim/workload.py", "partition/layer_rows.py"}
+READERS = {
+    "partition/memory.py",
+    "partition/cost.py",
+    "sim/workload.py",
+    "partition/layer_rows.py",
+    "commands/costs.py",
+}
 
 
 def _reads(path: Path, attribute: str) -> bool:
