@@ -1,8 +1,8 @@
 """Where host memory comes from: three modes (``RunConfig.host_memory``), one allocator class each.
 
 - ``"arena"``: static tensors (the parameter store's compute copies) are planned first and carved
-  from one exactly-sized block (one per ``block_bytes``); pool buffers are carved from chunks of at
-  least ``chunk_bytes``. Reserved = the sizes of those blocks.
+  from one exactly-sized block (one per ``block_bytes``); each pool buffer is an exactly sized
+  block of its own. Reserved = the sizes of those blocks.
 - ``"pinned"``: one ``Backend.pin`` per tensor (the behaviour before arenas). Reserved is what the
   CUDA caching host allocator reserves: the real figure where the backend can report it (an optional
   ``pinned_host_reserved_bytes()`` method), else the model of it: each request rounded up to a power
