@@ -28,7 +28,7 @@ OPTIMIZER_MODES = ("sync", "async")
 NAN_POLICIES = ("skip", "stop")
 DATA_PARALLEL_MODES = ("auto", "off")
 OPTIMIZER_SHARDINGS = ("none", "nodes")
-HOST_MEMORY_MODES = ("arena", "pinned", "pageable")  # = roundpipe.backend.host_memory.HOST_MEMORY_MODES
+HOST_MEMORY_MODES = ("arena", "pinned", "pageable")  # = roundpipe.backend.host_allocators.HOST_MEMORY_MODES
 
 
 def known_policies() -> list[str]:

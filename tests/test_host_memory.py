@@ -15,15 +15,10 @@ from support.tiny_models import make_batch, make_model
 import roundpipe
 from roundpipe import config as config_module
 from roundpipe.backend.cpu import CpuBackend
-from roundpipe.backend.host_memory import (
-    HOST_MEMORY_MODES,
-    HostArena,
-    HostBufferPool,
-    HostMemory,
-    make_allocator,
-    pow2_ceil,
-    size_class,
-)
+from roundpipe.backend.host_allocators import HOST_MEMORY_MODES, make_allocator, pow2_ceil
+from roundpipe.backend.host_arena import HostArena
+from roundpipe.backend.host_buffer_pool import HostBufferPool, size_class
+from roundpipe.backend.host_memory import HostMemory
 from roundpipe.errors import ConfigError
 from roundpipe.models import adapt_model
 from roundpipe.runtime import pipeline as pipeline_module

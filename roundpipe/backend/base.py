@@ -296,8 +296,9 @@ class Backend(ABC):
     devices: list[Device]
     aborted: bool = False
     recording: bool = False
-    # Host syncs since the last reset (``cpu_clock.HostSyncs``): counted by the cpu backend; None
-    # where the backend cannot count them (CUDA: ``torch.cuda.set_sync_debug_mode`` reports them).
+    # Host syncs since the last reset (``cpu_host_syncs.HostSyncs``): counted by the cpu backend;
+    # None where the backend cannot count them (CUDA: ``torch.cuda.set_sync_debug_mode`` reports
+    # them).
     host_syncs = None
 
     def start_recording(self) -> None:

@@ -39,7 +39,8 @@ from roundpipe.backend.base import (
     as_device_error,
 )
 from roundpipe.backend.cpu_allocator import AllocatorRules, CachingAllocator
-from roundpipe.backend.cpu_clock import HostSyncs, IssueMode, call_site, host_allocation, task_generator
+from roundpipe.backend.cpu_clock import IssueMode, host_allocation, task_generator
+from roundpipe.backend.cpu_host_syncs import HostSyncs, call_site
 from roundpipe.backend.sanitizer import Sanitizer
 from roundpipe.errors import StreamProtocolError
 from roundpipe.testing import faults

@@ -22,9 +22,9 @@ not once per buffer. A block becomes a tensor through a storage that does not ow
 (``torch._C._construct_storage_from_data_pointer``): when the program drops the last reference the
 storage dies and the block is freed, at that moment (on CUDA's clock: when a closure is *issued*),
 while kernels still queued on the streams read and write the same bytes through their own views of
-the segment (``cpu_clock._Ref``). Reuse is therefore real: a block reused while a stream that was not
-ordered before the reuse may still use it is corrupted; the stream sanitizer names such a block when
-it is freed (``Sanitizer.check_free``).
+the segment (``cpu_kernels.KernelRef``). Reuse is therefore real: a block reused while a stream that
+was not ordered before the reuse may still use it is corrupted; the stream sanitizer names such a
+block when it is freed (``Sanitizer.check_free``).
 
 The rules are a dataclass (:class:`AllocatorRules`, CUDA's constants by default), so the virtual
 server models a GPU's reserved bytes at full size and the cpu backend's tests see the same figures.

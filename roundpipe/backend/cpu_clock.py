@@ -28,24 +28,35 @@ the issuing thread around each closure and sees every aten operation it makes:
 
 Device memory is what the allocator has handed out; host memory is everything else (what a closure
 makes inside :func:`host_allocation`, and every tensor made outside closures).
+
+The parts: ``cpu_op_rules.py`` (what each aten operation is, its outputs from the meta kernel),
+``cpu_kernels.py`` (the queued kernels) and ``cpu_host_syncs.py`` (the count of host syncs).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
-from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-aten = torch.ops.aten
+from roundpipe.backend.cpu_host_syncs import call_site
+from roundpipe.backend.cpu_kernels import Kernel, KernelRef, KernelRefList
+from roundpipe.backend.cpu_op_rules import (
+    DIRECT,
+    RULES,
+    SYNC,
+    VIEW,
+    MetaUnavailable,
+    OpRule,
+    fresh_specs,
+    rule_of,
+    storage_bytes,
+)
+
 _local = threading.local()
-GENERATOR_LOCK = threading.Lock()  # the default CPU generator, swapped while a seeded kernel runs
 
 
 @contextmanager
@@ -67,258 +78,6 @@ def task_generator(generator: torch.Generator):
         yield
     finally:
         _local.generator = previous
-
-
-# ---------------------------------------------------------------------------------- host syncs
-_ROUNDPIPE_BACKEND = os.path.dirname(os.path.abspath(__file__))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def call_site() -> str:
-    """``file:line (function)`` of the nearest caller outside torch and this backend."""
-    f = sys._getframe(1)
-    while f is not None:
-        name = f.f_code.co_filename
-        if not (name.startswith(_TORCH) or name.startswith(_ROUNDPIPE_BACKEND) or name.startswith("<")):
-            return f"{_short(name)}:{f.f_lineno} ({f.f_code.co_name})"
-        f = f.f_back
-    return "?"
-
-
-def _short(path: str) -> str:
-    for marker in ("/site-packages/", "/roundpipe/"):
-        i = path.rfind(marker)
-        if i >= 0:
-            return path[i + len(marker) - (0 if marker == "/site-packages/" else len("roundpipe/")) :]
-    return path
-
-
-@dataclass
-class HostSyncs:
-    """Host syncs since the last ``reset``: how many, and ``(what, call site)`` counts."""
-
-    count: int = 0
-    sites: Counter = field(default_factory=Counter)
-    stalls: Counter = field(default_factory=Counter)  # backend artifacts: ops without a meta kernel
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, what: str, site: str) -> None:
-        with self._lock:
-            self.count += 1
-            self.sites[(what, site)] += 1
-
-    def stall(self, what: str) -> None:
-        with self._lock:
-            self.stalls[what] += 1
-
-    def reset(self) -> None:
-        with self._lock:
-            self.count = 0
-            self.sites = Counter()
-            self.stalls = Counter()
-
-    def report(self) -> dict:
-        with self._lock:
-            return {
-                "count": self.count,
-                "sites": [
-                    {"what": what, "where": site, "count": n} for (what, site), n in self.sites.most_common()
-                ],
-                "eager_ops": dict(self.stalls),
-            }
-
-
-# ---------------------------------------------------------------------------------- op rules
-VIEW, DIRECT, SYNC, COMPUTE = "view", "direct", "sync", "compute"
-# Operations that read device data for the host whatever their schema says.
-_SYNC_OPS = {
-    aten._local_scalar_dense.default,
-    aten.item.default,
-    aten.equal.default,
-    aten.is_nonzero.default,
-}
-# Schemas that say "fresh" for what is a view, or that queue device work despite returning nothing.
-_AS_VIEW = {aten._unsafe_view.default, aten.lift_fresh.default}
-_QUEUED = {aten._assert_async.default, aten._assert_async.msg}
-_NO_DATA = {
-    aten.empty.memory_format,
-    aten.empty_strided.default,
-    aten.empty_like.default,
-    aten.new_empty.default,
-}
-_NO_DATA |= {aten.new_empty_strided.default}
-# In-place changes of a tensor's metadata (the program sees them at once; no data is touched).
-_METADATA = {aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor, aten.set_.default}
-_METADATA |= {aten.set_.source_Storage, aten.resize_.default, aten.resize_as_.default}
-
-
-class OpRule:
-    """What the issue mode does with one aten overload (built once per overload)."""
-
-    __slots__ = ("kind", "args", "returns", "out", "out_names", "random", "no_data", "meta_missing")
-
-    def __init__(self, func):
-        schema = func._schema
-        tags = func.tags
-        every = [
-            (i, a.name, a.alias_info is not None and a.alias_info.is_write, str(a.type))
-            for i, a in enumerate(schema.arguments)
-        ]
-        writes = any(w for _, _, w, _ in every)
-        # The arguments that can hold tensors (the only ones the issue mode looks at).
-        self.args = tuple((i, n, w) for i, n, w, t in every if "Tensor" in t)
-        tensor_returns = [r for r in schema.returns if "Tensor" in str(r.type)]
-        aliased = bool(schema.returns) and all(r.alias_info is not None for r in schema.returns)
-        self.random = torch.Tag.nondeterministic_seeded in tags
-        self.no_data = func in _NO_DATA
-        self.meta_missing = False
-        self.returns: list[tuple] = []
-        self.out, self.out_names = None, ()
-        if func in _SYNC_OPS or torch.Tag.data_dependent_output in tags:
-            self.kind = SYNC
-        elif (
-            func in _AS_VIEW
-            or (aliased and not writes)
-            or torch.Tag.inplace_view in tags
-            or func in _METADATA
-        ):
-            self.kind = VIEW
-        elif not tensor_returns and not writes and func not in _QUEUED:
-            self.kind = DIRECT
-        else:
-            self.kind = COMPUTE
-            self._returns(schema)
-            self._out_variant(func)
-
-    def _returns(self, schema) -> None:
-        fresh = 0
-        for r in schema.returns:
-            if r.alias_info is not None:
-                sets = r.alias_info.before_set
-                j = next(
-                    i
-                    for i, a in enumerate(schema.arguments)
-                    if a.alias_info is not None and a.alias_info.before_set == sets
-                )
-                self.returns.append(("alias", j, schema.arguments[j].name))
-            else:
-                self.returns.append(("fresh", fresh, str(r.type)))
-                fresh += 1
-
-    def _out_variant(self, func) -> None:
-        """The ``out=`` overload of a functional op whose returns are all fresh plain tensors."""
-        if any(kind != "fresh" or t not in ("Tensor", "List[Tensor]") for kind, _, t in self.returns):
-            return
-        want = [(a.name, str(a.type)) for a in func._schema.arguments]
-        packet = func.overloadpacket
-        for name in packet.overloads():
-            ov = getattr(packet, name)
-            args = ov._schema.arguments
-            outs = [a.name for a in args if a.is_out]
-            if len(outs) != len(self.returns):
-                continue
-            if [(a.name, str(a.type)) for a in args if not a.is_out] == want:
-                self.out, self.out_names = ov, tuple(outs)
-                return
-
-
-_RULES: dict = {}
-
-
-def rule_of(func) -> OpRule:
-    r = _RULES.get(func)
-    if r is None:
-        r = _RULES[func] = OpRule(func)
-    return r
-
-
-# ---------------------------------------------------------------------------------- signatures
-def _sig(values) -> tuple:
-    """A hashable signature of an argument tuple: each tensor as (shape, stride, dtype)."""
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append((v.shape, v.stride(), v.dtype))
-        elif isinstance(v, (list, tuple)):
-            out.append(_sig(v))
-        else:
-            out.append(v)
-    return tuple(out)
-
-
-def _to_meta(v):
-    if isinstance(v, torch.Tensor):
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-    if isinstance(v, (list, tuple)):
-        return type(v)(_to_meta(x) for x in v)
-    if isinstance(v, torch.device):
-        return torch.device("meta")
-    return v
-
-
-def _spec(t):
-    if t is None:
-        return None
-    if isinstance(t, torch.Tensor):
-        shape, stride = tuple(t.shape), tuple(t.stride())
-        return (shape, stride, t.dtype, storage_bytes(shape, stride, t.dtype))
-    return [_spec(x) for x in t]
-
-
-class MetaUnavailable(Exception):
-    """The operation's outputs cannot be known without its data (or no meta kernel exists)."""
-
-    def __init__(self, data_dependent: bool, why: str):
-        super().__init__(why)
-        self.data_dependent = data_dependent
-
-
-_META_CACHE: dict = {}
-_META_LOCK = threading.Lock()
-
-
-def fresh_specs(func, rule: OpRule, args, kwargs) -> list:
-    """``(shape, stride, dtype, bytes)`` (or a list of them, or None) of each fresh output, from the
-    meta kernel, cached per signature."""
-    try:
-        key = (func, _sig(args), (tuple(kwargs), _sig(kwargs.values())) if kwargs else ())
-        hit = _META_CACHE.get(key)
-    except TypeError:  # an unhashable argument: no cache
-        key, hit = None, None
-    if hit is not None:
-        return hit
-    if rule.meta_missing:
-        raise MetaUnavailable(False, f"{func} has no meta kernel")
-    margs = _to_meta(args)
-    mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
-    if "pin_memory" in mkwargs:
-        mkwargs["pin_memory"] = None
-    try:
-        out = func(*margs, **mkwargs)
-    except Exception as e:
-        text = str(e)
-        dependent = torch.Tag.dynamic_output_shape in func.tags or "data-dependent" in text
-        if not dependent and ("no fake impl or Meta" in text or "meta" in text.lower()):
-            rule.meta_missing = True
-        raise MetaUnavailable(
-            dependent, f"{func}: {text.splitlines()[0] if text else type(e).__name__}"
-        ) from e
-    outs = (out,) if len(rule.returns) == 1 else tuple(out)
-    specs = [_spec(o) for (kind, _, _), o in zip(rule.returns, outs) if kind == "fresh"]
-    if key is not None:
-        with _META_LOCK:
-            _META_CACHE[key] = specs
-    return specs
-
-
-def storage_bytes(shape, stride, dtype: torch.dtype) -> int:
-    """Bytes a tensor of ``shape`` and ``stride`` spans (0 when it is empty)."""
-    span = 1
-    for size, step in zip(shape, stride):
-        if size == 0:
-            return 0
-        span += (size - 1) * step
-    return span * dtype.itemsize
 
 
 # ---------------------------------------------------------------------------------- the mode
@@ -382,7 +141,7 @@ class IssueMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        rule = _RULES.get(func) or rule_of(func)
+        rule = RULES.get(func) or rule_of(func)
         kind = rule.kind
         if kind is VIEW or kind is DIRECT or getattr(_local, "host", 0):
             return func(*args, **kwargs)
@@ -409,7 +168,7 @@ class IssueMode(TorchDispatchMode):
                 block = registry.get(v.untyped_storage().data_ptr())
                 if block is not None:
                     on_device = True
-                    kv = _Ref.of(block, v)
+                    kv = KernelRef.of(block, v)
                     if checking:
                         touched.append((block, written))
                 else:
@@ -429,7 +188,7 @@ class IssueMode(TorchDispatchMode):
                         block = registry.get(x.untyped_storage().data_ptr())
                         if block is not None:
                             on_device = True
-                            kl.append(_Ref.of(block, x))
+                            kl.append(KernelRef.of(block, x))
                             if checking:
                                 touched.append((block, written))
                             continue
@@ -437,7 +196,7 @@ class IssueMode(TorchDispatchMode):
                             host_data = True
                         x = x.detach()
                     kl.append(x)
-                kv = _RefList(kl)
+                kv = KernelRefList(kl)
             else:
                 continue
             if i < nargs:
@@ -473,7 +232,7 @@ class IssueMode(TorchDispatchMode):
         block = allocator.malloc(nbytes, self.stream, self.task, shape, dtype)
         block.generation = self.sanitizer.generation
         self._made.append((block, block.serial))
-        return allocator.tensor(block, shape, stride, dtype), _Ref(
+        return allocator.tensor(block, shape, stride, dtype), KernelRef(
             block.segment, block.offset // dtype.itemsize, shape, stride, dtype
         )
 
@@ -486,14 +245,14 @@ class IssueMode(TorchDispatchMode):
             elif type(spec) is list:
                 pairs = [self._allocate(s) if s is not None else (None, None) for s in spec]
                 users.append([u for u, _ in pairs])
-                kerns.append(_RefList([k for _, k in pairs]))
+                kerns.append(KernelRefList([k for _, k in pairs]))
             else:
                 u, k = self._allocate(spec)
                 users.append(u)
                 kerns.append(k)
         if not rule.no_data:
             generator = getattr(_local, "generator", None) if rule.random else None
-            self.stream.enqueue(_Kernel(func, rule, kargs, kkwargs, kerns, rule.random, generator))
+            self.stream.enqueue(Kernel(func, rule, kargs, kkwargs, kerns, rule.random, generator))
         returns = rule.returns
         if len(returns) == 1:
             kind, j, _ = returns[0]
@@ -540,84 +299,3 @@ def _map_tensors(v, fn):
     if isinstance(v, (list, tuple)):
         return type(v)(_map_tensors(x, fn) for x in v)
     return v
-
-
-class _Ref:
-    """A device tensor as a queued kernel sees it: its bytes in a segment (made into a tensor on the
-    stream's thread, so the program's own tensor can die, and free its block, at issue time)."""
-
-    __slots__ = ("segment", "offset", "shape", "stride", "dtype")
-
-    def __init__(self, segment, offset: int, shape, stride, dtype: torch.dtype):
-        self.segment, self.offset, self.shape, self.stride, self.dtype = segment, offset, shape, stride, dtype
-
-    @staticmethod
-    def of(block, t: torch.Tensor) -> _Ref:
-        dtype = t.dtype
-        return _Ref(
-            block.segment, block.offset // dtype.itemsize + t.storage_offset(), t.shape, t.stride(), dtype
-        )
-
-    def tensor(self) -> torch.Tensor:
-        return self.segment.typed(self.dtype).as_strided(self.shape, self.stride, self.offset)
-
-
-class _RefList(list):
-    """A list argument holding kernel references."""
-
-
-def _resolve(v):
-    t = type(v)
-    if t is _Ref:
-        return v.tensor()
-    if t is _RefList:
-        return [x.tensor() if type(x) is _Ref else x for x in v]
-    return v
-
-
-class _Kernel:
-    """One queued operation: runs on the stream's thread, on the kernel views of its tensors."""
-
-    __slots__ = ("func", "rule", "args", "kwargs", "outs", "random", "generator")
-
-    def __init__(self, func, rule, args, kwargs, outs, random, generator):
-        self.func, self.rule, self.args, self.kwargs = func, rule, args, kwargs
-        self.outs, self.random, self.generator = outs, random, generator
-
-    def __call__(self) -> None:
-        if self.random:
-            with GENERATOR_LOCK:
-                default = torch.default_generator
-                saved = default.get_state()
-                if self.generator is not None:
-                    default.set_state(self.generator.get_state())
-                try:
-                    self._run()
-                finally:
-                    if self.generator is not None:
-                        self.generator.set_state(default.get_state())
-                    default.set_state(saved)
-        else:
-            self._run()
-
-    def _run(self) -> None:
-        rule = self.rule
-        args = [_resolve(a) for a in self.args]
-        kwargs = {k: _resolve(v) for k, v in self.kwargs.items()} if self.kwargs else {}
-        outs = [_resolve(o) for o in self.outs]
-        if rule.out is not None and outs and all(o is not None for o in outs):
-            rule.out(*args, **kwargs, **dict(zip(rule.out_names, outs)))
-            return
-        res = self.func(*args, **kwargs)
-        if not outs:
-            return
-        results = (res,) if len(rule.returns) == 1 else res
-        for (kind, j, _), r in zip(rule.returns, results):
-            if kind != "fresh" or outs[j] is None:
-                continue
-            if isinstance(r, torch.Tensor):
-                outs[j].copy_(r)
-            else:
-                for o, x in zip(outs[j], r):
-                    if o is not None:
-                        o.copy_(x)
