@@ -13,7 +13,7 @@ from roundpipe.errors import ConfigError, PlanError
 from roundpipe.partition.cost import LayerCost, layer_times, model_costs
 from roundpipe.partition.grain import MAX_FUSED_LAYERS, grain_choices, objective
 from roundpipe.partition.memory import last_stage_bytes, memory_vectors, stage_bytes
-from roundpipe.partition.model_plan import plan
+from roundpipe.partition.model_plan import plan_partitions
 from roundpipe.presets import load_hardware, load_model_config
 from roundpipe.sim.options import SimOptions
 from roundpipe.sim.scenario import Scenario, check_scenario, microbatch_sizes, prepare, run_scenario
@@ -164,10 +164,14 @@ def test_on_the_papers_times_the_grain_is_the_papers(name, stages):
 
 
 def test_plan_uses_the_free_grain_by_default():
-    p = plan("llama3.1-8b", "8xrtx4090", seq_len=2048, micro_batch_size=4, dtype="fp16", microbatches=16)
+    p = plan_partitions(
+        "llama3.1-8b", "8xrtx4090", seq_len=2048, micro_batch_size=4, dtype="fp16", microbatches=16
+    )
     assert p.fits
     assert p.forward.bounds[-2] == p.backward.bounds[-2]  # the head stage is fused
-    counted = plan("llama3.1-8b", "8xrtx4090", seq_len=2048, micro_batch_size=4, dtype="fp16", stages=(8, 16))
+    counted = plan_partitions(
+        "llama3.1-8b", "8xrtx4090", seq_len=2048, micro_batch_size=4, dtype="fp16", stages=(8, 16)
+    )
     assert (counted.forward.num_stages, counted.backward.num_stages) == (8, 16)
 
 

@@ -25,7 +25,7 @@ from roundpipe.partition import (
     model_costs,
     model_totals,
     optimal_partition,
-    plan,
+    plan_partitions,
     roundpipe_bubble,
     stage_bytes,
 )
@@ -302,7 +302,7 @@ BALANCE_8 = {"qwen3-8b": (0.10, 0.10), "qwen3-1.7b": (0.13, 0.10), "llama3.1-8b"
 
 @pytest.mark.parametrize("name", sorted(BALANCE_8))
 def test_plans_on_8_stages_are_optimal_and_as_balanced_as_whole_layers_allow(name):
-    p = plan(name, "8xrtx4090", seq_len=SEQ, stages=8)
+    p = plan_partitions(name, "8xrtx4090", seq_len=SEQ, stages=8)
     print("\n" + p.table())
     costs = model_costs(load_model_config(name), SEQ, head_shards=p.head_shards)
     fwd_t, bwd_t = layer_times(costs, load_hardware("8xrtx4090"))
@@ -315,7 +315,7 @@ def test_plans_on_8_stages_are_optimal_and_as_balanced_as_whole_layers_allow(nam
 
 @pytest.mark.parametrize("name,stages", [("qwen3-1.7b", 11), ("qwen3-8b", 13), ("llama3.1-8b", 9)])
 def test_plans_balance_within_10_percent_where_whole_layers_allow(name, stages):
-    p = plan(name, "8xrtx4090", seq_len=SEQ, stages=stages)
+    p = plan_partitions(name, "8xrtx4090", seq_len=SEQ, stages=stages)
     assert max(p.imbalance) <= 0.10, p.table()
 
 
@@ -325,8 +325,8 @@ def test_the_head_is_sharded_when_that_lowers_the_bottleneck():
     kw = dict(seq_len=SEQ, stages=11)
     k = choose_head_shards("qwen3-1.7b", "8xrtx4090", **kw)
     assert k > 1
-    unsharded = plan("qwen3-1.7b", "8xrtx4090", head_shards=1, **kw)
-    chosen = plan("qwen3-1.7b", "8xrtx4090", head_shards=k, **kw)
+    unsharded = plan_partitions("qwen3-1.7b", "8xrtx4090", head_shards=1, **kw)
+    chosen = plan_partitions("qwen3-1.7b", "8xrtx4090", head_shards=k, **kw)
     assert sum(chosen.bottleneck) < 0.99 * sum(unsharded.bottleneck)
 
 
@@ -335,7 +335,7 @@ MEMORY_CASES = [("qwen3-8b", None), ("qwen3-32b", None), ("qwen3-235b-a22b", 16)
 
 @pytest.mark.parametrize("name,lora", MEMORY_CASES)
 def test_plans_for_24gb_devices_fit_by_the_models_own_accounting(name, lora):
-    p = plan(name, "8xrtx4090", seq_len=SEQ, lora_rank=lora)
+    p = plan_partitions(name, "8xrtx4090", seq_len=SEQ, lora_rank=lora)
     print("\n" + p.table())
     costs = model_costs(load_model_config(name), SEQ, lora_rank=lora, head_shards=p.head_shards)
     fwd = stage_bytes(costs, p.forward, "forward", p.reserve_bytes)
@@ -349,7 +349,7 @@ def test_plans_for_24gb_devices_fit_by_the_models_own_accounting(name, lora):
 
 def test_a_layer_that_cannot_fit_raises_plan_error_with_the_levers():
     with pytest.raises(PlanError) as info:
-        plan("qwen3-32b", "8xrtx4090", seq_len=65536)
+        plan_partitions("qwen3-32b", "8xrtx4090", seq_len=65536)
     msg = str(info.value)
     assert "layers." in msg and f"{24 * GIB:,}" in msg
     for lever in ("more microbatches", "shorter sequences", "more head shards"):
@@ -359,8 +359,8 @@ def test_a_layer_that_cannot_fit_raises_plan_error_with_the_levers():
 def test_an_unshardable_head_that_does_not_fit_is_fixed_by_auto_head_shards():
     kw = dict(seq_len=SEQ, lora_rank=16, memory_budget=int(4.2 * GIB))
     with pytest.raises(PlanError, match="'head'"):
-        plan("qwen3-8b", "8xrtx4090", head_shards=1, **kw)
-    p = plan("qwen3-8b", "8xrtx4090", **kw)
+        plan_partitions("qwen3-8b", "8xrtx4090", head_shards=1, **kw)
+    p = plan_partitions("qwen3-8b", "8xrtx4090", **kw)
     assert p.head_shards > 1 and p.fits
 
 
@@ -374,7 +374,7 @@ def test_auto_microbatches_keep_the_bubble_under_target():
 
 
 def test_plan_serialises_and_prints_a_table():
-    p = plan("qwen3-0.6b", "8xrtx4090", seq_len=1024, stages=(4, 8), microbatches=8)
+    p = plan_partitions("qwen3-0.6b", "8xrtx4090", seq_len=1024, stages=(4, 8), microbatches=8)
     d = json.loads(p.to_json())
     assert d["forward"] == list(p.forward.bounds) and len(d["bwd_stage_times"]) == 8
     assert Partition(tuple(d["backward"])) == p.backward

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from roundpipe.errors import RoundpipeError
-from roundpipe.partition.model_plan import plan
+from roundpipe.partition.model_plan import plan_partitions
 
 REFERENCE = (
     ("qwen3-1.7b", dict(stages=8)),
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stages", type=int, default=None, help="stages per partition (default: auto)")
     ap.add_argument("--lora", type=int, default=None, help="LoRA rank (default: full fine-tuning)")
     ap.add_argument("--head-shards", default="auto")
-    ap.add_argument("--json", action="store_true", help="print Plan.to_json() instead of the table")
+    ap.add_argument("--json", action="store_true", help="print PartitionPlan.to_json() instead of the table")
     args = ap.parse_args(argv)
     shards = args.head_shards if args.head_shards == "auto" else int(args.head_shards)
     if args.models:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         jobs = list(REFERENCE)
     for model, kw in jobs:
         try:
-            p = plan(model, args.hardware, seq_len=args.seq, micro_batch_size=args.mbs, **kw)
+            p = plan_partitions(model, args.hardware, seq_len=args.seq, micro_batch_size=args.mbs, **kw)
         except RoundpipeError as err:
             print(f"{model}: {type(err).__name__}: {err}", file=sys.stderr)
             sys.exit(2)

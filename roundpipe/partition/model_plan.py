@@ -1,6 +1,6 @@
-"""A model's :class:`Plan` on one device kind: head shards, both partitions, microbatches, estimates.
+"""A model's :class:`PartitionPlan` on one device kind: head shards, both partitions, microbatches, estimates.
 
-:func:`plan` is what ``roundpipe plan`` prints and the simulator's scenarios start from. For a free
+:func:`plan_partitions` is what ``roundpipe plan`` prints and the simulator's scenarios start from. For a free
 stage grain it asks ``grain.py`` (the RoundPipe paper's objective); for given stage counts, or
 where no grain fits, it cuts each phase with the exact partitioner of ``partitioner.py``, whose
 memory rule the plan's byte figures follow. :func:`choose_head_shards` picks the vocabulary shard
@@ -41,7 +41,7 @@ HEAD_SHARD_GAIN = 0.01  # more head shards must lower the bottleneck by more tha
 
 
 @dataclass(frozen=True)
-class Plan:
+class PartitionPlan:
     """Forward and backward partitions of one model on one device kind, with their estimates.
 
     Times are seconds per microbatch, bytes per device. ``*_stage_peaks`` follow the memory rule of
@@ -259,7 +259,7 @@ def cut_phases(
     given, else each phase cut on its own by the exact minimum-bottleneck partitioner (``stages``:
     counts, or None for the smallest multiple of the devices that fits); then, while the device
     interleaving the last forward and backward stages is over ``budget`` and the forward count is
-    free, more forward stages. The rule :func:`plan` and the plan search (``sim/search.py``) share.
+    free, more forward stages. The rule :func:`plan_partitions` and the plan search (``sim/search.py``) share.
 
     Raises:
         PlanError: no partition fits (the message names the bytes and the levers).
@@ -311,7 +311,7 @@ def _plan_with_shards(
     lora_experts: bool,
     target_bubble: float,
     label_fraction: float,
-) -> tuple[Plan, list[LayerCost], PartitionResult, PartitionResult]:
+) -> tuple[PartitionPlan, list[LayerCost], PartitionResult, PartitionResult]:
     costs = model_costs(
         config,
         seq_len,
@@ -357,7 +357,7 @@ def _plan_with_shards(
         raise ConfigError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
     if times:
         notes.append(f"measured times for {len(times)} of {len(costs)} layers, analytic for the rest")
-    plan = Plan(
+    plan = PartitionPlan(
         model=name,
         hardware=hw_name,
         num_devices=num_devices,
@@ -385,7 +385,7 @@ def _plan_with_shards(
     return plan, costs, fwd, bwd
 
 
-def plan(
+def plan_partitions(
     model: str | Mapping[str, Any],
     hardware: str | GPU | Server,
     *,
@@ -407,8 +407,8 @@ def plan(
     max_head_shards: int = DEFAULT_MAX_HEAD_SHARDS,
     target_bubble: float = DEFAULT_TARGET_BUBBLE,
     label_fraction: float = 1.0,
-) -> Plan:
-    """Plan forward and backward partitions of ``model`` on ``hardware`` (one device kind).
+) -> PartitionPlan:
+    """PartitionPlan forward and backward partitions of ``model`` on ``hardware`` (one device kind).
 
     ``model``: preset name, config path or config dict. ``hardware``: spec (``"8xrtx4090"``),
     :class:`Server` or :class:`GPU`; ``num_devices`` defaults to the server's GPU count.
@@ -465,7 +465,7 @@ def plan(
     return _choose(common, tolerance, max_head_shards)[0]
 
 
-def _head_fused(p: Plan, shards: int) -> bool:
+def _head_fused(p: PartitionPlan, shards: int) -> bool:
     """The plan's last stage, in both partitions, is the fused head stage holding every head shard,
     and it is not the slowest stage of either (else more shards could spread it over stages)."""
     start = len(p.layer_names) - shards
@@ -473,9 +473,9 @@ def _head_fused(p: Plan, shards: int) -> bool:
     return p.forward.bounds[-2] == p.backward.bounds[-2] <= start and not slowest
 
 
-def _choose(common: dict, tolerance: float, max_head_shards: int) -> tuple[Plan, int]:
-    """Plan every candidate shard count and keep the smallest that is (nearly) as fast as the best."""
-    plans: list[Plan] = []
+def _choose(common: dict, tolerance: float, max_head_shards: int) -> tuple[PartitionPlan, int]:
+    """PartitionPlan every candidate shard count and keep the smallest that is (nearly) as fast as the best."""
+    plans: list[PartitionPlan] = []
     last_error: PlanError | None = None
     for k in (c for c in HEAD_SHARD_CANDIDATES if c <= max_head_shards):
         try:
@@ -523,9 +523,9 @@ def choose_head_shards(
     the slowest stage faster. The weaker rule "the slowest stage is within 10% of the mean or holds
     no head shard" stops too early: for Qwen3-1.7B on 8 stages it accepts 2 shards with the forward
     bottleneck +20% over the mean, while 8 shards bring it to +12% (stages hold whole blocks, so
-    the head shards are the only fine-grained filler). ``plan_kwargs`` are those of :func:`plan`
+    the head shards are the only fine-grained filler). ``plan_kwargs`` are those of :func:`plan_partitions`
     (``seq_len`` is required).
     """
-    return plan(
+    return plan_partitions(
         model, hardware, tolerance=tolerance, max_head_shards=max_head_shards, **plan_kwargs
     ).head_shards

@@ -47,7 +47,7 @@ partition takes milliseconds.
 
 **Granularity.** Stages hold whole layers, so the bottleneck cannot go below what whole blocks
 allow: 32 Llama-3.1-8B blocks plus the head on 8 stages put 5 blocks on some stage while the mean
-is ~4.3 (+17%) however the head is sharded. :class:`Plan` (``model_plan.py``) notes such cases; a different stage
+is ~4.3 (+17%) however the head is sharded. :class:`PartitionPlan` (``model_plan.py``) notes such cases; a different stage
 count (9 here) balances within a few percent. (Under RoundPipe each device runs several stages,
 so what finally costs time is each device's sum of stage times more than one slow stage; the
 simulator judges that.)

@@ -8,7 +8,7 @@ with ``fits=False`` and the partitioner's reason, so a table of policies can sho
 
 Partitions per policy (its facts are on its registry entry, ``schedule.POLICIES``): a policy with
 separate forward and backward partitions (``roundpipe``) uses the memory-aware planner
-(``partition.plan``: a free stage grain by the paper's objective, or the given stage counts, and
+(``partition.plan_partitions``: a free stage grain by the paper's objective, or the given stage counts, and
 head shards); the others cut the model into their default stage count (``stages`` overrides it)
 with one partition balanced on forward + backward time, and the simulator judges memory.
 ``partitions`` replays explicit bounds instead.
@@ -27,7 +27,7 @@ from typing import Any
 
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
 from roundpipe.partition.cost import check_fp16_accumulation, check_label_fraction, layer_times, model_costs
-from roundpipe.partition.model_plan import HEAD_SHARD_CANDIDATES, plan
+from roundpipe.partition.model_plan import HEAD_SHARD_CANDIDATES, plan_partitions
 from roundpipe.presets import Server, load_hardware, load_model_config, normalize_dtype
 from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
@@ -212,7 +212,7 @@ def prepare(s: Scenario) -> Prepared:
             )
         table = build_table(s.policy, forward, backward, n_dev, m, **_round(s))
     elif spec.separate_partitions:
-        p = plan(
+        p = plan_partitions(
             config,
             hw,
             seq_len=s.seq_len,
