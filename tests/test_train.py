@@ -166,7 +166,8 @@ def test_lr_schedules_warm_up_then_decay_to_the_floor():
 
 
 def test_exact_match_is_the_share_of_answers_greedy_decoding_gets_right():
-    from roundpipe.train.data import Sample, eval_batches
+    from roundpipe.train.batches import eval_batches
+    from roundpipe.train.data import Sample
 
     samples = [Sample((1, 2, 3, 4), (-100, -100, 3, 4), 2), Sample((1, 2, 5, 6), (-100, -100, 5, 6), 2)]
 

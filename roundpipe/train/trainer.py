@@ -113,8 +113,9 @@ class Trainer:
     # ------------------------------------------------------------------ the run
     def fit(self) -> TrainResult:
         from roundpipe.runtime import Pipeline
+        from roundpipe.train.batches import Batches
         from roundpipe.train.checkpoint import CheckpointManager
-        from roundpipe.train.data import Batches, load_data
+        from roundpipe.train.data import load_data
         from roundpipe.train.paths import check_run_paths
         from roundpipe.train.recipe import dump_recipe
         from roundpipe.train.tokenizer import load_tokenizer
@@ -429,7 +430,7 @@ class Trainer:
 
     def _eval_chunks(self, samples, pad_id: int) -> list[dict]:
         """Held-out samples in order, as batches no smaller than the microbatch count."""
-        from roundpipe.train.data import eval_batches
+        from roundpipe.train.batches import eval_batches
 
         cfg = self.config
         size = cfg.eval.batch_size or cfg.run.batch_size
