@@ -18,9 +18,10 @@ import torch
 import roundpipe
 from roundpipe.train.checkpoint import CheckpointManager
 from roundpipe.train.config import ScheduleConfig
+from roundpipe.train.evaluation import exact_match
 from roundpipe.train.lr_schedule import lr_at
 from roundpipe.train.recipe import config_from_dict, dump_recipe
-from roundpipe.train.trainer import Trainer, exact_match
+from roundpipe.train.trainer import Trainer
 
 torch.set_num_threads(1)
 
