@@ -13,8 +13,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
 
 from roundpipe.errors import CheckpointError, DataError, RecipeError  # noqa: E402
+from roundpipe.train.batches import Batches, eval_batches  # noqa: E402
 from roundpipe.train.config import DataConfig, ModelConfig  # noqa: E402
-from roundpipe.train.data import IGNORE, Batches, Sample, eval_batches, load_data  # noqa: E402
+from roundpipe.train.data import IGNORE, Sample, load_data  # noqa: E402
 from roundpipe.train.tokenizer import BOS_ID, EOS_ID, PAD_ID, byte_tokenizer, load_tokenizer  # noqa: E402
 
 ALPACA = [

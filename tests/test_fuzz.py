@@ -39,8 +39,9 @@ from roundpipe.errors import (  # noqa: E402
 )
 from roundpipe.schedule import POLICIES, Partition, ScheduleTable, Task, build_table, dry_run  # noqa: E402
 from roundpipe.schedule.check import runs_forwards_first, validate_table  # noqa: E402
+from roundpipe.train.batches import Batches  # noqa: E402
 from roundpipe.train.config import DataConfig, TrainConfig  # noqa: E402
-from roundpipe.train.data import IGNORE, Batches, load_data  # noqa: E402
+from roundpipe.train.data import IGNORE, load_data  # noqa: E402
 from roundpipe.train.recipe import config_from_dict, dump_recipe, load_recipe  # noqa: E402
 from roundpipe.train.tokenizer import byte_tokenizer  # noqa: E402
 

@@ -17,13 +17,8 @@ import yaml
 
 from roundpipe.errors import RecipeError
 from roundpipe.train.config import REQUIRED, TrainConfig
-from roundpipe.train.recipe import (
-    config_from_dict,
-    dump_recipe,
-    help_epilog,
-    load_recipe,
-    reference_markdown,
-)
+from roundpipe.train.recipe import config_from_dict, dump_recipe, load_recipe
+from roundpipe.train.recipe_reference import help_epilog, reference_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,9 +18,10 @@ import torch
 import roundpipe
 from roundpipe.train.checkpoint import CheckpointManager
 from roundpipe.train.config import ScheduleConfig
+from roundpipe.train.evaluation import exact_match
 from roundpipe.train.lr_schedule import lr_at
 from roundpipe.train.recipe import config_from_dict, dump_recipe
-from roundpipe.train.trainer import Trainer, exact_match
+from roundpipe.train.trainer import Trainer
 
 torch.set_num_threads(1)
 
@@ -166,7 +167,8 @@ def test_lr_schedules_warm_up_then_decay_to_the_floor():
 
 
 def test_exact_match_is_the_share_of_answers_greedy_decoding_gets_right():
-    from roundpipe.train.data import Sample, eval_batches
+    from roundpipe.train.batches import eval_batches
+    from roundpipe.train.data import Sample
 
     samples = [Sample((1, 2, 3, 4), (-100, -100, 3, 4), 2), Sample((1, 2, 5, 6), (-100, -100, 5, 6), 2)]
 

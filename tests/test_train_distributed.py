@@ -236,20 +236,19 @@ def test_the_data_parallel_recipe_keys_reach_the_run_config_and_off_refuses_seve
 def test_auto_devices_give_each_rank_on_a_server_its_own_share_of_the_gpus(tmp_path, monkeypatch):
     from roundpipe.errors import DeviceSpecError
     from roundpipe.train.ranks import Ranks
+    from roundpipe.train.run_setup import rank_devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    trainer = Trainer(config_from_dict(_recipe(tmp_path, run={"devices": "auto"})), log=_quiet)
+    run = config_from_dict(_recipe(tmp_path, run={"devices": "auto"})).run
     shares = []
     for local_rank in range(2):
-        trainer.ranks = Ranks(rank=local_rank, world_size=4, local_rank=local_rank, local_world_size=2)
-        shares.append(trainer._devices())
+        ranks = Ranks(rank=local_rank, world_size=4, local_rank=local_rank, local_world_size=2)
+        shares.append(rank_devices(run, ranks))
     assert shares == ["cuda:0,1,2,3", "cuda:4,5,6,7"]
-    trainer.ranks = Ranks(rank=0, world_size=2)  # one rank per server: all of them
-    assert trainer._devices() == "auto"
-    trainer.ranks = Ranks(rank=0, world_size=16, local_rank=0, local_world_size=16)
+    assert rank_devices(run, Ranks(rank=0, world_size=2)) == "auto"  # one rank per server: all of them
     with pytest.raises(DeviceSpecError, match="16 ranks on this server share 8 GPUs"):
-        trainer._devices()
+        rank_devices(run, Ranks(rank=0, world_size=16, local_rank=0, local_world_size=16))
 
 
 # ---------------------------------------------------------------------------------------------------

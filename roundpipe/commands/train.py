@@ -19,7 +19,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
-    from roundpipe.train.recipe import help_epilog
+    from roundpipe.train.recipe_reference import help_epilog
 
     ap = argparse.ArgumentParser(
         prog="roundpipe train",

@@ -1,8 +1,9 @@
 """The training product: ``roundpipe train RECIPE.yaml`` and ``Trainer(TrainConfig(...)).fit()``.
 
-``config`` holds the TrainConfig tree, ``recipe`` reads YAML into it, ``data`` and ``tokenizer``
-turn local files into batches, ``loading`` builds or loads the model, ``checkpoint`` writes and
-verifies checkpoints, ``export`` writes peft adapters and merged models, ``trainer`` runs the loop.
+``config`` holds the TrainConfig tree, ``recipe`` reads YAML into it, ``data_files``, ``data``,
+``batches`` and ``tokenizer`` turn local files into batches, ``loading`` builds or loads the
+model, ``checkpoint`` writes and verifies checkpoints, ``export`` writes peft adapters and merged
+models, ``trainer`` runs the loop.
 Nothing heavy is imported until used.
 """
 

@@ -6,7 +6,8 @@ about pipelines: it splits that structure into tensors and a JSON skeleton (``fl
 ``tensor_files.py``), writes them as safetensors shards plus ``state.json``, and seals the
 directory with a manifest of every file's size and sha256. A write is atomic: it happens in a
 ``.tmp-*`` directory that is renamed into place only when complete, so a crash at any instant
-leaves the previous checkpoints intact. ``load`` verifies the manifest before it trusts a byte.
+leaves the previous checkpoints intact. ``load`` verifies the manifest before it trusts a byte
+(``checkpoint_reading.py``); the names of the files are ``checkpoint_layout.py``'s.
 
 Layout (see docs/checkpoints.md)::
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import time
@@ -40,14 +40,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from roundpipe.errors import CheckpointError, ConfigError
 from roundpipe.testing import faults
-from roundpipe.train.checkpoint_shards import RANK_FILE, Shard, place, read_union, shards_doc, write_rank_part
-from roundpipe.train.paths import escape
+from roundpipe.train.checkpoint_layout import (
+    CHECKPOINT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    REPLACED_PREFIX,
+    STATE,
+    TMP_PREFIX,
+    checkpoint_step,
+    complete_checkpoints,
+    older_hint,
+    tensor_file_names,
+)
+from roundpipe.train.checkpoint_ranks import ALONE, Failed, on_every_rank, on_rank_0
+from roundpipe.train.checkpoint_reading import load_checkpoint, verify_checkpoint
+from roundpipe.train.checkpoint_shards import Shard, shards_doc, write_rank_part
 from roundpipe.train.tensor_files import (
-    decode_skeleton,
     flatten_state,
     fsync_file,
     sha256_file,
@@ -55,14 +66,7 @@ from roundpipe.train.tensor_files import (
     write_shard,
 )
 
-FORMAT_VERSION = 2  # the newest written and read: 2 adds per-rank shards; a checkpoint without them is 1
-MANIFEST = "manifest.json"
-STATE = "state.json"
 SHARD_BYTES = 2 * 1024**3
-_CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})$")
-_SHARD_NAME = re.compile(r"^tensors(-\d{5}-of-\d{5})?\.safetensors$")
-_TMP_PREFIX = ".tmp-"
-_REPLACED_PREFIX = ".replaced-"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,55 +91,11 @@ def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode()
 
 
-def _shard_names(count: int) -> list[str]:
-    if count == 1:
-        return ["tensors.safetensors"]
-    return [f"tensors-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
-def _checkpoint_step(path: Path) -> int | None:
-    match = _CHECKPOINT_NAME.match(path.name)
-    return int(match.group(1)) if match else None
-
-
-def _complete_checkpoints(root: Path) -> list[Path]:
-    """``step-*`` directories of ``root`` that have a manifest, by step, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [
-        (step, entry)
-        for entry in root.iterdir()
-        if (step := _checkpoint_step(entry)) is not None and (entry / MANIFEST).is_file()
-    ]
-    return [entry for _, entry in sorted(found)]
-
-
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
         path.unlink()
-
-
-class _Alone:
-    """The ranks of a save by one process (no exchange needed)."""
-
-    rank = 0
-    world_size = 1
-
-
-_ALONE = _Alone()
-
-
-@dataclass(frozen=True)
-class _Failed:
-    """What a rank hands the others when its part of a save raised."""
-
-    text: str
-
-    @classmethod
-    def of(cls, err: BaseException) -> _Failed:
-        return cls(f"raised {type(err).__name__}: {err}")
 
 
 @dataclass
@@ -235,22 +195,22 @@ class CheckpointManager:
         """
         if type(step) is not int or step < 0:
             raise CheckpointError(f"a checkpoint step must be an integer >= 0, got {step!r}")
-        group = group if group is not None else _ALONE
+        group = group if group is not None else ALONE
         main = group.rank == 0
         final = self.root / f"step-{step:08d}"
         tmp: Path | None = None
         prepared = None
         try:
             # 1. Rank 0 checks what it is to write and opens the write directory for every rank.
-            opened = self._on_one(
+            opened = on_rank_0(
                 group, lambda: self._open(final.name, state, extra_files), main, public=lambda r: r[1].name
             )
-            if isinstance(opened, _Failed):
+            if isinstance(opened, Failed):
                 raise CheckpointError(f"checkpoint {final} not written: rank 0 {opened.text}")
             prepared, tmp = opened if main else (None, self.root / opened)
             # 2. Every rank writes its files (rank 0 the state's tensors too) and says what they are.
-            parts = self._on_all(group, lambda: self._write_part(tmp, step, group, shard, prepared))
-            failed = [(rank, part) for rank, part in enumerate(parts) if isinstance(part, _Failed)]
+            parts = on_every_rank(group, lambda: self._write_part(tmp, step, group, shard, prepared))
+            failed = [(rank, part) for rank, part in enumerate(parts) if isinstance(part, Failed)]
             if failed:
                 rank, part = failed[0]
                 hint = (
@@ -263,8 +223,8 @@ class CheckpointManager:
                     "the older checkpoints are untouched"
                 )
             # 3. Rank 0 seals the manifest over every rank's files and renames the directory in.
-            sealed = self._on_one(group, lambda: self._seal(tmp, final, step, prepared, parts), main)
-            if isinstance(sealed, _Failed):
+            sealed = on_rank_0(group, lambda: self._seal(tmp, final, step, prepared, parts), main)
+            if isinstance(sealed, Failed):
                 raise CheckpointError(f"checkpoint {final} not written: rank 0 {sealed.text}")
         except BaseException as e:
             if main and tmp is not None:
@@ -279,40 +239,6 @@ class CheckpointManager:
             self._clean(keep=final)
         return final
 
-    @staticmethod
-    def _on_one(group, work, main: bool, public=lambda result: None):
-        """Rank 0 runs ``work``; rank 0 gets its result and every other rank ``public(result)``, or a
-        ``_Failed`` where it raised; rank 0 itself re-raises its exception once the others know."""
-        if group is _ALONE:
-            return work()
-        result = error = None
-        if main:
-            try:
-                result = work()
-                shared = public(result)
-            except Exception as e:
-                error, shared = e, _Failed.of(e)
-        shared = group.broadcast_object(shared if main else None)
-        if error is not None:
-            raise error
-        return result if main else shared
-
-    @staticmethod
-    def _on_all(group, work) -> list:
-        """Every rank runs ``work``; each gets the list of every rank's result (a ``_Failed`` where one
-        raised); the rank that raised re-raises its own exception once the others know."""
-        if group is _ALONE:
-            return [work()]
-        error = None
-        try:
-            mine = work()
-        except Exception as e:
-            error, mine = e, _Failed.of(e)
-        parts = group.all_gather_object(mine)
-        if error is not None:
-            raise error
-        return parts
-
     def _open(self, name: str, state: Any, extra_files: dict | None):
         """Rank 0: check the extra files, split the state, create the write directory."""
         extra = dict(extra_files or {})
@@ -325,7 +251,7 @@ class CheckpointManager:
         tensors, skeleton = flatten_state(state)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = self.root / f"{_TMP_PREFIX}{name}-{secrets.token_hex(4)}"
+            tmp = self.root / f"{TMP_PREFIX}{name}-{secrets.token_hex(4)}"
             tmp.mkdir()
         except OSError as e:
             raise CheckpointError(f"cannot create the checkpoint directory in {self.root}: {e}") from e
@@ -336,7 +262,7 @@ class CheckpointManager:
         written: dict = {"shard": None}
         if prepared is not None:
             groups = shard_groups(prepared.tensors, self.shard_bytes)
-            written["tensor_files"] = _shard_names(len(groups))
+            written["tensor_files"] = tensor_file_names(len(groups))
             for shard_name, tensors in zip(written["tensor_files"], groups):
                 write_shard(tmp / shard_name, tensors)
         if shard is not None:
@@ -393,7 +319,7 @@ class CheckpointManager:
 
     def _move_into_place(self, tmp: Path, final: Path) -> None:
         if final.exists():
-            aside = self.root / f"{_REPLACED_PREFIX}{final.name}-{secrets.token_hex(4)}"
+            aside = self.root / f"{REPLACED_PREFIX}{final.name}-{secrets.token_hex(4)}"
             os.rename(final, aside)
             os.rename(tmp, final)
         else:
@@ -402,14 +328,14 @@ class CheckpointManager:
 
     def _clean(self, keep: Path) -> None:
         doomed = [
-            entry for entry in self.root.iterdir() if entry.name.startswith((_TMP_PREFIX, _REPLACED_PREFIX))
+            entry for entry in self.root.iterdir() if entry.name.startswith((TMP_PREFIX, REPLACED_PREFIX))
         ]
         complete = self.list()
         newest = set(complete[-self.keep_last :]) | {keep}
         for old in complete:
             if old not in newest:
                 # Rename first so a crash mid-delete leaves a .tmp-* leftover, never a half checkpoint.
-                dying = self.root / f"{_TMP_PREFIX}deleting-{old.name}-{secrets.token_hex(4)}"
+                dying = self.root / f"{TMP_PREFIX}deleting-{old.name}-{secrets.token_hex(4)}"
                 try:
                     os.rename(old, dying)
                 except OSError as e:
@@ -428,10 +354,10 @@ class CheckpointManager:
         if not self.root.is_dir():
             return
         for entry in sorted(self.root.iterdir()):
-            if not entry.name.startswith(_REPLACED_PREFIX) or not (entry / MANIFEST).is_file():
+            if not entry.name.startswith(REPLACED_PREFIX) or not (entry / MANIFEST).is_file():
                 continue
-            original = self.root / entry.name[len(_REPLACED_PREFIX) :].rsplit("-", 1)[0]
-            if _checkpoint_step(original) is not None and not original.exists():
+            original = self.root / entry.name[len(REPLACED_PREFIX) :].rsplit("-", 1)[0]
+            if checkpoint_step(original) is not None and not original.exists():
                 try:
                     os.rename(entry, original)
                     _fsync_dir(self.root)
@@ -464,7 +390,7 @@ class CheckpointManager:
 
         Nothing is verified beyond the manifest's presence; ``load`` verifies.
         """
-        return _complete_checkpoints(self.root)
+        return complete_checkpoints(self.root)
 
     def latest(self) -> Path | None:
         """The complete checkpoint with the highest step, or None if there is none.
@@ -477,7 +403,7 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The step of :meth:`latest`, or None if there is no complete checkpoint."""
         path = self.latest()
-        return None if path is None else int(_CHECKPOINT_NAME.match(path.name).group(1))
+        return None if path is None else int(CHECKPOINT_NAME.match(path.name).group(1))
 
     def resolve(self, resume: str) -> Path | None:
         """Turn a ``--resume`` argument into a checkpoint directory.
@@ -506,7 +432,7 @@ class CheckpointManager:
                 f"directory" + (f", e.g. --resume {hint}" if hint else f" (none exist yet in {self.root})")
             )
         if not (path / MANIFEST).is_file():
-            inside = _complete_checkpoints(path)
+            inside = complete_checkpoints(path)
             if inside:
                 raise CheckpointError(
                     f"--resume {resume}: {path} holds checkpoints but is not one itself; pass one of "
@@ -514,7 +440,7 @@ class CheckpointManager:
                 )
             raise CheckpointError(
                 f"--resume {resume}: {path} has no {MANIFEST}, so it is not a complete checkpoint "
-                f"(its write never finished, or it is another kind of directory); {self._older_hint(path)}"
+                f"(its write never finished, or it is another kind of directory); {older_hint(path)}"
             )
         return path
 
@@ -522,163 +448,10 @@ class CheckpointManager:
 
     def verify(self, path: str | Path, *, hash_files: bool = True) -> dict:
         """Check every file of a checkpoint against its manifest; return the manifest.
-
-        Reads each listed file once, in chunks, to hash it: about as long as reading the
-        checkpoint from disk. ``hash_files=False`` checks names, presence and sizes only (the
-        ranks of a data-parallel run other than 0, after rank 0 hashed the same files).
-
-        Raises:
-            CheckpointError: no or unreadable manifest, a newer format, a listed file missing
-                or of another size or sha256, a listed name that is not a plain file name or a
-                symlink that leads outside the checkpoint directory, or ``state.json`` / a tensor
-                shard not listed.
-                The message names the file and the older checkpoint to resume from instead.
-        """
-        path = Path(path)
-        if not path.is_dir():
-            raise CheckpointError(f"{path} is not a checkpoint directory (it does not exist or is a file)")
-        self._refuse_outside(path / MANIFEST, path)
-        manifest = self._read_json(path / MANIFEST, path, what="manifest")
-        version = manifest.get("format_version") if isinstance(manifest, dict) else None
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        if type(version) is not int or not isinstance(files, dict) or type(manifest.get("step")) is not int:
-            raise self._damaged(path / MANIFEST, "lacks its format_version, step or file list", path)
-        if version > FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path} was written in checkpoint format {version} by a newer roundpipe; this one "
-                f"reads format {FORMAT_VERSION}. Upgrade roundpipe to resume from it"
-            )
-        for name, entry in files.items():
-            file = path / name
-            if (
-                not isinstance(entry, dict)
-                or type(entry.get("bytes")) is not int
-                or not isinstance(entry.get("sha256"), str)
-                or Path(name).name != name
-                or name in ("", ".", "..", MANIFEST)
-            ):
-                raise self._damaged(path / MANIFEST, f"has a malformed entry for {name!r}", path)
-            self._refuse_outside(file, path)
-            if not file.is_file():
-                raise self._damaged(
-                    file, f"is missing but the manifest lists it ({entry['bytes']:,} bytes)", path
-                )
-            size = file.stat().st_size
-            if size != entry["bytes"]:
-                raise self._damaged(file, f"is {size:,} bytes but the manifest says {entry['bytes']:,}", path)
-            digest = sha256_file(file) if hash_files else entry["sha256"]
-            if digest != entry["sha256"]:
-                raise self._damaged(
-                    file,
-                    f"has sha256 {digest[:16]}… but the manifest says {entry['sha256'][:16]}…: its bytes "
-                    f"changed after it was written (a disk error or an edit)",
-                    path,
-                )
-        if STATE not in files:
-            raise self._damaged(path / STATE, "is not in the manifest", path)
-        return manifest
+        ``verify_checkpoint`` says what is checked and refused."""
+        return verify_checkpoint(path, hash_files=hash_files)
 
     def load(self, path: str | Path, *, hash_files: bool = True) -> tuple[int, dict, dict[str, bytes]]:
-        """Verify a checkpoint (see ``verify``; ``hash_files`` as there), then read it back.
-
-        Args:
-            path: a checkpoint directory, e.g. from ``latest()`` or ``resolve()``.
-
-        Returns:
-            ``(step, state, extra_files)``: the step it was saved at, the state exactly as
-            ``save`` got it (tensors on the CPU, in memory of their own, see ``flatten_state``
-            for what is kept), and the extra files' bytes by name. A checkpoint saved with
-            shards has, at the shard's path, a ``ShardUnion``: every rank's part, read from its
-            files when a key is looked up, whatever the number of ranks that reads it.
-
-        Raises:
-            CheckpointError: anything ``verify`` refuses, a ``state.json`` that disagrees with
-                the manifest (another step, a tensor file not listed) or with the tensor files.
-        """
-        path = Path(path)
-        manifest = self.verify(path, hash_files=hash_files)
-        files = manifest["files"]
-        doc = self._read_json(path / STATE, path, what="state file")
-        shard_names = doc.get("tensor_files") if isinstance(doc, dict) else None
-        if not isinstance(shard_names, list) or "skeleton" not in doc:
-            raise self._damaged(path / STATE, "lacks its tensor_files or skeleton", path)
-        if doc.get("step") != manifest["step"]:
-            raise self._damaged(
-                path / STATE,
-                f"is for step {doc.get('step')!r} but the manifest says {manifest['step']}",
-                path,
-            )
-        tensors: dict[str, torch.Tensor] = {}
-        for shard_name in shard_names:
-            if (
-                not isinstance(shard_name, str)
-                or shard_name not in files
-                or not _SHARD_NAME.match(shard_name)
-            ):
-                raise self._damaged(
-                    path / str(shard_name), "is named by state.json but not in the manifest", path
-                )
-            try:
-                shard = load_file(str(path / shard_name))
-            except Exception as e:  # safetensors raises its own error type for unreadable files
-                raise self._damaged(path / shard_name, f"cannot be read as safetensors ({e})", path) from e
-            if tensors.keys() & shard.keys():
-                raise self._damaged(path / shard_name, "repeats tensors of an earlier shard", path)
-            tensors.update(shard)
-        used: set[str] = set()
-        state = decode_skeleton(doc["skeleton"], tensors, used)
-        if used != tensors.keys():
-            stray = sorted(tensors.keys() - used)[:5]
-            raise self._damaged(path / STATE, f"does not refer to tensors {stray} of the tensor files", path)
-        rank_files: set[str] = set()
-        if "shards" in doc:
-            where, union = read_union(
-                doc["shards"], path, files, lambda file, problem: self._damaged(file, problem, path)
-            )
-            place(state, where, union, lambda problem: self._damaged(path / STATE, problem, path))
-            rank_files = {name for part in doc["shards"]["ranks"] for name in part["tensor_files"]}
-        extra = {}
-        for name in files:
-            if name == STATE or name in shard_names or name in rank_files:
-                continue
-            if _SHARD_NAME.match(name) or RANK_FILE.match(name):
-                raise self._damaged(path / name, "is in the manifest but state.json does not use it", path)
-            extra[name] = (path / name).read_bytes()
-        return manifest["step"], state, extra
-
-    def _read_json(self, file: Path, checkpoint: Path, *, what: str) -> Any:
-        if not file.is_file():
-            raise CheckpointError(
-                f"{file} does not exist: {checkpoint} is not a complete checkpoint (its write never "
-                f"finished, or the {what} was deleted); {self._older_hint(checkpoint)}"
-            )
-        try:
-            return json.loads(file.read_bytes())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise self._damaged(file, f"is not valid JSON ({e})", checkpoint) from e
-
-    def _refuse_outside(self, file: Path, checkpoint: Path) -> None:
-        """A symlink in a checkpoint that leads outside it would make ``load`` read what it points
-        to (with a manifest edited to match): refused, naming the file. One inside it is fine."""
-        outside = escape(checkpoint, file)
-        if outside is not None:
-            raise self._damaged(
-                file,
-                f"{outside}: load reads only files inside the checkpoint directory",
-                checkpoint,
-            )
-
-    def _damaged(self, file: Path, problem: str, checkpoint: Path) -> CheckpointError:
-        return CheckpointError(f"{file} {problem}: the checkpoint is damaged; {self._older_hint(checkpoint)}")
-
-    @staticmethod
-    def _older_hint(checkpoint: Path) -> str:
-        step = _checkpoint_step(checkpoint)
-        older = [
-            other
-            for other in _complete_checkpoints(checkpoint.parent)
-            if other != checkpoint and (step is None or (_checkpoint_step(other) or 0) < step)
-        ]
-        if older:
-            return f"resume from an older one: --resume {older[-1]}"
-        return f"no older checkpoint exists in {checkpoint.parent}: start the run afresh (without --resume)"
+        """Verify a checkpoint, then read it back: ``(step, state, extra_files)``, as
+        ``load_checkpoint`` says."""
+        return load_checkpoint(path, hash_files=hash_files)

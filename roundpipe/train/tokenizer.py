@@ -2,7 +2,7 @@
 
 ``load_tokenizer`` turns the recipe's ``model:`` section into a Hugging Face tokenizer. It only
 reads local directories (a recipe never reaches the Hub), and it guarantees a pad token, because
-``roundpipe.train.data`` pads every batch. ``byte_tokenizer`` needs no files at all: each UTF-8
+``roundpipe.train.batches`` pads every batch. ``byte_tokenizer`` needs no files at all: each UTF-8
 byte is one token, which is what a ``config:`` model with random weights trains on in demos and
 tests.
 """
@@ -86,7 +86,7 @@ def load_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
     ``model.tokenizer == "byte"``, or no tokenizer named for a ``config:`` model, gives
     ``byte_tokenizer()``. Otherwise the tokenizer is read from the local directory
     ``model.tokenizer`` (else ``model.path``) with ``AutoTokenizer``, never from the Hub. A
-    tokenizer without a pad token pads with its eos token (``roundpipe.train.data`` masks padding
+    tokenizer without a pad token pads with its eos token (``roundpipe.train.batches`` masks padding
     by position, so eos labels are kept).
 
     Raises:

@@ -31,17 +31,23 @@ import math
 import random
 import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from roundpipe.config import RunConfig, recipe_settings
-from roundpipe.errors import CheckpointError, DataError, DataParallelError
-from roundpipe.schedule import PROVISIONAL_POLICY, TaskKind
+from roundpipe.errors import DataError
+from roundpipe.schedule import TaskKind
+from roundpipe.train.batches import Batches
+from roundpipe.train.checkpoint import CheckpointManager
 from roundpipe.train.config import TrainConfig
+from roundpipe.train.data import DataSplits, load_data
+from roundpipe.train.evaluation import eval_line, evaluate, show_samples
 from roundpipe.train.lr_schedule import lr_at
 from roundpipe.train.ranks import Ranks
+from roundpipe.train.run_checkpoints import RunCheckpoints
+from roundpipe.train.run_setup import check_joined, model_for_run, run_config_for, write_synthetic
 
 LOG_FILE = "train.log"  # in the run directory: every line the run printed, and a failure's traceback
 
@@ -58,6 +64,29 @@ class TrainResult:
     exports: dict[str, Path] = field(default_factory=dict)
     interrupted: bool = False
     elapsed_s: float = 0.0
+
+
+@dataclass
+class _Run:
+    """What one ``fit`` trains, once its pipeline is up: the phases after setup read it."""
+
+    pipe: Any
+    model: Any
+    tokenizer: Any
+    splits: DataSplits
+    batches: Batches
+    total_steps: int
+    checkpoints: RunCheckpoints
+
+
+@dataclass
+class _Loop:
+    """The training loop's companions: metrics, the result, the stop flag, the progress bar."""
+
+    metrics: Any
+    result: TrainResult
+    stop: _StopFlag
+    progress: Any
 
 
 class _StopFlag:
@@ -112,28 +141,45 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> TrainResult:
+        """Set the run up, train, finish; the phases below, in this order."""
         from roundpipe.runtime import Pipeline
-        from roundpipe.train.checkpoint import CheckpointManager
-        from roundpipe.train.data import Batches, load_data
+
+        t_start = time.perf_counter()
+        checkpoints, resume_from = self._start_run()
+        tokenizer, splits, batches, total_steps = self._read_data()
+        model, weights = model_for_run(self.config, tokenizer, self.log)
+        pipe_config = run_config_for(self.config, model, self.ranks, self.log)
+        with Pipeline(model, pipe_config, weights=weights) as pipe:
+            run = _Run(pipe, model, tokenizer, splits, batches, total_steps, checkpoints)
+            self._prepare_pipeline(pipe)
+            start = 0
+            if resume_from is not None:
+                start = checkpoints.restore(resume_from, pipe, batches)
+                self.log(f"resumed from {resume_from} at step {start}")
+            loop = self._train(run, start, resumed=resume_from is not None)
+            self._finish(run, loop)
+        loop.result.elapsed_s = time.perf_counter() - t_start
+        return loop.result
+
+    # ------------------------------------------------------------------ setup
+    def _start_run(self) -> tuple[RunCheckpoints, Path | None]:
+        """Join the ranks, seed the host RNGs, open the run directory (rank 0; the others wait for
+        it, and fail with it) and find the checkpoint to resume from."""
         from roundpipe.train.paths import check_run_paths
         from roundpipe.train.recipe import dump_recipe
-        from roundpipe.train.tokenizer import load_tokenizer
-        from roundpipe.train.watch import MetricsLog, Progress
 
         cfg = self.config
-        t_start = time.perf_counter()
         self.ranks = ranks = Ranks.from_environment(cfg.run.data_parallel, cfg.run.dp_timeout_s)
         ranks.join()  # the default process group (gloo), which the pipeline joins, and the trainer's own
-        main = ranks.is_main
         manager = CheckpointManager(
-            self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, repair=main
+            self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, repair=ranks.is_main
         )
 
         def open_run_dir() -> Path | None:  # rank 0's: the others wait for it, and fail with it
             self.run_dir.mkdir(parents=True, exist_ok=True)
             check_run_paths(cfg)  # again, now that the run starts: no symlink in run_dir leads outside
             (self.run_dir / "config.yaml").write_text(dump_recipe(cfg), encoding="utf-8")
-            self._write_synthetic()
+            write_synthetic(cfg, self.log)
             return manager.resolve(self.resume) if self.resume else None
 
         random.seed(cfg.run.seed)
@@ -145,6 +191,13 @@ class Trainer:
                 f"optimizer sharding {cfg.run.optimizer_sharding}"
                 + (f"; torchrun restart {ranks.restart}" if ranks.restart else "")
             )
+        return RunCheckpoints(manager, cfg, ranks, self.log), resume_from
+
+    def _read_data(self) -> tuple[Any, DataSplits, Batches, int]:
+        """The tokenizer, the samples, the training batches and the number of steps to run."""
+        from roundpipe.train.tokenizer import load_tokenizer
+
+        cfg = self.config
         tokenizer = load_tokenizer(cfg.model)
         splits = load_data(cfg.data, tokenizer, cfg.run.seed)
         self.log(f"data: {len(splits.train)} training and {len(splits.eval)} held-out samples")
@@ -168,222 +221,96 @@ class Trainer:
         total_steps = cfg.run.max_steps or max(
             1, math.floor(cfg.run.epochs * batches.steps_per_epoch / cfg.run.grad_accum)
         )
+        return tokenizer, splits, batches, total_steps
 
-        model, weights = self._model(tokenizer)
-        pipe_config = self._run_config(model, tokenizer)
-        with Pipeline(model, pipe_config, weights=weights) as pipe:
-            self._check_joined(pipe)
-            self.log(
-                f"plan: {len(pipe.adapter.layers)} layers over [{', '.join(d.name for d in pipe.backend.devices)}]"
-            )
-            pipe.configure_optimizer(
-                lr=cfg.optim.lr,
-                weight_decay=cfg.optim.weight_decay,
-                betas=tuple(cfg.optim.betas),
-                eps=cfg.optim.eps,
-                max_grad_norm=cfg.optim.max_grad_norm,
-            )
-            start = 0
-            if resume_from is not None:
-                start = self._restore(manager, resume_from, pipe, batches)
-                self.log(f"resumed from {resume_from} at step {start}")
-            metrics = MetricsLog(
-                self.run_dir, cfg.logging, resume_step=start if resume_from else None, write=main
-            )
-            result = TrainResult(self.run_dir, start)
-            stop = _StopFlag(cfg.checkpoint.on_signal, announce=main)
-            progress = Progress(total_steps, start, cfg.logging.progress, cfg.logging.every, silent=not main)
-            try:
-                if start == 0 and cfg.eval.every is not None and splits.eval:
-                    result.eval = self._evaluate(pipe, model, splits.eval, tokenizer, 0, metrics)
-                    progress.write(_eval_line(0, result.eval))
-                for step in range(start, total_steps):
-                    before = self._position(batches)  # where this step starts, should it fail
-                    try:
-                        row = self._train_step(pipe, batches, step, total_steps)
-                    except Exception as err:
-                        self._failed(err, manager, step, pipe, before, result)
-                        raise
-                    if step == start:  # what runs from now on, and why (an "auto" choice is made by now)
-                        self.log(_plan_line(pipe.plan))
-                    metrics.log(row)
-                    result.train_losses.append(row["loss"])
-                    result.steps = step + 1
-                    progress.update(step + 1, row["loss"], row["tokens_per_s"], row["idle"], row["lr"])
-                    last = step + 1 == total_steps
-                    # A signal may reach the ranks on either side of a step: every rank stops after
-                    # the step at which any rank saw it, so all write the same checkpoint.
-                    stopping = ranks.any(stop.signal is not None)
-                    if main and cfg.logging.plots and (last or stopping):
-                        self._save_timeline(pipe)
-                    if splits.eval and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
-                        result.eval = self._evaluate(pipe, model, splits.eval, tokenizer, step + 1, metrics)
-                        progress.write(_eval_line(step + 1, result.eval))
-                    due = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
-                    if due or stopping or (last and cfg.checkpoint.at_end):
-                        result.checkpoint = self._save(manager, step + 1, pipe, batches)
-                    if stopping:
-                        result.interrupted = True
-                        self.log(f"stopped at step {step + 1} of {total_steps}; resume with --resume auto")
-                        break
-            except Exception as err:  # outside a step too (a checkpoint write, an evaluation)
-                if not getattr(err, "_roundpipe_logged", False):
-                    self._log_failure(err, f"the run failed after step {result.steps}")
-                raise
-            finally:
-                progress.close()
-                stop.restore()
-                metrics.close()
-            if main and cfg.logging.plots:
-                from roundpipe.train.watch import save_loss_curve
-
-                save_loss_curve(metrics, self.run_dir / "loss.png", f"{cfg.run.name}: loss")
-            if not result.interrupted:
-                result.exports = self._export(pipe, model, tokenizer)
-                if main and cfg.eval.show_samples and splits.eval:
-                    self._show_samples(model, splits.eval[: cfg.eval.show_samples], tokenizer)
-        result.elapsed_s = time.perf_counter() - t_start
-        return result
-
-    # ------------------------------------------------------------------ pieces
-    def _write_synthetic(self) -> None:
-        d = self.config.data
-        if d.synthetic is None:
-            return
-        from roundpipe.train.synthetic import write_task
-
-        if d.eval is None:
-            raise DataError("data.synthetic writes a held-out file too: set data.eval to its path")
-        if write_task(d.synthetic, d.train, d.eval, d.synthetic_samples, self.config.run.seed):
-            self.log(f"data: wrote the synthetic task {d.synthetic!r} to {d.train} and {d.eval}")
-
-    def _model(self, tokenizer):
-        from roundpipe.train.loading import build_model
-
+    def _prepare_pipeline(self, pipe) -> None:
+        """Check the ranks the pipeline joined, log its layers and devices, set up its optimizer."""
         cfg = self.config
-        model_cfg = cfg.model
-        if model_cfg.config is not None:
-            numbers = dict(model_cfg.config)
-            numbers.setdefault("vocab_size", len(tokenizer))
-            for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-                if getattr(tokenizer, key, None) is not None:
-                    numbers.setdefault(key, getattr(tokenizer, key))
-            model_cfg = replace(model_cfg, config=numbers)
-        loaded = build_model(model_cfg, cfg.lora, cfg.run.seed)
-        model = loaded.model
-        model.train()
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in model.parameters())
-        what = "LoRA" if cfg.lora.enabled else "full fine-tuning"
-        source = model_cfg.path or "a config (random init)"
+        check_joined(pipe, self.ranks)
         self.log(
-            f"model: {total / 1e6:,.1f}M parameters from {source}; {what}, {trainable / 1e6:,.2f}M trainable"
+            f"plan: {len(pipe.adapter.layers)} layers over [{', '.join(d.name for d in pipe.backend.devices)}]"
         )
-        return model, loaded.weights
-
-    def _run_config(self, model, tokenizer):
-        from roundpipe.train.forecast import check_host_ram, host_ram_needed
-
-        cfg = self.config
-        run = cfg.run
-        ranks = self.ranks
-        shards = ranks.world_size if run.optimizer_sharding == "nodes" else 1
-        rows = -(-run.batch_size // ranks.world_size)  # this rank's share of each global batch
-        need = host_ram_needed(
-            model, run.dtype, run.optimizer_mode, rows * cfg.data.max_length, optimizer_shards=shards
-        )
-        if run.host_ram_check:  # every rank checks its node, counting the ranks that share it
-            line = ranks.everywhere(
-                check_host_ram,
-                need,
-                lora=cfg.lora.enabled,
-                dtype=run.dtype,
-                ranks_here=ranks.local_world_size,
-            )
-            self.log(line)
-        devices = self._devices()
-        if ranks.is_main:
-            self._log_forecast(model, devices, rows, shards)
-        settings = {f.name: getattr(run, f.name) for f in recipe_settings()}  # run.X is RunConfig's X
-        return RunConfig(**{**settings, "devices": devices}, **run.options)
-
-    def _devices(self) -> str:
-        """``run.devices``, with ``auto`` resolved: every GPU (else ``cpu:2``); under torchrun with
-        several ranks on a server, each rank takes its own equal share of the server's GPUs, in
-        ``LOCAL_RANK`` order, as DDP gives each local rank its own device."""
-        run, ranks = self.config.run, self.ranks
-        if run.devices != "auto":
-            return run.devices
-        if not torch.cuda.is_available():
-            return "cpu:2"
-        if ranks.local_world_size <= 1:
-            return run.devices
-        from roundpipe.errors import DeviceSpecError
-
-        count = torch.cuda.device_count()
-        share = count // ranks.local_world_size
-        if share < 1:
-            raise DeviceSpecError(
-                f"{ranks.local_world_size} ranks on this server share {count} GPUs: each needs at least one. "
-                "Start fewer ranks per server (torchrun --nproc-per-node) or set run.devices per rank"
-            )
-        first = ranks.local_rank * share
-        return "cuda:" + ",".join(str(i) for i in range(first, first + share))
-
-    def _log_forecast(self, model, devices: str, rows: int, optimizer_shards: int) -> None:
-        """The simulator's forecast of one rank's pipeline on its ``rows`` of each batch."""
-        from roundpipe.backend import parse_device_spec
-        from roundpipe.train.forecast import predict
-
-        cfg = self.config
-        run = cfg.run
-        # policy / num_microbatches "auto" are the runtime's: it profiles the first batch and
-        # chooses from the measured times (logged after the first step). The forecast before it
-        # shows what the provisional policy, roundpipe, would do.
-        forecast = predict(
-            model,
-            parse_device_spec(devices),
-            policy=PROVISIONAL_POLICY if run.policy == "auto" else run.policy,
-            seq_len=cfg.data.max_length,
-            batch=rows,
-            microbatches=run.num_microbatches,
-            lora_rank=cfg.lora.rank if cfg.lora.enabled else None,
-            dtype=run.dtype,
-            optimizer_mode=run.optimizer_mode,
-            tune_policy=False,
-            fp16_accumulation=bool(run.options.get("fp16_accumulation", False)),
-            optimizer_shards=optimizer_shards,
-        )
-        world = self.ranks.world_size
-        self.log(
-            forecast.text
-            + (
-                f"; each of the {world} ranks on its {rows} rows of a batch, the gradient reduction "
-                "between them not counted"
-                if world > 1
-                else ""
-            )
-            + ("; policy auto: chosen after profiling the first batch" if run.policy == "auto" else "")
+        pipe.configure_optimizer(
+            lr=cfg.optim.lr,
+            weight_decay=cfg.optim.weight_decay,
+            betas=tuple(cfg.optim.betas),
+            eps=cfg.optim.eps,
+            max_grad_norm=cfg.optim.max_grad_norm,
         )
 
-    def _check_joined(self, pipe) -> None:
-        """The pipeline joined the same ranks the environment names (or none, alone)."""
-        dp = getattr(pipe, "dp", None)
-        ranks = self.ranks
-        if not ranks.distributed:
-            return
-        if dp is None or (dp.rank, dp.world_size) != (ranks.rank, ranks.world_size):
-            got = "did not join them" if dp is None else f"joined as rank {dp.rank} of {dp.world_size}"
-            raise DataParallelError(
-                f"this process is rank {ranks.rank} of {ranks.world_size} but the pipeline {got}",
-                rank=ranks.rank,
-            )
+    # ------------------------------------------------------------------ training
+    def _train(self, run: _Run, start: int, *, resumed: bool) -> _Loop:
+        """Steps ``start + 1`` .. ``total_steps`` (an evaluation first on a fresh run), until the end
+        or a signal. A failure is logged in full, with the on-error checkpoint, and raised."""
+        from roundpipe.train.watch import MetricsLog, Progress
 
-    def _train_step(self, pipe, batches, step: int, total_steps: int) -> dict:
+        cfg, main = self.config, self.ranks.is_main
+        loop = _Loop(
+            metrics=MetricsLog(self.run_dir, cfg.logging, resume_step=start if resumed else None, write=main),
+            result=TrainResult(self.run_dir, start),
+            stop=_StopFlag(cfg.checkpoint.on_signal, announce=main),
+            progress=Progress(
+                run.total_steps, start, cfg.logging.progress, cfg.logging.every, silent=not main
+            ),
+        )
+        try:
+            if start == 0 and cfg.eval.every is not None and run.splits.eval:
+                self._evaluate_at(run, loop, 0)
+            for step in range(start, run.total_steps):
+                before = run.checkpoints.position(run.batches)  # where this step starts, should it fail
+                try:
+                    row = self._train_step(run, step)
+                except Exception as err:
+                    self._log_failure(err, f"step {step + 1} failed")
+                    written = run.checkpoints.after_failure(step, run.pipe, before)
+                    if written is not None:
+                        loop.result.checkpoint = written
+                    raise
+                if step == start:  # what runs from now on, and why (an "auto" choice is made by now)
+                    self.log(_plan_line(run.pipe.plan))
+                if self._after_step(run, loop, step, row):
+                    break
+        except Exception as err:  # outside a step too (a checkpoint write, an evaluation)
+            if not getattr(err, "_roundpipe_logged", False):
+                self._log_failure(err, f"the run failed after step {loop.result.steps}")
+            raise
+        finally:
+            loop.progress.close()
+            loop.stop.restore()
+            loop.metrics.close()
+        return loop
+
+    def _after_step(self, run: _Run, loop: _Loop, step: int, row: dict) -> bool:
+        """Step ``step + 1`` is done: record it, then draw, evaluate and checkpoint where due. True
+        when the run stops here."""
+        cfg, result = self.config, loop.result
+        loop.metrics.log(row)
+        result.train_losses.append(row["loss"])
+        result.steps = step + 1
+        loop.progress.update(step + 1, row["loss"], row["tokens_per_s"], row["idle"], row["lr"])
+        last = step + 1 == run.total_steps
+        # A signal may reach the ranks on either side of a step: every rank stops after
+        # the step at which any rank saw it, so all write the same checkpoint.
+        stopping = self.ranks.any(loop.stop.signal is not None)
+        if self.ranks.is_main and cfg.logging.plots and (last or stopping):
+            self._save_timeline(run.pipe)
+        if run.splits.eval and (last or (cfg.eval.every and (step + 1) % cfg.eval.every == 0)):
+            self._evaluate_at(run, loop, step + 1)
+        due = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
+        if due or stopping or (last and cfg.checkpoint.at_end):
+            result.checkpoint = run.checkpoints.save(step + 1, run.pipe, run.batches)
+        if stopping:
+            result.interrupted = True
+            self.log(f"stopped at step {step + 1} of {run.total_steps}; resume with --resume auto")
+        return stopping
+
+    def _train_step(self, run: _Run, step: int) -> dict:
+        """Step ``step + 1``: its learning rate, ``grad_accum`` forward/backward calls whose gradients
+        add up to those of the token-mean loss of the whole step, the update; its metrics row."""
         from roundpipe.testing import faults
 
-        cfg = self.config
-        lr = lr_at(step, total_steps, cfg.optim.lr, cfg.schedule)
+        cfg, pipe, batches = self.config, run.pipe, run.batches
+        lr = lr_at(step, run.total_steps, cfg.optim.lr, cfg.schedule)
         pipe.set_lr(lr)
         faults.point("data", step=step + 1)
         micro = [batches.next() for _ in range(cfg.run.grad_accum)]
@@ -427,33 +354,19 @@ class Trainer:
             )
         return row
 
-    def _eval_chunks(self, samples, pad_id: int) -> list[dict]:
-        """Held-out samples in order, as batches no smaller than the microbatch count."""
-        from roundpipe.train.data import eval_batches
-
-        cfg = self.config
-        size = cfg.eval.batch_size or cfg.run.batch_size
-        count = max(1, math.ceil(len(samples) / size))
-        bounds = [round(i * len(samples) / count) for i in range(count + 1)]
-        return [
-            batch for a, b in zip(bounds, bounds[1:]) for batch in eval_batches(samples[a:b], b - a, pad_id)
-        ]
-
-    def _evaluate(self, pipe, model, samples, tokenizer, step: int, metrics) -> dict:
-        samples = samples[: self.config.eval.max_samples] if self.config.eval.max_samples else samples
-        batches = self._eval_chunks(samples, tokenizer.pad_token_id)
-        loss_sum, tokens = 0.0, 0
-        for b in batches:
-            out = pipe.evaluate(b["input_ids"], labels=b["labels"], attention_mask=b["attention_mask"])
-            loss_sum += out.loss * out.num_tokens
-            tokens += out.num_tokens
-        row = {"kind": "eval", "step": step, "loss": loss_sum / tokens}
-        if self.config.eval.exact_match:
-            pipe.export_to(model)  # on every rank (as every pipeline call), the answers on rank 0 only
-            if self.ranks.is_main:
-                row["exact_match"] = exact_match(model, batches, samples)
-        metrics.log(row)
-        return {k: v for k, v in row.items() if k not in ("kind", "step")}
+    def _evaluate_at(self, run: _Run, loop: _Loop, step: int) -> None:
+        """Evaluate on the held-out samples after ``step`` steps; the result keeps the values."""
+        loop.result.eval = evaluate(
+            run.pipe,
+            run.model,
+            run.splits.eval,
+            run.tokenizer,
+            step,
+            loop.metrics,
+            cfg=self.config,
+            is_main=self.ranks.is_main,
+        )
+        loop.progress.write(eval_line(step, loop.result.eval))
 
     def _save_timeline(self, pipe) -> None:
         from roundpipe.train.watch import save_timeline
@@ -463,111 +376,25 @@ class Trainer:
         except Exception as e:  # a picture must not fail the run
             self.log(f"timeline not drawn: {e}")
 
-    @staticmethod
-    def _position(batches) -> dict:
-        """The data position and host RNG states: what a checkpoint needs besides the pipeline."""
-        return {
-            "data": batches.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
+    # ------------------------------------------------------------------ the end
+    def _finish(self, run: _Run, loop: _Loop) -> None:
+        """The loss curve; unless a signal stopped the run, the exports and a few greedy answers."""
+        cfg, main = self.config, self.ranks.is_main
+        if main and cfg.logging.plots:
+            from roundpipe.train.watch import save_loss_curve
 
-    def _failed(self, err: Exception, manager, step: int, pipe, before: dict, result) -> None:
-        """Step ``step + 1`` raised ``err``: log it in full, and checkpoint the last completed step
-        (``step``) when the failure left it intact (``Pipeline.abandon_step``) and none holds it yet."""
-        self._log_failure(err, f"step {step + 1} failed")
-        if not self.config.checkpoint.on_error:
-            return
-        if self.ranks.distributed:  # the ranks may be in different collectives: none can save now
-            last = manager.latest_step()
-            self.log(
-                "no checkpoint written: under data parallelism a failed step leaves the ranks in "
-                "different places; "
-                + (
-                    f"--resume auto continues from the last periodic checkpoint (step {last})"
-                    if last is not None
-                    else "no periodic checkpoint exists yet"
-                )
-            )
-            return
-        if not pipe.abandon_step():
-            self.log(
-                f"no checkpoint written: step {step + 1} failed half-way through its optimizer update "
-                "(some layers hold the new weights, some the old); resume from the last checkpoint"
-            )
-            return
-        if manager.latest_step() == step:
-            self.log(f"checkpoint of step {step} already written; resume with --resume auto")
-            return
-        if step == 0:  # nothing trained yet (a refused plan, a first batch that failed): nothing to keep
-            self.log("no checkpoint written: the first step failed, there is nothing to resume from")
-            return
-        try:
-            result.checkpoint = self._save(manager, step, pipe, None, position=before)
-            self.log(f"wrote a checkpoint of step {step}, the last completed one; resume with --resume auto")
-        except Exception as save_err:  # the error that stopped the run stays the one raised
-            self.log(f"could not write a checkpoint after the failure: {type(save_err).__name__}: {save_err}")
+            save_loss_curve(loop.metrics, self.run_dir / "loss.png", f"{cfg.run.name}: loss")
+        if not loop.result.interrupted:
+            loop.result.exports = self._export(run)
+            if main and cfg.eval.show_samples and run.splits.eval:
+                samples = run.splits.eval[: cfg.eval.show_samples]
+                show_samples(run.model, samples, run.tokenizer, cfg.eval.max_new_tokens, self.log)
 
-    def _log_failure(self, err: Exception, what: str) -> None:
-        """One line of what failed, and the full traceback in the log file (once per error); on
-        ranks other than 0, which write no log, the traceback goes to stderr."""
-        import sys
-        import traceback
-
-        self.log(f"{what}: {type(err).__name__}: {err}")
-        text = "".join(traceback.format_exception(err))
-        if self.ranks.is_main:
-            self._log_file(text)
-        else:
-            print(f"roundpipe train (rank {self.ranks.rank}): {what}\n{text}", file=sys.stderr, flush=True)
-        err._roundpipe_logged = True
-
-    def _log_file(self, text: str) -> None:
-        with contextlib.suppress(OSError), open(self.run_dir / LOG_FILE, "a", encoding="utf-8") as f:
-            f.write(text if text.endswith("\n") else text + "\n")
-
-    def _save(self, manager, step: int, pipe, batches, position: dict | None = None) -> Path:
-        """Write checkpoint ``step`` (every rank calls it). With optimizer sharding each rank's
-        optimizer state goes into its own file; otherwise rank 0's state is the whole of it."""
-        from roundpipe.train.checkpoint_shards import Shard
-        from roundpipe.train.recipe import dump_recipe
-
-        position = position or self._position(batches)
-        pipeline = pipe.state_dict()
-        shard = None
-        if pipeline.pop("optimizer_shard", None) is not None:  # which rank wrote it: state.json says
-            optimizer = dict(pipeline["optimizer"])
-            shard = Shard(("pipeline", "optimizer", "state"), optimizer.pop("state"))
-            pipeline["optimizer"] = optimizer
-        state = {"step": step, "pipeline": pipeline, **position}
-        ranks = self.ranks
-        path = manager.save(
-            step,
-            state if ranks.is_main else None,
-            extra_files={"config.yaml": dump_recipe(self.config).encode()},
-            shard=shard,
-            group=ranks if ranks.distributed else None,
-        )
-        self.log(f"checkpoint: {path}")
-        return path
-
-    def _restore(self, manager, path: Path, pipe, batches) -> int:
-        """Load checkpoint ``path`` on every rank: rank 0 verifies every file against the manifest
-        (once: the files are the same for all), then each rank reads it; a sharded optimizer state
-        comes back as the union of every rank's part, of which each pipeline takes its own."""
-        self.ranks.on_main(lambda: manager.verify(path) and None)
-        step, state, _ = manager.load(path, hash_files=False)
-        if state.get("step") != step:
-            raise CheckpointError(f"{path}: the state says step {state.get('step')} but the manifest {step}")
-        pipe.load_state_dict(state["pipeline"])
-        batches.load_state_dict(state["data"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(_as_tuples(state["rng"]["python"]))
-        return step
-
-    def _export(self, pipe, model, tokenizer) -> dict[str, Path]:
+    def _export(self, run: _Run) -> dict[str, Path]:
+        """The exports ``checkpoint.export`` asks for (rank 0 writes them), by kind."""
         from roundpipe.train.export import export_adapter, export_merged
 
-        cfg = self.config
+        cfg, pipe, model, tokenizer = self.config, run.pipe, run.model, run.tokenizer
         kind = cfg.checkpoint.export
         if kind == "none":
             return {}
@@ -590,58 +417,23 @@ class Trainer:
             self.log(f"export ({name}): {path}")
         return out
 
-    def _show_samples(self, model, samples, tokenizer) -> None:
-        was_training = model.training
-        model.eval()
-        self.log("held-out samples (greedy):")
-        try:
-            with torch.no_grad():
-                for s in samples:
-                    prompt = torch.tensor([s.input_ids[: s.prompt_len]])
-                    out = model.generate(
-                        prompt,
-                        attention_mask=torch.ones_like(prompt),
-                        max_new_tokens=self.config.eval.max_new_tokens,
-                        do_sample=False,
-                        eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id,
-                    )[0, prompt.shape[1] :].tolist()
-                    got = tokenizer.decode(out, skip_special_tokens=True)
-                    want = tokenizer.decode(list(s.input_ids[s.prompt_len :]), skip_special_tokens=True)
-                    mark = "ok " if got.strip() == want.strip() else "MISS"
-                    shown = tokenizer.decode(list(s.input_ids[: s.prompt_len]), skip_special_tokens=True)
-                    self.log(f"  {mark} {shown!r} -> {got!r} (answer {want!r})")
-        finally:
-            model.train(was_training)
+    def _log_failure(self, err: Exception, what: str) -> None:
+        """One line of what failed, and the full traceback in the log file (once per error); on
+        ranks other than 0, which write no log, the traceback goes to stderr."""
+        import sys
+        import traceback
 
+        self.log(f"{what}: {type(err).__name__}: {err}")
+        text = "".join(traceback.format_exception(err))
+        if self.ranks.is_main:
+            self._log_file(text)
+        else:
+            print(f"roundpipe train (rank {self.ranks.rank}): {what}\n{text}", file=sys.stderr, flush=True)
+        err._roundpipe_logged = True
 
-def exact_match(model, batches, samples) -> float:
-    """Share of ``samples`` whose whole answer (``input_ids[prompt_len:]``, end-of-sequence
-    included) is the model's greedy choice at every position, fed the reference prefix. That is
-    exactly the share a greedy decoder answers correctly: each answer token is then predicted from
-    the correct prefix. ``batches`` hold ``samples`` in order (``eval_batches``)."""
-    was_training = model.training
-    model.eval()
-    hits, index = 0, 0
-    try:
-        with torch.no_grad():
-            for b in batches:
-                logits = model(
-                    input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False
-                ).logits
-                pred = logits[:, :-1].argmax(-1)
-                for row in range(b["input_ids"].shape[0]):
-                    s = samples[index]
-                    index += 1
-                    start, end = s.prompt_len, len(s.input_ids)
-                    if start == 0:
-                        continue  # no answer to match (text format)
-                    want = b["input_ids"][row, start:end]
-                    hits += bool(torch.equal(pred[row, start - 1 : end - 1], want))
-    finally:
-        model.train(was_training)
-    answered = sum(1 for s in samples[:index] if s.prompt_len > 0)
-    return hits / answered if answered else 0.0
+    def _log_file(self, text: str) -> None:
+        with contextlib.suppress(OSError), open(self.run_dir / LOG_FILE, "a", encoding="utf-8") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
 
 
 def _plan_line(plan) -> str:
@@ -654,14 +446,3 @@ def _plan_line(plan) -> str:
         f"plan: policy {plan.policy}, {stages[0]} forward + {stages[1]} backward stages, "
         f"{plan.num_microbatches} microbatches ({parts})"
     )
-
-
-def _eval_line(step: int, ev: dict) -> str:
-    return f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items())
-
-
-def _as_tuples(state):
-    """``random.setstate`` wants tuples where a JSON round trip may have left lists."""
-    if isinstance(state, list):
-        return tuple(_as_tuples(x) for x in state)
-    return state
