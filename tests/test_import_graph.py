@@ -112,3 +112,16 @@ def test_an_import_from_a_lower_layer_to_a_higher_one_runs_up_and_names_the_modu
         "cycle: high.h low.l",
         "layer cycle: high/ low/",
     }
+
+
+MAX_LINES = 600  # a module past this has more than one job: split it along a seam
+
+
+def test_no_module_of_the_package_is_over_600_lines():
+    root = Path(__file__).resolve().parents[1] / "roundpipe"
+    long = {
+        p.relative_to(root).as_posix(): n
+        for p in root.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these by job: {long}"
