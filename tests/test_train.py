@@ -287,3 +287,23 @@ def test_an_async_run_resumes_bit_for_bit_too(tmp_path):
     want, got = _masters(whole.checkpoint), _masters(resumed.checkpoint)
     for name in want:
         assert torch.equal(want[name], got[name]), name
+
+
+def test_the_forecast_simulates_the_run_as_its_config_runs_it(monkeypatch):
+    """The forecast before the first step simulates the head shards the model is wrapped with
+    (``run.options.head_shards``), not a count of the simulator's own choosing."""
+    from support.tiny_models import make_model
+
+    import roundpipe.sim.scenario as scenario
+    from roundpipe.backend import parse_device_spec
+    from roundpipe.train.forecast import predict
+
+    seen = []
+    real = scenario.safe_run
+    monkeypatch.setattr(scenario, "safe_run", lambda s, *a, **k: seen.append(s) or real(s, *a, **k))
+    for shards in (1, 3):
+        predict(
+            make_model("llama"), parse_device_spec("cpu:2"), policy="roundpipe", seq_len=16, batch=4, microbatches=2,
+            lora_rank=None, dtype="fp32", optimizer_mode="sync", head_shards=shards,
+        )  # fmt: skip
+    assert [s.head_shards for s in seen] == [1, 3]

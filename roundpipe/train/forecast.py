@@ -6,8 +6,8 @@ moments one rank's share with ``optimizer_sharding: nodes``), the compute copies
 read, and a margin for the activations and gradients handed back to the host. ``check_host_ram``
 compares it, times the ranks on this machine, with what ``psutil`` says is available and refuses,
 with the figures and the levers, when it will not fit. ``predict`` asks the simulator for tokens/s and
-memory (and the tuner, with ``tune_policy``; a recipe's ``policy: auto`` is left to the runtime,
-which chooses from the first batch's measured layer times).
+memory of the run as configured (a recipe's ``policy: auto`` is left to the runtime, which chooses
+from the first batch's measured layer times).
 """
 
 from __future__ import annotations
@@ -129,55 +129,40 @@ def simulator_hardware(devices) -> tuple[str, str]:
 @dataclass(frozen=True)
 class Forecast:
     text: str
-    policy: str | None = None  # the tuner's choice, when asked
-    num_microbatches: int | None = None
 
 
 def predict(model: nn.Module, devices, *, policy: str, seq_len: int, batch: int, microbatches, lora_rank, dtype: str,
-            optimizer_mode: str, tune_policy: bool, fp16_accumulation: bool = False,
-            optimizer_shards: int = 1) -> Forecast:  # fmt: skip
-    """The simulator's prediction for this run (and the tuner's policy when ``tune_policy``).
+            optimizer_mode: str, fp16_accumulation: bool = False, optimizer_shards: int = 1,
+            head_shards: int = 1) -> Forecast:  # fmt: skip
+    """The simulator's prediction for this run: its policy, microbatch count and head shards
+    (``RunConfig.head_shards``, what the run's model is wrapped with).
 
     ``optimizer_shards`` > 1 (``optimizer_sharding: nodes``): the host figure is one rank's, its
     AdamW moments (8 bytes per trainable parameter) divided by the ranks.
     Never raises for a model the simulator cannot describe: the text then says why."""
-    from roundpipe.config import known_policies
     from roundpipe.errors import RoundpipeError
     from roundpipe.sim.scenario import Scenario, safe_run
 
     hardware, how = simulator_hardware(devices)
     config = _base_config(model).to_dict()
     try:
-        if tune_policy:
-            from roundpipe.sim.tune import tune
-
-            result = tune(
-                config, hardware, seq_len=seq_len, global_batch=batch, lora_rank=lora_rank, dtype=dtype,
-                optimizer=optimizer_mode, policies=known_policies(), time_budget_s=20.0,
+        mb = microbatches if isinstance(microbatches, int) else None
+        r = safe_run(
+            Scenario(
+                config,
+                hardware,
+                policy,
+                seq_len=seq_len,
+                global_batch=batch,
+                microbatches=mb,
+                lora_rank=lora_rank,
+                dtype=dtype,
+                optimizer=optimizer_mode,
                 fp16_accumulation=fp16_accumulation,
+                head_shards=head_shards,
             )  # fmt: skip
-            best = result.best
-            r = best.result
-            head = f"tuner ({hardware}, {how}): policy {best.policy}, {best.num_microbatches} microbatches"
-            chosen = (best.policy, best.num_microbatches)
-        else:
-            mb = microbatches if isinstance(microbatches, int) else None
-            r = safe_run(
-                Scenario(
-                    config,
-                    hardware,
-                    policy,
-                    seq_len=seq_len,
-                    global_batch=batch,
-                    microbatches=mb,
-                    lora_rank=lora_rank,
-                    dtype=dtype,
-                    optimizer=optimizer_mode,
-                    fp16_accumulation=fp16_accumulation,
-                )  # fmt: skip
-            )
-            head = f"simulator ({hardware}, {how}): policy {policy}"
-            chosen = (None, None)
+        )
+        head = f"simulator ({hardware}, {how}): policy {policy}"
     except (RoundpipeError, KeyError, ValueError) as e:
         return Forecast(f"simulator: cannot model this run ({e})")
     gpu = max(r.peak_gpu_bytes) if r.peak_gpu_bytes else 0
@@ -192,4 +177,4 @@ def predict(model: nn.Module, devices, *, policy: str, seq_len: int, batch: int,
         f"{head}: predicts {r.tokens_per_s:,.0f} tokens/s, {r.iteration_s:.3f} s per forward/backward, "
         f"peak device memory {gpu / GIB:.2f} GiB, {host}" + ("" if r.fits else f"; does not fit: {r.reason}")
     )
-    return Forecast(text, *chosen)
+    return Forecast(text)

@@ -78,11 +78,11 @@ def run_config_for(cfg: TrainConfig, model, ranks: Ranks, log) -> RunConfig:
             ranks_here=ranks.local_world_size,
         )
         log(line)
-    devices = rank_devices(run, ranks)
-    if ranks.is_main:
-        _log_forecast(cfg, model, devices, rows, shards, ranks.world_size, log)
     settings = {f.name: getattr(run, f.name) for f in recipe_settings()}  # run.X is RunConfig's X
-    return RunConfig(**{**settings, "devices": devices}, **run.options)
+    config = RunConfig(**{**settings, "devices": rank_devices(run, ranks)}, **run.options)
+    if ranks.is_main:
+        _log_forecast(cfg, config, model, rows, shards, ranks.world_size, log)
+    return config
 
 
 def rank_devices(run: RunSection, ranks: Ranks) -> str:
@@ -109,29 +109,29 @@ def rank_devices(run: RunSection, ranks: Ranks) -> str:
 
 
 def _log_forecast(
-    cfg: TrainConfig, model, devices: str, rows: int, optimizer_shards: int, world: int, log
+    cfg: TrainConfig, config: RunConfig, model, rows: int, optimizer_shards: int, world: int, log
 ) -> None:
-    """The simulator's forecast of one rank's pipeline on its ``rows`` of each batch."""
+    """The simulator's forecast of one rank's pipeline (as ``config`` runs it) on its ``rows`` of
+    each batch."""
     from roundpipe.backend import parse_device_spec
     from roundpipe.train.forecast import predict
 
-    run = cfg.run
     # policy / num_microbatches "auto" are the runtime's: it profiles the first batch and
     # chooses from the measured times (logged after the first step). The forecast before it
     # shows what the provisional policy, roundpipe, would do.
     forecast = predict(
         model,
-        parse_device_spec(devices),
-        policy=PROVISIONAL_POLICY if run.policy == "auto" else run.policy,
+        parse_device_spec(config.devices),
+        policy=PROVISIONAL_POLICY if config.policy == "auto" else config.policy,
         seq_len=cfg.data.max_length,
         batch=rows,
-        microbatches=run.num_microbatches,
+        microbatches=config.num_microbatches,
         lora_rank=cfg.lora.rank if cfg.lora.enabled else None,
-        dtype=run.dtype,
-        optimizer_mode=run.optimizer_mode,
-        tune_policy=False,
-        fp16_accumulation=bool(run.options.get("fp16_accumulation", False)),
+        dtype=config.dtype,
+        optimizer_mode=config.optimizer_mode,
+        fp16_accumulation=config.fp16_accumulation,
         optimizer_shards=optimizer_shards,
+        head_shards=config.head_shards,
     )
     log(
         forecast.text
@@ -141,7 +141,7 @@ def _log_forecast(
             if world > 1
             else ""
         )
-        + ("; policy auto: chosen after profiling the first batch" if run.policy == "auto" else "")
+        + ("; policy auto: chosen after profiling the first batch" if config.policy == "auto" else "")
     )
 
 
