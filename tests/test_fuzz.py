@@ -708,7 +708,10 @@ def test_schedule_text_and_json_parse_or_raise_schedule_error(text, data):
 # =================================================================================================
 # 4. RunConfig values
 
-GOOD_VALUES = {
+# Valid values worth combining, beyond what a setting's declaration already says (its default and
+# its choices): a setting without an entry here is fuzzed with those alone, so adding one to
+# RunConfig needs no edit here.
+MORE_GOOD_VALUES = {
     "devices": ["auto", "cpu:2", "cuda:0,1"],
     "num_microbatches": ["auto", 1, 4],
     "policy": ["auto", "roundpipe", "1f1b", "gpipe", "interleaved", "zb"],
@@ -738,7 +741,18 @@ GOOD_VALUES = {
     "fp16_accumulation": [False, True],
     "verify_model": [True, False],
 }
-assert set(GOOD_VALUES) == {f.name for f in dataclasses.fields(roundpipe.RunConfig)}
+
+
+def _declared_values(f: dataclasses.Field) -> list:
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return [default, *(c for c in f.metadata["choices"] if c != default)]
+
+
+GOOD_VALUES = {
+    f.name: MORE_GOOD_VALUES.get(f.name) or _declared_values(f)
+    for f in dataclasses.fields(roundpipe.RunConfig)
+}
+assert set(MORE_GOOD_VALUES) <= set(GOOD_VALUES), "an entry names no RunConfig setting"
 junk_values = st.one_of(
     st.none(),
     st.booleans(),
