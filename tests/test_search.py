@@ -146,3 +146,19 @@ def test_the_runtime_tries_every_stage_grain_the_tuner_tries():
     assert objective  # the objective's own grains besides the count grains
     for options in (search.stage_options("interleaved", 4), search.stage_options("roundpipe", 4)):
         assert options == [8, 16] or options == [None, (4, 8), (8, 8)]
+
+
+def test_the_tuner_refines_only_its_refine_top_best_policies(monkeypatch):
+    refined: list[str] = []
+    real = tune.refine
+
+    def spy(prep, *args, **kwargs):
+        refined.append(prep.scenario.policy)
+        return real(prep, *args, **kwargs)
+
+    monkeypatch.setattr(tune, "refine", spy)
+    tune.tune(
+        "qwen3-0.6b", "4xrtx4090", seq_len=1024, global_batch=8, num_devices=4,
+        policies=["1f1b", "gpipe", "zb"], options=RUNTIME_VIEW, time_budget_s=120, refine_top=1,
+    )  # fmt: skip
+    assert len(set(refined)) == 1, refined

@@ -445,7 +445,7 @@ def tune(
         if time.monotonic() > deadline:
             notes.append("time budget reached during refinement")
             break
-        if not cand.fits or prep is None or per_policy[cand.policy] >= REFINE_PER_POLICY:
+        if not cand.fits or prep is None or per_policy.get(cand.policy, 0) >= REFINE_PER_POLICY:
             continue
         if cand.policy not in per_policy and len(per_policy) >= refine_top:
             continue
