@@ -38,6 +38,9 @@ LINT_PATHS := $(wildcard roundpipe tests benchmarks scripts)
 # `.venv/bin/mypy <it>` is clean. The modules they import are read for types, not reported.
 TYPED_PATHS := roundpipe/errors.py roundpipe/config.py roundpipe/schedule roundpipe/partition \
 	roundpipe/optim roundpipe/distributed roundpipe/runtime \
+	roundpipe/backend/base.py roundpipe/backend/sanitizer.py \
+	roundpipe/models/base.py roundpipe/models/families.py roundpipe/models/head.py \
+	roundpipe/models/mask_facts.py roundpipe/models/router_loss.py roundpipe/models/verify.py \
 	roundpipe/sim/__init__.py roundpipe/sim/choice.py roundpipe/sim/costs_command.py \
 	roundpipe/sim/data_parallel.py roundpipe/sim/gantt.py roundpipe/sim/network.py \
 	roundpipe/sim/plan_command.py roundpipe/sim/report.py roundpipe/sim/scenario.py \
