@@ -38,7 +38,7 @@ def known_policies() -> list[str]:
 
 def _positive_finite(value: Any) -> bool:
     """A number above 0 and below infinity (False for NaN, a string, None, ...)."""
-    return isinstance(value, numbers.Real) and math.isfinite(value) and value > 0
+    return isinstance(value, numbers.Real) and math.isfinite(value) and float(value) > 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,7 +108,8 @@ def _timeout(name: str, value: Any) -> Any:
 
 def _watchdog(name: str, value: Any) -> Any:
     """As ``_timeout``, but infinity is allowed: a watchdog that never fires."""
-    if not isinstance(value, numbers.Real) or not value > 0:  # also refuses NaN
+    # typeshed's numbers.Real declares no __gt__; float() would overflow on a huge int
+    if not isinstance(value, numbers.Real) or not value > 0:  # type: ignore[operator]  # also refuses NaN
         raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
     return value
 
@@ -518,11 +519,14 @@ class RunConfig:
 
 def _docstring(cls: type) -> str:
     """The class docstring followed by an ``Args:`` entry per field, from each field's help."""
-    lines = [cls.__doc__, "", "    Args:"]
+    lines = [cls.__doc__ or "", "", "    Args:"]
     for f in fields(cls):
         text = f"{f.name}: {f.metadata['help']}"
-        indents = {"initial_indent": " " * 8, "subsequent_indent": " " * 12}
-        lines.append(textwrap.fill(text, 100, break_on_hyphens=False, **indents))
+        lines.append(
+            textwrap.fill(
+                text, 100, break_on_hyphens=False, initial_indent=" " * 8, subsequent_indent=" " * 12
+            )
+        )
     return "\n".join(lines) + "\n    "
 
 
@@ -538,8 +542,9 @@ def settings_table() -> str:
     """docs/guide.md's table of every run setting (name, default, help), read off the declarations
     (``scripts/docs_tables.py`` writes it; ``tests/test_run_settings.py`` checks the page holds it)."""
     rows = ["| setting | default | meaning |", "|---|---|---|"]
+    defaults = RunConfig()
     for f in fields(RunConfig):
-        default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+        default = getattr(defaults, f.name)
         meaning = f.metadata["help"].replace("``", "`").replace("|", "\\|")
         if f.metadata["choices"]:
             meaning += " One of " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."

@@ -248,3 +248,14 @@ def test_the_cost_model_and_the_command_never_import_torch():
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_moe_config_without_an_expert_width_is_a_config_error():
+    """An MoE config with neither ``moe_intermediate_size`` nor ``intermediate_size`` names the key
+    (it was a TypeError from ``int(None)`` deep in the cost model)."""
+    config = dict(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=100, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="moe_intermediate_size"):
+        model_costs(config, 16)

@@ -413,6 +413,21 @@ def test_tuner_ranks_fitting_plans_by_throughput():
     assert {c.policy for c in r.ranked} == {"roundpipe", "1f1b"}
 
 
+def test_tuner_takes_a_model_config_as_any_mapping():
+    """A scenario's model is a name or a Mapping; the tuner's grain alternatives read it the same way
+    (a non-dict Mapping was passed to ``load_model_config`` as if it were a path)."""
+    from types import MappingProxyType
+
+    from roundpipe.presets import load_model_config
+
+    config = MappingProxyType(load_model_config("qwen3-0.6b"))
+    r = tune(
+        config, "2xrtx4090", seq_len=256, global_batch=4, lora_rank=8, policies=["roundpipe"],
+        time_budget_s=5, refine_top=0,
+    )  # fmt: skip
+    assert r.best.policy == "roundpipe" and r.best.fits
+
+
 # ------------------------------------------------------------------ command line
 
 

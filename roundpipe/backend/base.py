@@ -19,8 +19,9 @@ from __future__ import annotations
 import threading
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 import torch
 
@@ -291,9 +292,18 @@ class Device(ABC):
         return f"Device({self.name})"
 
 
+class HostBuffers(Protocol):
+    """A pool of host buffers that downloads land in (``host_memory.HostBufferPool`` is one)."""
+
+    def acquire(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
+
+    def release(self, t: torch.Tensor, event: Event | None = None) -> None: ...
+
+
 class Backend(ABC):
     name: str
     devices: list[Device]
+    errors: list[BaseException]  # what the streams' work raised since the last reset
     aborted: bool = False
     recording: bool = False
     # Host syncs since the last reset (``cpu_host_syncs.HostSyncs``): counted by the cpu backend;
@@ -320,7 +330,7 @@ class Backend(ABC):
 
     # Where downloads land: a ``HostBufferPool`` of (pinned) host buffers, set by the pipeline;
     # None: a fresh host tensor per download.
-    host_buffers = None
+    host_buffers: HostBuffers | None = None
 
     def host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer for a download (from ``host_buffers`` when set). Its owner gives it back

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -62,7 +63,8 @@ class Sanitizer:
     def collecting_releases(self):
         """Blocks whose reservation is released inside (by ``reserved``) are collected for the
         end-of-closure check."""
-        _local.released = released = []
+        released: list[tuple[Any, int]] = []  # (block, serial), as ``reserved`` returns them
+        _local.released = released
         try:
             yield released
         finally:

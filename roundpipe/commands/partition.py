@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from roundpipe.errors import RoundpipeError
 from roundpipe.partition.model_plan import plan_partitions
 
-REFERENCE = (
+REFERENCE: tuple[tuple[str, dict[str, Any]], ...] = (
     ("qwen3-1.7b", dict(stages=8)),
     ("qwen3-8b", dict(stages=8)),
     ("llama3.1-8b", dict(stages=8)),

@@ -22,10 +22,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import cast
 
 from roundpipe.commands.model_args import add_model_args, model_settings
 from roundpipe.errors import ConfigError, RoundpipeError
 from roundpipe.sim.report import GIB, dumps, result_table
+from roundpipe.sim.result import SimResult
 from roundpipe.sim.tune import DEFAULT_TIME_BUDGET_S
 
 
@@ -107,13 +109,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"roundpipe plan: error: {err}", file=sys.stderr)
         sys.exit(2)
     best = result.best
+    best_result = cast(SimResult, best.result)  # the tuner simulates every candidate
     if args.json:
         out = {"model": args.model, "hardware": args.hardware, "seq_len": args.seq_len}
-        out.update(best.result.to_dict())
+        out.update(best_result.to_dict())
         out.update(best.summary())
         out["alternatives"] = [c.summary() for c in result.ranked[1:]]
         out["search_s"] = result.elapsed_s
-        out["notes"] = list(result.notes) + list(best.result.notes)
+        out["notes"] = list(result.notes) + list(best_result.notes)
         if multi is not None:
             out["nodes"] = args.nodes
             out["multinode"] = multi
@@ -130,12 +133,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{best.policy} with {best.num_microbatches} microbatches, {best.stages[0]} forward / {best.stages[1]} backward "
         f"stages, {best.head_shards} head shard(s)"
     )
-    print(result_table(best.result))
+    print(result_table(best_result))
     print()
     print(f"ranked alternatives (searched {len(result.ranked)} in {result.elapsed_s:.1f} s):")
     print(format_ranked(result, args.top))
-    for n in result.notes:
-        print(f"note: {n}")
+    for note in result.notes:
+        print(f"note: {note}")
     if multi is not None:
         print()
         print(multinode_table(multi))

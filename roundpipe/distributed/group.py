@@ -134,7 +134,7 @@ class DataParallel:
         self.main, self.grads, self.weights = (
             dist.new_group(backend="gloo", timeout=timeout) for _ in range(3)
         )
-        self._groups = (self.grads, self.weights, self.main)
+        self._groups: tuple[Any, ...] = (self.grads, self.weights, self.main)
 
     # ------------------------------------------------------------------ rows and owners
     def rows(self, batch: int) -> slice:

@@ -27,12 +27,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from roundpipe.distributed.group import DataParallel
-from roundpipe.optim import MasterStore
+from roundpipe.optim import MasterStore, grad_of, master_of
 
 _DONE = object()
 # A gradient (or master) of at least this many bytes is summed (or sent) in place, by its own
@@ -54,7 +55,7 @@ def plan_buckets(
 ) -> list[Bucket]:
     """The buckets of ``groups`` (owner layer -> entry keys), in canonical order."""
     order = sorted(groups, reverse=True)
-    numel = {g: sum(store.entries[k].grad.numel() for k in groups[g]) for g in order}
+    numel = {g: sum(grad_of(store.entries[k]).numel() for k in groups[g]) for g in order}
     owners = dp.owners(order, {g: 4 * numel[g] for g in order})
     buckets: list[Bucket] = []
     run: list[int] = []
@@ -124,7 +125,7 @@ class GradientReduction:
         entries = self.store.entries
         large, small = _in_place(self.store, b)
         flag = torch.tensor([1.0 if self._known_nonfinite() else 0.0])
-        packed = torch.cat([entries[k].grad.reshape(-1) for k in small] + [flag])
+        packed = torch.cat([grad_of(entries[k]).reshape(-1) for k in small] + [flag])
         what = f"summing the gradients of {self._label(b)}"
 
         def issue(t: torch.Tensor):
@@ -132,7 +133,7 @@ class GradientReduction:
                 return dist.reduce(t, dst=b.owner, group=self.dp.grads, async_op=True)
             return dist.all_reduce(t, group=self.dp.grads, async_op=True)
 
-        works = [self.dp.collective(what, lambda k=k: issue(entries[k].grad)) for k in large]
+        works = [self.dp.collective(what, partial(issue, grad_of(entries[k]))) for k in large]
         works.append(self.dp.collective(what, lambda: issue(packed)))
         self._queue.put((b, small, packed, works, what, time.perf_counter()))
 
@@ -178,12 +179,12 @@ class GradientReduction:
                 self.flagged |= bool(packed[-1] > 0)
                 offset = 0
                 for k in small:
-                    g = entries[k].grad
+                    g = grad_of(entries[k])
                     g.copy_(packed[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
             else:  # sharded, another rank's: its owner steps it; this rank's share is spent
                 for k in b.keys:
-                    entries[k].grad.zero_()
+                    grad_of(entries[k]).zero_()
         if self._step_groups is None:
             return
         if mine and not self.flagged and not self._known_nonfinite():
@@ -224,14 +225,14 @@ def broadcast_masters(dp: DataParallel, store: MasterStore, b: Bucket, group=Non
     large, small = _in_place(store, b)
     with torch.no_grad():
         if owner:
-            packed = torch.cat([entries[k].master.data.reshape(-1) for k in small] + [torch.zeros(1)])
+            packed = torch.cat([master_of(entries[k]).data.reshape(-1) for k in small] + [torch.zeros(1)])
         else:
-            packed = torch.empty(1 + sum(entries[k].master.numel() for k in small), dtype=torch.float32)
+            packed = torch.empty(1 + sum(master_of(entries[k]).numel() for k in small), dtype=torch.float32)
     what = f"sending the new weights of step groups {b.groups}"
     pg = group or dp.weights
     works = [
         dp.collective(
-            what, lambda k=k: dist.broadcast(entries[k].master.data, src=b.owner, group=pg, async_op=True)
+            what, partial(dist.broadcast, master_of(entries[k]).data, src=b.owner, group=pg, async_op=True)
         )
         for k in large
     ]
@@ -248,7 +249,7 @@ def broadcast_masters(dp: DataParallel, store: MasterStore, b: Bucket, group=Non
         with torch.no_grad():
             offset = 0
             for k in small:
-                m = entries[k].master.data
+                m = master_of(entries[k]).data
                 m.copy_(packed[offset : offset + m.numel()].view_as(m))
                 offset += m.numel()
             store.refresh_compute(b.keys)
@@ -259,6 +260,6 @@ def broadcast_masters(dp: DataParallel, store: MasterStore, b: Bucket, group=Non
 def _in_place(store: MasterStore, b: Bucket) -> tuple[list[int], list[int]]:
     """Bucket ``b``'s entries summed or sent in place (fp32, at least ``IN_PLACE_BYTES``), and the
     small ones packed together."""
-    large = [k for k in b.keys if 4 * store.entries[k].grad.numel() >= IN_PLACE_BYTES]
+    large = [k for k in b.keys if 4 * grad_of(store.entries[k]).numel() >= IN_PLACE_BYTES]
     in_place = set(large)
     return large, [k for k in b.keys if k not in in_place]

@@ -22,6 +22,7 @@ from torch import nn
 
 from roundpipe.models.head import IGNORE_INDEX, shift_labels
 from roundpipe.models.mask_facts import MaskFacts
+from roundpipe.models.router_loss import RouterLoss
 
 LayerKind = Literal["embed", "block", "head"]
 
@@ -126,7 +127,9 @@ class ModelAdapter(ABC):
     """A HF causal LM (optionally inside a peft wrapper) seen as a list of layers."""
 
     model: nn.Module  # the HF *ForCausalLM module (unwrapped from peft); owns all parameters
+    config: Any  # the HF config that sizes the decoder (``vocab_size``, ``num_hidden_layers``, ...)
     layers: list[Layer]
+    router_loss: RouterLoss | None  # the MoE load-balancing loss the config asks for, or None
     context_module: (
         nn.Module
     )  # what builds each layer's arguments (rotary tables: buffers only), on every worker

@@ -79,15 +79,16 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 chunk_loss = _chunk_loss_sum(lm_head, chunk, flat_labels[start:stop], softcap)
             wrt = ([chunk] if hidden_needs_grad else []) + list(params)
             grads = list(torch.autograd.grad(chunk_loss, wrt, allow_unused=True))
-            if hidden_needs_grad:
+            if grad_hidden is not None:  # the hidden state needs its gradient
                 grad_hidden[start:stop] = grads.pop(0)
             for i, grad in enumerate(grads):
                 if grad is None:
                     continue
-                if grad_params[i] is None:
+                acc = grad_params[i]
+                if acc is None:
                     grad_params[i] = grad.float()  # no copy when already fp32
                 else:
-                    grad_params[i] += grad
+                    acc += grad
             loss_sum += chunk_loss.detach()
         ctx.hidden_shape, ctx.hidden_dtype = hidden.shape, hidden.dtype
         ctx.param_dtypes = [p.dtype for p in params]

@@ -95,6 +95,13 @@ def _install() -> None:
             masking_utils.find_packed_sequence_indices = _packed_wrapper(packed)
 
 
+def _mark(wrapper):
+    """Tag ``wrapper`` as ours (read back with ``getattr(f, "_roundpipe", False)``), so that
+    installing twice wraps once."""
+    wrapper.__dict__["_roundpipe"] = True
+    return wrapper
+
+
 def _causal_wrapper(original):
     @functools.wraps(original)
     def ignore_causal_mask_sdpa(
@@ -110,8 +117,7 @@ def _causal_wrapper(original):
             return False
         return all_ones
 
-    ignore_causal_mask_sdpa._roundpipe = True
-    return ignore_causal_mask_sdpa
+    return _mark(ignore_causal_mask_sdpa)
 
 
 def _bidirectional_wrapper(original):
@@ -124,8 +130,7 @@ def _bidirectional_wrapper(original):
             return original(padding_mask, kv_length, local_attention_size)
         return all_ones and (local_attention_size is None or kv_length < local_attention_size)
 
-    ignore_bidirectional_mask_sdpa._roundpipe = True
-    return ignore_bidirectional_mask_sdpa
+    return _mark(ignore_bidirectional_mask_sdpa)
 
 
 def _packed_wrapper(original):
@@ -137,5 +142,4 @@ def _packed_wrapper(original):
         # transformers: None when every row holds one sequence, else each token's sequence index
         return _sequence_index(position_ids) if known.packed else None
 
-    find_packed_sequence_indices._roundpipe = True
-    return find_packed_sequence_indices
+    return _mark(find_packed_sequence_indices)

@@ -58,7 +58,7 @@ class RouterLoss:
 
     def stats(self, logits: list[torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
         """One layer's ``[C, S, N]`` (fp32, no gradient) for one microbatch, from its routers' logits."""
-        out = None
+        out: torch.Tensor | None = None
         with torch.no_grad():
             for g in logits:
                 probs = torch.softmax(g.reshape(-1, g.shape[-1]), dim=-1)
@@ -69,6 +69,8 @@ class RouterLoss:
                 s = (probs.float() * w.unsqueeze(-1)).sum(dim=0)
                 one = torch.cat([counts, s, w.sum().reshape(1)])
                 out = one if out is None else out + one
+        if out is None:
+            raise ValueError("router statistics need the logits of at least one router")
         return out
 
     def weights(self, totals: torch.Tensor) -> torch.Tensor:
@@ -80,12 +82,14 @@ class RouterLoss:
         self, logits: list[torch.Tensor], mask: torch.Tensor | None, weights: torch.Tensor
     ) -> torch.Tensor:
         """One layer's differentiable share of ``coef * aux`` for one microbatch."""
-        total = None
+        total: torch.Tensor | None = None
         for g in logits:
             probs = torch.softmax(g.reshape(-1, g.shape[-1]), dim=-1)
             s = (probs.float() * _row_weights(mask, probs).unsqueeze(-1)).sum(dim=0)
             t = (s * weights).sum()
             total = t if total is None else total + t
+        if total is None:
+            raise ValueError("a router loss term needs the logits of at least one router")
         return total
 
     def value(self, totals: torch.Tensor) -> float:
@@ -167,7 +171,7 @@ def find_router_loss(causal_lm: nn.Module, config: Any, blocks: list[nn.Module])
     )
     if not any(routers):
         raise refuse(f"no decoder layer holds a {target.__name__}")
-    facts = {
+    facts: dict[str, Any] = {
         a: getattr(causal_lm, a, None) for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
     }
     missing = [a for a, v in facts.items() if v is None]

@@ -1,6 +1,14 @@
 """CPU optimizer driver: layer-wise fused AdamW on fp32 masters, loss scaling."""
 
-from roundpipe.optim.adamw import LayerwiseAdamW, MasterStore, OptimizerConfig, SteppedEntry, clip_factor
+from roundpipe.optim.adamw import (
+    LayerwiseAdamW,
+    MasterStore,
+    OptimizerConfig,
+    SteppedEntry,
+    clip_factor,
+    grad_of,
+    master_of,
+)
 from roundpipe.optim.scaler import DynamicLossScaler
 
 __all__ = [
@@ -10,4 +18,6 @@ __all__ = [
     "OptimizerConfig",
     "SteppedEntry",
     "clip_factor",
+    "grad_of",
+    "master_of",
 ]

@@ -21,18 +21,38 @@ from roundpipe.errors import ConfigError
 
 class SteppedEntry(Protocol):
     """One tensor as the optimizer sees it (``runtime.store.Entry`` is one): an fp32 ``master``
-    stepped in place with its accumulated fp32 ``grad``, grouped by ``owner``."""
+    stepped in place with its accumulated fp32 ``grad``, grouped by ``owner``. A frozen entry has
+    neither; :func:`master_of` and :func:`grad_of` read a trainable one's."""
 
-    key: int
-    name: str
-    trainable: bool
-    master: torch.Tensor | None
-    grad: torch.Tensor | None
-
+    @property
+    def key(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def trainable(self) -> bool: ...
+    @property
+    def master(self) -> torch.Tensor | None: ...
+    @property
+    def grad(self) -> torch.Tensor | None: ...
     @property
     def owner(self) -> int:
         """The layer whose backward makes the gradient final: the step group."""
         ...
+
+
+def master_of(e: SteppedEntry) -> torch.Tensor:
+    """A trainable entry's fp32 master (the store gives every trainable entry one, and the
+    optimizer and the gradient reduction read no other entries)."""
+    if e.master is None:
+        raise TypeError(f"{e.name} is not trainable: it has no fp32 master")
+    return e.master
+
+
+def grad_of(e: SteppedEntry) -> torch.Tensor:
+    """A trainable entry's fp32 gradient accumulator (as :func:`master_of`)."""
+    if e.grad is None:
+        raise TypeError(f"{e.name} is not trainable: it has no fp32 gradient")
+    return e.grad
 
 
 class MasterStore(Protocol):
@@ -80,7 +100,7 @@ class LayerwiseAdamW:
         self.groups = groups  # owner layer -> entry keys
         self.optimizers = {
             layer: torch.optim.AdamW(
-                [store.entries[k].master for k in keys],
+                [master_of(store.entries[k]) for k in keys],
                 lr=config.lr,
                 betas=config.betas,
                 eps=config.eps,
@@ -98,15 +118,15 @@ class LayerwiseAdamW:
         """
         keys = self.groups[layer]
         for k in keys:
-            e = self.store.entries[k]
+            master, grad = master_of(self.store.entries[k]), grad_of(self.store.entries[k])
             if grad_factor != 1.0:
-                e.grad.mul_(grad_factor)
-            e.master.grad = e.grad
+                grad.mul_(grad_factor)
+            master.grad = grad
         self.optimizers[layer].step()
         for k in keys:
-            e = self.store.entries[k]
-            e.master.grad = None
-            e.grad.zero_()
+            master, grad = master_of(self.store.entries[k]), grad_of(self.store.entries[k])
+            master.grad = None
+            grad.zero_()
         self.store.refresh_compute(keys, publish_to)
 
     def grad_norm_sq(self, groups=None) -> float:
@@ -114,14 +134,14 @@ class LayerwiseAdamW:
         total = 0.0
         for layer in self.groups if groups is None else groups:
             for k in self.groups[layer]:
-                g = self.store.entries[k].grad
+                g = grad_of(self.store.entries[k])
                 total += float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
         return total
 
     def grads_finite(self, groups=None) -> bool:
         """Whether the gradients of ``groups`` (default: all) are finite."""
         return all(
-            bool(torch.isfinite(self.store.entries[k].grad).all())
+            bool(torch.isfinite(grad_of(self.store.entries[k])).all())
             for layer in (self.groups if groups is None else groups)
             for k in self.groups[layer]
         )
@@ -138,7 +158,7 @@ class LayerwiseAdamW:
             opt_state = self.optimizers[layer].state
             for k in keys:
                 e = self.store.entries[k]
-                st = opt_state.get(e.master)
+                st = opt_state.get(master_of(e))
                 if st:
                     state[e.name] = {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
         return {"state": state, "config": self.config.__dict__.copy()}
@@ -154,7 +174,9 @@ class LayerwiseAdamW:
                 e = self.store.entries[k]
                 st = sd["state"].get(e.name)
                 if st is not None:
-                    opt.state[e.master] = {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
+                    opt.state[master_of(e)] = {
+                        n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()
+                    }
 
 
 def clip_factor(total_norm: float, max_norm: float) -> float:

@@ -173,12 +173,12 @@ def _block_linears(shape: ModelShape, layer: int, lora_experts: bool) -> list[_L
     ab = shape.attention_bias
     out = [_Linear(h, q, bias=ab), _Linear(h, kv, bias=ab), _Linear(h, kv, bias=ab), _Linear(q, h, bias=ab)]
     if shape.is_moe(layer):
-        e, k, im = shape.num_experts, shape.experts_per_tok, int(shape.moe_intermediate)
+        e, k, im = shape.num_experts, shape.experts_per_tok, shape.expert_width
         out.append(_Linear(h, e, bias=shape.router_bias))  # router
         for fan_in, fan_out in ((h, im), (h, im), (im, h)):  # gate, up (fused in gpt-oss), down
             out.append(_Linear(fan_in, fan_out, active=k, total=e, bias=shape.expert_bias, lora=lora_experts))
     else:
-        i, mb = int(shape.intermediate), shape.mlp_bias
+        i, mb = shape.dense_width, shape.mlp_bias
         out += [_Linear(h, i, bias=mb), _Linear(h, i, bias=mb), _Linear(i, h, bias=mb)]
     return out
 
@@ -209,10 +209,10 @@ def _block_cost(
     bwd = matmul * (2.0 if full else 1.0) + 2.0 * lora_flops + ATTENTION_BWD_FACTOR * attn_core
 
     if shape.is_moe(layer):
-        k, im, e = shape.experts_per_tok, int(shape.moe_intermediate), shape.num_experts
+        k, im, e = shape.experts_per_tok, shape.expert_width, shape.num_experts
         i_act, mlp_saved, extra_fp32, dispatch = k * im, 4 * k * im + 2 * k * h, 2 * e, 2 * k * h
     else:
-        i_act = int(shape.intermediate)
+        i_act = shape.dense_width
         mlp_saved, extra_fp32, dispatch = 4 * i_act, 0, 0
     attn_saved = (q + 2 * kv) + (q + kv if shape.qk_norm else 0) + (q + kv) + q
     saved_el = 4 * h + attn_saved + mlp_saved
@@ -483,10 +483,11 @@ def layer_times(
             continue
         key = (id(c.fwd_kernels), id(c.bwd_kernels), c.recompute, c.dtype, c.fp16_accumulate)
         if not c.fwd_kernels or key not in seen:
-            kw = dict(efficiency=efficiency, fp16_accumulate=fp16_accumulate)
             seen[key] = (
-                layer_time(c, hw, phase="forward", **kw),
-                layer_time(c, hw, phase="backward_stage", **kw),
+                layer_time(c, hw, phase="forward", efficiency=efficiency, fp16_accumulate=fp16_accumulate),
+                layer_time(
+                    c, hw, phase="backward_stage", efficiency=efficiency, fp16_accumulate=fp16_accumulate
+                ),
             )
         f, b = seen[key]
         fwd.append(f)

@@ -284,7 +284,7 @@ def keys_per_query(seq_len: int, window: int | None) -> float:
 def _moe(rec: _Recorder, shape: ModelShape, tokens: int) -> None:
     """HF's eager MoE block: route, then loop over the experts (all of them get tokens here)."""
     b, h, e, k = rec.b, shape.hidden, shape.num_experts, shape.experts_per_tok
-    im = int(shape.moe_intermediate)
+    im = shape.expert_width
     per_expert = tokens * k / e
     rec.linear("router", tokens, h, e, bias=shape.router_bias)
     # softmax / top-k over the router logits; the one-hot expert mask [E, k, tokens] (int64) and its sum
@@ -361,7 +361,7 @@ def _block_kernels(
     if moe:
         _moe(rec, shape, tokens)
     else:
-        i, mb = int(shape.intermediate), shape.mlp_bias
+        i, mb = shape.dense_width, shape.mlp_bias
         rec.linear("gate_proj", tokens, h, i, bias=mb)
         rec.linear("up_proj", tokens, h, i, bias=mb)
         rec.op("grad_sum", "gate/up dX sum", tokens * h)

@@ -211,7 +211,7 @@ def _partition_phase(
     """Partition one phase; ``stages=None`` picks the smallest multiple of devices that fits."""
     w, a, p, d = memory_vectors(costs, phase)
     names = [c.name for c in costs]
-    kw = dict(
+    kw: dict[str, Any] = dict(
         weight_bytes=w, added_bytes=a, peak_bytes=p, drain_bytes=d, budget=budget, reserve_bytes=reserve,
         names=names,
     )  # fmt: skip
@@ -437,7 +437,7 @@ def plan_partitions(
         raise ConfigError(f"num_devices must be >= 1, got {num_devices}")
     budget = int(memory_budget if memory_budget is not None else hw.memory_bytes)
     reserve = int(reserve_bytes if reserve_bytes is not None else hw.workspace_reserve_bytes)
-    common = dict(
+    common: dict[str, Any] = dict(
         name=name,
         config=config,
         hw=hw,

@@ -160,7 +160,7 @@ def optimal_partition(
     pw = [0, *accumulate(w)]
     pa = [0, *accumulate(a)]
     mem_on = budget is not None
-    budget_b = int(budget) if mem_on else 0
+    budget_b = int(budget) if budget is not None else 0
 
     inner_drain = _drain_bound(tuple(w), tuple(d))
 

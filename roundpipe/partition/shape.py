@@ -69,9 +69,26 @@ class ModelShape:
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
 
+    @property
+    def dense_width(self) -> int:
+        """The dense MLP's intermediate size (:func:`model_shape` has checked it for dense layers)."""
+        if self.intermediate is None:
+            raise ConfigError("model config lacks 'intermediate_size' for its dense MLP layers")
+        return int(self.intermediate)
+
+    @property
+    def expert_width(self) -> int:
+        """An expert's intermediate size (:func:`model_shape` has checked it for MoE layers)."""
+        if self.moe_intermediate is None:
+            raise ConfigError(_NO_EXPERT_WIDTH)
+        return int(self.moe_intermediate)
+
     def window(self, layer: int) -> int | None:
         """Keys a query of layer ``layer`` may see (itself included), or None for full causal attention."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+
+_NO_EXPERT_WIDTH = "MoE model config lacks 'moe_intermediate_size' (or 'intermediate_size') for its experts"
 
 
 class ConfigView(Mapping):
@@ -174,6 +191,8 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
         )
     if len(moe_layers) < layers and not shape.intermediate:
         raise ConfigError("model config lacks 'intermediate_size' for its dense MLP layers")
+    if moe_layers and not shape.moe_intermediate:
+        raise ConfigError(_NO_EXPERT_WIDTH)
     return shape
 
 

@@ -120,7 +120,7 @@ class TaskCompute:
                         x = self._run_layer(step, i, weights, x, ctx, t.microbatch, checks)
                         got = ctx.router_logits.pop(i, None)
                         if got:
-                            stats.append(step.router.loss.stats(got, ctx.inputs.attention_mask))
+                            stats.append(step.router_totals().loss.stats(got, ctx.inputs.attention_mask))
                         del got
                         key = ("act", i + 1, t.microbatch)
                         if key in slots.produced:
@@ -134,10 +134,10 @@ class TaskCompute:
                     stats.clear()
                     self._produce(slots.stats, packed, f"router.{t.microbatch}")
                     del packed
-                packed = checks.packed()
-                if packed is not None:
-                    self._produce(slots.checks_flags, packed, f"checks.{t.microbatch}")
-                del packed
+                flags = checks.packed()
+                if flags is not None:
+                    self._produce(slots.checks_flags, flags, f"checks.{t.microbatch}")
+                del flags
                 for key, s in slots.incoming.items():
                     v, s.value = s.value, None
                     dev.ledger.release(v, f"{key[0]}[{key[1]}].{key[2]}", "activations")
@@ -215,7 +215,7 @@ class TaskCompute:
                     if got:
                         routed.append(got)
                         if flow.first_forward:
-                            stats.append(step.router.loss.stats(got, ctx.inputs.attention_mask))
+                            stats.append(step.router_totals().loss.stats(got, ctx.inputs.attention_mask))
                     del got
                 if r.stop == setup.num_layers:
                     self._produce(slots.loss, y.detach(), f"loss.{mb}")
@@ -226,7 +226,7 @@ class TaskCompute:
                 if routed:  # this stage's share of the load-balancing loss, on the batch's totals
                     term = self._router_term(step, flow, routed, stats, ctx, say)
                     outputs.append(term)
-                    seeds.append(term.new_full((), step.router.seed))
+                    seeds.append(term.new_full((), step.router_totals().seed))
                     del term
                 routed.clear()
                 wrt = ([x0] if grad_in else []) + params
@@ -255,11 +255,11 @@ class TaskCompute:
         """The differentiable ``coef * aux`` share of the routers in ``routed`` (compute stream):
         the batch's totals are every other op's statistics (waited for on the host, then uploaded)
         plus this op's own."""
-        rl = step.router.loss
+        rl = step.router_totals().loss
         own = set(router_pairs(self.setup.adapter, flow))
         say(f"{flow.task}: waiting for the router statistics of the batch")
         with self.device.waiting():
-            others = step.router.totals(own, lambda: self.setup.backend.aborted)
+            others = step.router_totals().totals(own, lambda: self.setup.backend.aborted)
         totals = self.device.to_device(others)
         if stats:
             totals = totals + torch.stack(stats).sum(0)

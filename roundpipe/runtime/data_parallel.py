@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ class DataParallelSteps:
     ):
         self.dp, self.store, self.updates, self.recorder, self.config = dp, store, updates, recorder, config
         self.buckets = plan_buckets(self.dp, store, updates.groups(), config.dp_bucket_bytes)
-        updates.ranks = RankUpdates(self.dp, store, self.buckets)
+        self.rank_updates = updates.ranks = RankUpdates(self.dp, store, self.buckets)
         self._reduction: GradientReduction | None = None
         c = config
         self.dp.agree(
@@ -71,7 +72,7 @@ class DataParallelSteps:
     def describe(self) -> str:
         """One line for ``pipe.plan``: the rank, the reduction, and what this rank's optimizer holds."""
         dp = self.dp
-        held = self.updates.ranks.held
+        held = self.rank_updates.held
         mine = sum(4 * b.numel for b in self.buckets if b.owner == dp.rank)
         total = sum(4 * b.numel for b in self.buckets)
         line = (
@@ -104,13 +105,18 @@ class DataParallelSteps:
         step (not ``accumulate=True``), False for an evaluation."""
         return RankStep(self, reduce)
 
-    def rows_of(self, input_ids, *others) -> tuple:
-        """This rank's rows of a global batch's tensors; a malformed batch stays whole for the
-        pipeline's own checks to name."""
+    def rows_of(self, input_ids, labels, attention_mask, position_ids) -> tuple[Any, Any, Any, Any]:
+        """This rank's rows of a global batch's tensors (``forward_backward``'s four); a malformed
+        batch stays whole for the pipeline's own checks to name."""
         if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
-            return (input_ids, *others)
+            return input_ids, labels, attention_mask, position_ids
         rows = self.dp.rows(input_ids.shape[0])
-        return tuple(_take(t, rows) for t in (input_ids, *others))
+        return (
+            _take(input_ids, rows),
+            _take(labels, rows),
+            _take(attention_mask, rows),
+            _take(position_ids, rows),
+        )
 
 
 class RankStep:

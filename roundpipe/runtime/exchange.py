@@ -93,7 +93,7 @@ class AbortedWait(RuntimeError):
 
 @dataclass
 class _Entry:
-    slot: Slot
+    slot: HandOff
     event: Event | None
     remaining: int
 
@@ -104,14 +104,14 @@ class Exchange:
         self._cond = threading.Condition()
         self._is_aborted = is_aborted
 
-    def put(self, key: tuple, slot: Slot, event: Event | None, consumers: int) -> None:
+    def put(self, key: tuple, slot: HandOff, event: Event | None, consumers: int) -> None:
         if consumers <= 0:
             return
         with self._cond:
             self._entries[key] = _Entry(slot, event, consumers)
             self._cond.notify_all()
 
-    def get(self, key: tuple) -> tuple[Slot, Event | None]:
+    def get(self, key: tuple) -> tuple[HandOff, Event | None]:
         """Block until ``key`` is put; count one consumer. Raises AbortedWait on abort."""
         with self._cond:
             while key not in self._entries:

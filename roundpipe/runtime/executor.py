@@ -73,7 +73,8 @@ class Executor:
         for t in threads:
             t.start()
         final_events, timed_out = self._watch(threads, errors)
-        if not errors and not self.backend.errors and timed_out is None:
+        # _watch returns no final events only with an error or a timeout
+        if not errors and not self.backend.errors and timed_out is None and final_events is not None:
             try:
                 for ev in final_events:
                     ev.synchronize()
@@ -84,8 +85,8 @@ class Executor:
             except BaseException as e:
                 errors.append(e)
         late = self._recover(threads)
-        for e in late + errors:
-            _drop_frames(e)
+        for err in late + errors:
+            _drop_frames(err)
         root = _root_error(timed_out, late + errors)
         if self.broken is not None:
             root.add_note(
@@ -176,7 +177,7 @@ def recovery_grace(watchdog_s: float) -> float:
     return max(5.0, 2.0 * watchdog_s)
 
 
-def _drop_frames(error: BaseException) -> None:
+def _drop_frames(error: BaseException | None) -> None:
     """Clear the local variables of the finished frames in ``error``'s tracebacks (its causes'
     too): they hold the failed step's device tensors, which would stay allocated on the GPU for as
     long as the caller keeps the exception. The tracebacks keep every line."""

@@ -11,7 +11,7 @@ the hook ``into_accumulator`` makes runs in the compute.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -128,7 +128,8 @@ def into_accumulator(acc: dict, piece, made: list, checks: TaskChecks, layer: in
     adds first is appended to ``made`` (for the memory ledger)."""
 
     def hook(param: torch.Tensor) -> None:
-        g, param.grad = param.grad, None
+        # torch calls this hook right after it accumulated into param.grad: it is set
+        g, param.grad = cast(torch.Tensor, param.grad), None
         checks.gradient(layer, name, g)
         if piece in acc:
             acc[piece].add_(g)

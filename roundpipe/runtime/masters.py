@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from roundpipe.errors import PipelineStateError
-from roundpipe.runtime.store import ParameterStore
+from roundpipe.optim import master_of
+from roundpipe.runtime.store import Entry, ParameterStore
 
 
 def export_masters(store: ParameterStore, model: nn.Module) -> None:
@@ -27,7 +28,7 @@ def export_masters(store: ParameterStore, model: nn.Module) -> None:
         for name, p in model.named_parameters(remove_duplicate=False):
             e = own.get(id(p)) or _match_name(name, by_name)
             if e is not None and e.trainable:
-                p.data.copy_(e.master.data)
+                p.data.copy_(master_of(e).data)
                 written += 1
     if written == 0 and by_name:
         raise PipelineStateError(
@@ -38,7 +39,7 @@ def export_masters(store: ParameterStore, model: nn.Module) -> None:
 
 def masters_state(store: ParameterStore) -> dict[str, torch.Tensor]:
     """Copies of the trained masters keyed by parameter name."""
-    return {e.name: e.master.detach().clone() for e in store.entries if e.trainable}
+    return {e.name: master_of(e).detach().clone() for e in store.entries if e.trainable}
 
 
 def load_masters(store: ParameterStore, masters: dict[str, torch.Tensor]) -> None:
@@ -54,7 +55,7 @@ def load_masters(store: ParameterStore, masters: dict[str, torch.Tensor]) -> Non
                     raise PipelineStateError(
                         f"checkpoint lacks parameter {e.name!r}; was it saved from this model?"
                     )
-                e.master.data.copy_(masters[e.name])
+                master_of(e).data.copy_(masters[e.name])
         store.refresh_compute([e.key for e in store.entries if e.trainable])
 
 
@@ -73,7 +74,7 @@ def load_stale(store: ParameterStore, stale: dict[str, torch.Tensor], steps_run:
                 e.buffers[steps_run % len(e.buffers)].copy_(stale[e.name])
 
 
-def _match_name(name: str, by_name: dict) -> object:
+def _match_name(name: str, by_name: dict[str, Entry]) -> Entry | None:
     if name in by_name:
         return by_name[name]
     for n, e in by_name.items():

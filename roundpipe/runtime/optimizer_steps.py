@@ -12,6 +12,9 @@ host thread or the caller's thread, never on a worker.
 
 from __future__ import annotations
 
+from typing import Any
+
+from roundpipe.distributed.updates import RankUpdates
 from roundpipe.errors import OptimizerError, PipelineStateError
 from roundpipe.optim import DynamicLossScaler, LayerwiseAdamW, OptimizerConfig, clip_factor
 from roundpipe.runtime.numerics import NonFinite
@@ -56,14 +59,16 @@ class OptimizerSteps:
         self.partial = 0  # groups stepped since the last complete update (see Pipeline.abandon_step)
         # Data-parallel: the groups this rank steps and its agreements with the others
         # (roundpipe.distributed.updates.RankUpdates); None in a single process.
-        self.ranks = None
+        self.ranks: RankUpdates | None = None
 
     def configure(self, config: OptimizerConfig) -> None:
         self.optimizer = LayerwiseAdamW(self.store, config)
 
-    def require(self, what: str) -> None:
+    def require(self, what: str) -> LayerwiseAdamW:
+        """The optimizer; PipelineStateError naming ``what`` when none is configured."""
         if self.optimizer is None:
             raise PipelineStateError(f"{what}() needs an optimizer: call configure_optimizer(lr=...) first")
+        return self.optimizer
 
     def groups(self) -> dict[int, list[int]]:
         """Step groups: owner layer -> keys of the trainable entries stepped together."""
@@ -101,7 +106,7 @@ class OptimizerSteps:
             faults.point("optimizer", layer=name)
             self.partial += 1  # counted before: a failure inside may have updated part of the group
             with self.recorder.host_span(f"optim:{name}", "optim"):
-                self.optimizer.step_group(owner, factor, publish_to)
+                self.require("step").step_group(owner, factor, publish_to)
         except BaseException as e:
             raise OptimizerError(
                 f"{type(e).__name__} while stepping layer {name}: {e}", layer=name, device="host"
@@ -113,7 +118,7 @@ class OptimizerSteps:
         found, self.nonfinite = self.nonfinite, None  # data-parallel: already agreed by every rank
         held = None if self.ranks is None else self.ranks.held
         if self.scaler is not None:
-            grads_finite = self.optimizer.grads_finite(held)
+            grads_finite = self.require("step").grads_finite(held)
             if self.ranks is not None:
                 grads_finite = self.ranks.all_finite(grads_finite)
             finite = found is None and grads_finite
@@ -125,21 +130,22 @@ class OptimizerSteps:
             self.last_step_skipped, self.last_nonfinite = True, found
             self.skipped_steps += 1
             return
-        if self.optimizer.config.max_grad_norm is not None:
-            norm_sq = self.optimizer.grad_norm_sq(held)
+        optimizer = self.require("step")
+        if optimizer.config.max_grad_norm is not None:
+            norm_sq = optimizer.grad_norm_sq(held)
             if self.ranks is not None:
                 norm_sq = self.ranks.norm_sq(norm_sq)
             norm = (norm_sq**0.5) * factor
             self.last_grad_norm = norm
-            factor *= clip_factor(norm, self.optimizer.config.max_grad_norm)
-        for owner in sorted(self.optimizer.groups if held is None else held, reverse=True):
+            factor *= clip_factor(norm, optimizer.config.max_grad_norm)
+        for owner in sorted(optimizer.groups if held is None else held, reverse=True):
             self.step_group(owner, factor, publish_to)
         if self.ranks is not None:
             self.ranks.publish()
 
     def state_dict(self) -> dict:
         """The optimizer's and the loss scaler's state, where there is one."""
-        sd = {"skipped_steps": self.skipped_steps}
+        sd: dict[str, Any] = {"skipped_steps": self.skipped_steps}
         if self.optimizer is not None:
             sd["optimizer"] = self.optimizer.state_dict()
         if self.scaler is not None:

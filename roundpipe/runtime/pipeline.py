@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import cast
 
 import torch
 from torch import nn
@@ -133,16 +134,17 @@ class Pipeline:
         max_grad_norm: float | None = None,
     ) -> None:
         """AdamW on the fp32 CPU masters (``torch.optim.AdamW`` semantics, fused CPU kernel)."""
-        self._updates.configure(OptimizerConfig(lr, weight_decay, tuple(betas), eps, max_grad_norm))
+        pair = cast(tuple[float, float], tuple(betas))  # a list too; OptimizerConfig checks the length
+        self._updates.configure(OptimizerConfig(lr, weight_decay, pair, eps, max_grad_norm))
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next ``step()``. In async mode an update may still be running
         on the host thread: the change is queued behind it, so that update keeps its own rate."""
-        self._updates.require("set_lr")
+        optimizer = self._updates.require("set_lr")
         if self.config.optimizer_mode == "async":
-            self._hostq.submit(lambda: self._optimizer.set_lr(lr))
+            self._hostq.submit(lambda: self._updates.require("set_lr").set_lr(lr))
         else:
-            self._optimizer.set_lr(lr)
+            optimizer.set_lr(lr)
 
     def forward_backward(
         self,
@@ -505,7 +507,8 @@ class Pipeline:
     # ----------------------------------------------------------------- internals
     def _split(self, input_ids, labels, attention_mask, position_ids):
         def count(batch: int) -> int:  # called once input_ids is known to be [batch, seq]
-            return self._planner.decide(batch, input_ids.shape[1]).num_microbatches
+            # a decision for a batch has its count (None only in a report before any batch)
+            return cast(int, self._planner.decide(batch, input_ids.shape[1]).num_microbatches)
 
         return split_batch(
             input_ids,

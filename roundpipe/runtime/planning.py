@@ -20,6 +20,8 @@ All of it runs on the caller's thread, between steps; workers and the host threa
 
 from __future__ import annotations
 
+from typing import cast
+
 import roundpipe.runtime.memory_guard as memory_guard
 from roundpipe.config import RunConfig, known_policies
 from roundpipe.errors import ConfigError, DeviceOutOfMemory, PlanError
@@ -33,6 +35,8 @@ from roundpipe.schedule.policies import POLICIES, PROVISIONAL_POLICY
 
 BUDGET_SHARE = 0.9  # of a device's capacity, for the stages' estimated bytes
 GIVEN = "given by RunConfig"
+Measured = tuple[tuple[tuple[float, float], ...], float, tuple[int, int]]
+"""A profile: per layer (forward s, backward s), tokens per microbatch, batch shape (samples, tokens)."""
 
 
 class Planner:
@@ -61,7 +65,7 @@ class Planner:
         self.layer_times: dict[str, tuple[float, float]] | None = None
         self.profiled_tokens = 1.0  # tokens per microbatch when ``layer_times`` was measured
         self.context_s: float | None = None  # measured seconds per microbatch context build
-        self._measured: tuple[tuple[tuple[float, float], ...], float, tuple[int, int]] | None = None
+        self._measured: Measured | None = None
         self._decisions: dict[tuple[int, int], Decision] = {}
         self._last: Decision | None = None
         self._plans: dict[tuple, FlowPlan] = {}
@@ -100,7 +104,7 @@ class Planner:
             if c.schedule is not None:
                 decision = self._scheduled()
             elif self._measured is not None and "auto" in (c.policy, c.partition, c.num_microbatches):
-                decision = self._chosen(batch, seq_len)
+                decision = self._chosen(batch, seq_len, self._measured)
             else:
                 decision = self._fixed(batch)
             self._decisions[key] = decision
@@ -123,7 +127,7 @@ class Planner:
             else f"auto: runs as {policy} (it takes any stage count) {waiting}"
         }
         if isinstance(c.partition, tuple):
-            forward, backward = self._given_partitions()
+            forward, backward = self._given_partitions(c.partition)
             why["partition"] = GIVEN
         else:
             from roundpipe.sim.choice import default_partition
@@ -132,11 +136,12 @@ class Planner:
             why["partition"] = f"the policy's default: {_default_kind(policy, forward)}" + (
                 f", {waiting}" if c.partition == "auto" else ""
             )
-        m = c.num_microbatches
-        if m == "auto":
+        m: int | None
+        if c.num_microbatches == "auto":
             m = None if batch is None else _provisional_count(POLICIES[policy], d, batch)
             why["num_microbatches"] = f"auto: one per device {waiting}"
         else:
+            m = c.num_microbatches
             why["num_microbatches"] = GIVEN
         return Decision(policy, forward, backward, m, why)
 
@@ -148,19 +153,23 @@ class Planner:
             return [p for p in known if POLICIES[p].forwards_first]
         return sorted(known, key=lambda p: p != PROVISIONAL_POLICY)  # stable: registry order after it
 
-    def _chosen(self, batch: int, seq_len: int) -> Decision:
+    def _chosen(self, batch: int, seq_len: int, measured: Measured) -> Decision:
         """Choose the automatic parts from the measured times (``roundpipe.sim.choice``)."""
         from roundpipe.sim.choice import PREDICTION, choose, speedup, stage_count
 
         c, d = self.config, self.num_devices
-        times, tokens, _ = self._measured
+        times, tokens, _ = measured
         options = dict(c.policy_options)
         if c.round_size is not None:
             options.setdefault("round_size", c.round_size)
         if c.policy != "auto" and not isinstance(c.partition, tuple):
             stage_count(c.policy, d, options, len(self.names))  # too many stages: say so as ConfigError
         policies = [c.policy] if c.policy != "auto" else self._auto_policies()
-        partition = self._given_partitions() if isinstance(c.partition, tuple) else c.partition or "default"
+        partition = (
+            self._given_partitions(c.partition)
+            if isinstance(c.partition, tuple)
+            else c.partition or "default"
+        )
         try:
             choice = choose(
                 times, tokens, self._layer_costs, num_devices=d, batch=batch, seq_len=seq_len,
@@ -182,6 +191,9 @@ class Planner:
             }
             return Decision(least.policy, least.forward, least.backward, least.num_microbatches, why)
         best = choice.best
+        forward, backward = best.forward, best.backward
+        if forward is None or backward is None:  # choose() ranks only the plans it could build
+            raise TypeError(f"the chosen {best.policy} plan has no partitions")
         why = {}
         if c.policy != "auto":
             why["policy"] = GIVEN
@@ -203,15 +215,15 @@ class Planner:
         if isinstance(c.partition, tuple):
             why["partition"] = GIVEN
         elif c.partition is None:
-            why["partition"] = f"the policy's default: {_default_kind(best.policy, best.forward)}"
+            why["partition"] = f"the policy's default: {_default_kind(best.policy, forward)}"
         elif POLICIES[best.policy].separate_partitions:
             why["partition"] = (
-                f"auto: {best.forward.num_stages} forward + {best.backward.num_stages} backward stages, the "
+                f"auto: {forward.num_stages} forward + {backward.num_stages} backward stages, the "
                 f"grain of the RoundPipe objective (M*S + N(N-1)) * t_max for {best.num_microbatches} "
                 "microbatches on the measured times, the best of its two best grains by prediction"
             )
         else:
-            stages = best.forward.num_stages
+            stages = forward.num_stages
             why["partition"] = (
                 f"auto: the policy's {stages} stage{'s' if stages > 1 else ''}, balanced on the measured times"
             )
@@ -224,11 +236,12 @@ class Planner:
                 why["num_microbatches"] = f"{head}, the only count the policy takes"
             else:
                 why["num_microbatches"] = _compared(head, best, alt, str(alt.num_microbatches), "count")
-        return Decision(best.policy, best.forward, best.backward, best.num_microbatches, why, choice)
+        return Decision(best.policy, forward, backward, best.num_microbatches, why, choice)
 
-    def _given_partitions(self) -> tuple[Partition, Partition]:
+    def _given_partitions(self, partition: tuple[int, ...]) -> tuple[Partition, Partition]:
+        """The partitions of ``RunConfig.partition`` (``partition``) and ``backward_partition``."""
         c, n = self.config, len(self.names)
-        sizes = {"partition": c.partition, "backward_partition": c.backward_partition or c.partition}
+        sizes = {"partition": partition, "backward_partition": c.backward_partition or partition}
         for name, sz in sizes.items():
             if sum(sz) != n:
                 raise ConfigError(
@@ -309,7 +322,7 @@ class Planner:
         if plan is None:
             table = self.config.schedule
             if table is None:
-                table = spec(
+                table = POLICIES[decision.policy](
                     decision.forward,
                     decision.backward,
                     self.num_devices,
@@ -469,7 +482,9 @@ class Planner:
         self.layer_times = dict(layer_times)
         self.context_s = float(context_s)
         self.profiled_tokens = microbatch_tokens
-        self._measured = (tuple(tuple(layer_times[n]) for n in self.names), microbatch_tokens, tuple(shape))
+        # (forward, backward) pairs, as ``layer_times`` holds them
+        pairs = cast(tuple[tuple[float, float], ...], tuple(tuple(layer_times[n]) for n in self.names))
+        self._measured = (pairs, microbatch_tokens, cast(tuple[int, int], tuple(shape)))
         self._decisions.clear()
         self._last = None
         self._plans.clear()
@@ -493,9 +508,9 @@ class Planner:
             return
         times = {n: tuple(float(x) for x in t) for n, t in state["layer_times"].items()}
         self.set_measured(
-            times,
+            cast(dict[str, tuple[float, float]], times),  # as measured_state wrote them: pairs
             float(state["microbatch_tokens"]),
-            tuple(int(x) for x in state["shape"]),
+            cast(tuple[int, int], tuple(int(x) for x in state["shape"])),
             context_s=float(state.get("context_s") or 0.0),  # checkpoints before it was measured: none
         )
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from roundpipe.backend import Device, tensor_bytes
+from roundpipe.backend import Device, Event, tensor_bytes
 from roundpipe.runtime.exchange import Slot
 from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.worker_setup import WorkerSetup
@@ -28,7 +28,7 @@ class Resident:
     once the allocation closure has run; ``event`` fires when every chunk has been copied."""
 
     slot: Slot
-    event: object
+    event: Event
 
 
 class WeightResidency:

@@ -14,9 +14,11 @@ After the step the host adds every pair for the loss the call returns (``coef * 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 import torch
 
+from roundpipe.backend import Event
 from roundpipe.models.base import ModelAdapter
 from roundpipe.models.router_loss import RouterLoss
 from roundpipe.runtime.exchange import AbortedWait, Exchange, Slot
@@ -25,7 +27,7 @@ from roundpipe.runtime.plan import TaskFlow
 Pair = tuple[int, int]  # (layer index, microbatch)
 
 
-def router_layers(adapter: ModelAdapter, layers: range) -> list[int]:
+def router_layers(adapter: ModelAdapter, layers: Iterable[int]) -> list[int]:
     """The layers of ``layers`` that hold routers."""
     return [i for i in layers if getattr(adapter.layers[i], "routers", ())]
 
@@ -45,10 +47,10 @@ class RouterTotals:
     def __init__(self, loss: RouterLoss, expected: set[Pair], seed: float, exchange: Exchange, release):
         self.loss, self.expected, self.seed = loss, frozenset(expected), seed
         self._exchange, self._release = exchange, release
-        self._put: dict[Pair, tuple[Slot, int, object]] = {}  # pair -> (slot, row, event)
+        self._put: dict[Pair, tuple[Slot, int, Event | None]] = {}  # pair -> (slot, row, event)
         self._cond = threading.Condition()
 
-    def put(self, pairs: list[Pair], slot: Slot, event) -> None:
+    def put(self, pairs: list[Pair], slot: Slot, event: Event | None) -> None:
         """Worker thread: ``slot.value`` (host ``[len(pairs), width]``) will hold ``pairs``' stats once
         ``event`` fires."""
         with self._cond:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from roundpipe.models.base import ModelAdapter
-from roundpipe.runtime.store import ParameterStore
+from roundpipe.runtime.store import ParameterStore, Piece
 
 
 def make_shell(module: nn.Module) -> nn.Module:
@@ -65,9 +65,9 @@ class LayerShells:
     def __init__(self, adapter: ModelAdapter, store: ParameterStore):
         self.adapter = adapter
         self.store = store
-        self._shells: dict[int, list[tuple[nn.Module, nn.Module, str, bool, int]]] = {}
+        self._shells: dict[int, list[tuple[nn.Module, nn.Module, str, bool, Piece]]] = {}
 
-    def bind(self, layer: int, weights: dict[int, torch.Tensor]) -> nn.Module:
+    def bind(self, layer: int, weights: dict[Piece, torch.Tensor]) -> nn.Module:
         """This device's shell of ``layer`` with ``weights`` (piece -> device tensor) bound in;
         ``unbind`` must follow once the layer's work (and its autograd graph) is done."""
         if layer not in self._shells:
@@ -78,7 +78,8 @@ class LayerShells:
             ]
         bound = self._shells[layer]
         for _, mod, attr, is_buffer, piece in bound:
-            (mod._buffers if is_buffer else mod._parameters)[attr] = weights[piece]
+            # the device tensor itself is bound, not a Parameter: torch types _parameters as Parameters
+            (mod._buffers if is_buffer else mod._parameters)[attr] = weights[piece]  # type: ignore[assignment]
         return bound[0][0] if bound else self.adapter.layers[layer].module
 
     def unbind(self, layers: range) -> None:

@@ -17,6 +17,7 @@ from roundpipe.runtime.hostqueue import HostQueue
 from roundpipe.runtime.numerics import NonFinite, TaskChecks
 from roundpipe.runtime.optimizer_steps import OptimizerSteps
 from roundpipe.runtime.plan import FlowPlan
+from roundpipe.runtime.router_totals import RouterTotals
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ class StepRun:
         self.eager = eager
         self.exchange = exchange
         self.grad_seed = updates.loss_scale() / total_tokens
-        self.router = None  # RouterTotals when the model adds a router load-balancing loss
+        # The batch's router statistics when the model adds a router load-balancing loss.
+        self.router: RouterTotals | None = None
         # Data-parallel: the reduction each final step group is handed to (it issues the
         # collectives and, when eager, steps); None: a single process, or an accumulate=True call.
         self.reduction = None
@@ -81,6 +83,12 @@ class StepRun:
             owner: sum(1 for k in keys if self.remaining.get(k, 0) > 0)
             for owner, keys in updates.groups().items()
         }
+
+    def router_totals(self) -> RouterTotals:
+        """``router``, read where router statistics came back (so the model has routers)."""
+        if self.router is None:
+            raise TypeError("router statistics without a router load-balancing loss")
+        return self.router
 
     def on_loss(self, host_loss: Slot, event) -> None:
         """Worker thread: queue adding a microbatch's loss sum (downloaded with ``event``)."""

@@ -45,6 +45,7 @@ from roundpipe.backend import Backend, tensor_bytes
 from roundpipe.backend.host_memory import HostMemory
 from roundpipe.errors import CheckpointError, ConfigError
 from roundpipe.models.base import ModelAdapter
+from roundpipe.optim import master_of
 
 
 class Weights(Protocol):
@@ -220,7 +221,7 @@ class ParameterStore:
             return e, ["load_master"]
         master = torch.empty(t.shape, dtype=torch.float32)  # pageable: never uploaded
         with torch.no_grad():
-            self.weights.fill(source, master)
+            self._read(source, master)
         e.master = nn.Parameter(master)
         _repoint(t, master)
         return e, ["from_master"] * (2 if self.double_buffer else 1)
@@ -239,6 +240,13 @@ class ParameterStore:
             f"the weights hold no tensor for {names[0]} (asked for {', '.join(names)}): they do not "
             f"belong to this model; load the directory the model's config came from"
         )
+
+    def _read(self, source: str | None, out: torch.Tensor) -> None:
+        """Fill ``out`` with tensor ``source`` of the given weights (an entry plans a read only
+        after ``_source_name`` found its tensor there)."""
+        if self.weights is None or source is None:
+            raise TypeError("a read from the weights was planned without weights or a tensor name")
+        self.weights.fill(source, out)
 
     def _copy_dtype(self, e: Entry, role: str) -> torch.dtype:
         if role in ("master", "load_master"):
@@ -264,13 +272,13 @@ class ParameterStore:
                         buf.copy_(data)
                         e.master = nn.Parameter(buf)
                     elif role == "from_master":
-                        buf.copy_(e.master.data)
+                        buf.copy_(master_of(e).data)
                     elif role == "load_master":
-                        self.weights.fill(e.source, buf)
+                        self._read(e.source, buf)
                         e.master = nn.Parameter(buf)
                         _repoint(e.tensor, buf)
                     elif role == "load":
-                        self.weights.fill(e.source, buf)
+                        self._read(e.source, buf)
                         _repoint(e.tensor, buf)
                     else:
                         buf.copy_(data)
@@ -278,7 +286,7 @@ class ParameterStore:
                             e.tensor.data = buf  # stored once: the model's tensor now lives here
                     e.buffers.append(buf)
                 if e.trainable:
-                    e.grad = torch.zeros_like(e.master.data)  # pageable
+                    e.grad = torch.zeros_like(master_of(e).data)  # pageable
 
     def host_memory_stats(self) -> dict:
         """Host bytes requested and reserved by the compute copies (``static_*``) and the hand-off

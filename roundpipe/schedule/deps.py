@@ -47,7 +47,9 @@ class TaskKind(str, Enum):
     W = "W"
 
     __str__ = str.__str__
-    __format__ = str.__format__
+
+    def __format__(self, format_spec: str) -> str:
+        return str.__format__(self, format_spec)
 
 
 TASK_KINDS = tuple(k.value for k in TaskKind)
@@ -68,9 +70,14 @@ class TaskKey(NamedTuple):
 
 
 class TaskLike(Protocol):
-    kind: str
-    stage: int
-    microbatch: int
+    """What :func:`dependencies` reads of a task: a ``Task`` or a ``TaskKey`` (read-only)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def stage(self) -> int: ...
+    @property
+    def microbatch(self) -> int: ...
 
 
 def forward_stage_covering(boundary: int, forward: Partition) -> int | None:

@@ -180,9 +180,9 @@ def stage_work(
     if d <= frozen and stage < last_b:  # nothing below or in it trains: nothing to compute or move
         return StageWork(kind)
     if kind in ("B", "I"):
-        consumes = ([("act", c)] if c > 0 else []) + ([("grad", d)] if stage < last_b else [])
+        reads = ([("act", c)] if c > 0 else []) + ([("grad", d)] if stage < last_b else [])
         return StageWork(
-            kind, bwd_layers=range(c, d), consumes=tuple(consumes),
+            kind, bwd_layers=range(c, d), consumes=tuple(reads),
             produces=(("grad", c),) if c > frozen else (), weight_grads=kind == "B",
             first_forward=stage == last_b and not full_forward,
         )  # fmt: skip
@@ -218,7 +218,7 @@ def device_flows(
         i = 0
         while i < len(row):
             t, nxt = row[i], row[i + 1] if i + 1 < len(row) else None
-            if fusing and _fuses(t, nxt, last_f, last_b):
+            if fusing and nxt is not None and _fuses(t, nxt, last_f, last_b):
                 ops.append(make(FlowOp, (work(FUSED, int(nxt.kind == "I")), (t, nxt))))
                 i += 2
             else:

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from roundpipe.errors import ConfigError
 from roundpipe.schedule.policies import POLICIES as REGISTRY
 from roundpipe.schedule.policies import PolicySpec
-from roundpipe.schedule.policies.closed_forms import positive, roundpipe_makespan
+from roundpipe.schedule.policies.closed_forms import ClosedFormFn, positive, roundpipe_makespan
 
 POLICIES = tuple(name for name, spec in REGISTRY.items() if spec.closed_form is not None)
 """The policies with a closed form (the registry's ``closed_form``), in registry order."""
@@ -93,21 +93,24 @@ class ClosedForm:
 def default_stages(policy: str, devices: int) -> int:
     """The stage count a policy's closed form uses by default: the registry's default stages, ``D``
     for a policy whose partitioner picks the count (``roundpipe``: one deal per device)."""
-    stages = _spec(policy).default_stages(devices)
+    stages = _spec(policy)[0].default_stages(devices)
     return devices if stages is None else stages
 
 
-def _spec(policy: str) -> PolicySpec:
+def _spec(policy: str) -> tuple[PolicySpec, ClosedFormFn]:
+    """The registered policy and its closed form; ConfigError when it has none."""
     spec = REGISTRY.get(policy) if isinstance(policy, str) else None
     if spec is None or spec.closed_form is None:
         raise ConfigError(f"no closed form for policy {policy!r}; known: {', '.join(POLICIES)}")
-    return spec
+    return spec, spec.closed_form
 
 
 def _check_stages(spec: PolicySpec, devices: int, stages: int) -> None:
     """ConfigError unless ``spec`` runs ``stages`` stages on ``devices`` devices (its registry rule)."""
     if spec.accepts_stages(stages, devices):
         return
+    if spec.stages_per_device is None:  # any count from 1 (``positive`` has refused the others)
+        raise ConfigError(f"{spec.name} needs at least 1 stage, got {stages}")
     unit = spec.stages_per_device * devices
     if spec.exact_stages:
         per = "one stage" if spec.stages_per_device == 1 else f"{spec.stages_per_device} stages"
@@ -133,13 +136,13 @@ def closed_form(
     policy, non-positive counts, or a shape the policy cannot run (1F1B with ``S != D``,
     interleaved with ``D`` not dividing ``S`` or ``M``, chimera with odd ``D`` or ``M``, ...).
     """
-    spec = _spec(policy)
+    spec, form = _spec(policy)
     n_dev, m = positive("devices", devices), positive("microbatches", microbatches)
     s = positive("stages", stages if stages is not None else default_stages(policy, n_dev))
     if f < 0 or b < 0:
         raise ConfigError(f"stage times must be >= 0, got f={f}, b={b}")
     _check_stages(spec, n_dev, s)
-    t, peak = spec.closed_form(n_dev, s, m, f, b)
+    t, peak = form(n_dev, s, m, f, b)
     return ClosedForm(policy, n_dev, s, m, float(t), m * s * (f + b) / n_dev, peak)
 
 

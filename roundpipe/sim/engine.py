@@ -46,6 +46,7 @@ import heapq
 import math
 from collections import defaultdict, deque
 from operator import attrgetter
+from typing import Any
 
 from roundpipe.errors import ConfigError
 from roundpipe.presets import Server
@@ -103,7 +104,8 @@ class _Copy:
         self.t_pick = 0.0
         self.size = 0  # bytes of the piece on the wire
         self.piece = 0.0  # of which still to move
-        self.key = self.owner = None
+        self.key: Any = None  # a weight's (step, layer), or the hand-offs an output copy carries
+        self.owner: Any = None  # the operation whose input or output this copy moves
 
 
 _PIECE = attrgetter("piece")
@@ -212,7 +214,7 @@ class _Sim:
     def free_operations(self) -> None:
         """Drop the per-operation state once :meth:`run` is over; only the counters are read after.
         (``simulate`` calls it before the cycle collector resumes, which would scan all of it once.)"""
-        self.ops = self.consumers = self.host_waiters = self.groups = None
+        del self.ops, self.consumers, self.host_waiters, self.groups
 
     # ------------------------------------------------------------------ accounting
     def _alloc(self, d: int, what: int, nbytes: int, label: str) -> None:
@@ -310,7 +312,8 @@ class _Sim:
         """The earliest copy on ``link`` is due (and any other within rounding of it)."""
         self._settle(link)
         eps = 1e-6 * link.rate * 1e-6 + 1.0  # within a byte (or a picosecond) counts as done
-        done, left = [], []
+        done: list[_Copy] = []
+        left: list[_Copy] = []
         for f in link.flows:
             (done if f.piece <= eps else left).append(f)
         if not done:
@@ -390,7 +393,7 @@ class _Sim:
                 self.make_eligible(d, g + 3)
             return
         if self.stream[d]:
-            keep = set()
+            keep: set[tuple[int, int]] = set()
             for k in (g + 1, g + 2):
                 if k < len(self.groups[d]):
                     keep.update(self.groups[d][k])

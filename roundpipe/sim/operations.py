@@ -223,7 +223,9 @@ class Operations:
             for st in ops:
                 by_task = self.by_task[st.it]
                 for kind, stage in st.cost.waits_for:
-                    by_task[kind][stage][st.mb].dependents.append(st)
+                    producer = by_task[kind][stage][st.mb]
+                    assert producer is not None, "waits_for names only tasks of the table"
+                    producer.dependents.append(st)
                     st.deps += 1
                 if weight_bound[st.it] and st.kind == TaskKind.F:
                     self._keep_stash(self.tables[st.it], by_task, st, d)
@@ -273,7 +275,8 @@ class Operations:
         of each group, and the device's last operation of each step."""
         self.groups: list[list[tuple[tuple[int, int], ...]]] = []
         for ops in self.ops:
-            groups, last = [], []
+            groups: list[tuple[tuple[int, int], ...]] = []
+            last: list[int] = []
             for st in ops:
                 if st.keys:
                     if not groups or groups[-1] != st.keys:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, cast
 
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
 from roundpipe.partition.cost import check_fp16_accumulation, check_label_fraction, layer_times, model_costs
@@ -59,7 +59,7 @@ class Scenario:
     dtype: str = "bf16"
     optimizer: str = "sync"
     num_devices: int | None = None
-    head_shards: int | str = "auto"
+    head_shards: int | Literal["auto"] = "auto"
     stages: int | tuple[int, int] | None = None
     partitions: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     round_size: int | None = None  # a dealing policy's rounds of microbatches (RunConfig.round_size)
@@ -141,7 +141,7 @@ def _classic_stages(policy: str, n_dev: int, stages) -> int:
         if not isinstance(stages, int):
             raise ConfigError(f"{policy} uses one partition for forward and backward: give stages as an int")
         return stages
-    return POLICIES[policy].default_stages(n_dev)
+    return cast(int, POLICIES[policy].default_stages(n_dev))  # a classic policy's count is fixed
 
 
 def _round(s: Scenario) -> dict:

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 from roundpipe.errors import ConfigError, PlanError
 from roundpipe.partition.cost import LayerCost
@@ -157,7 +157,9 @@ def stage_count(policy: str, num_devices: int, options: Mapping[str, Any], num_l
     if spec.stages_per_device is None:
         return None
     grain = options.get(spec.grain_option) if spec.grain_option else None
-    stages = num_devices * spec.stages_per_device * grain if grain else spec.default_stages(num_devices)
+    stages = (
+        num_devices * spec.stages_per_device * grain if grain else cast(int, spec.default_stages(num_devices))
+    )
     if stages > num_layers:
         raise ConfigError(
             f"policy {policy!r} on {num_devices} devices needs {stages} stages but the model has only "

@@ -35,7 +35,7 @@ def resident_bytes(table: ScheduleTable, work: Workload) -> list[int]:
     ly = work.layers
     out = []
     for row in device_flows(table):
-        layers = set()
+        layers: set[int] = set()
         worst = 0
         stages = {id(op.work): op.work for op in row}  # every microbatch of a stage needs the same
         for stage in stages.values():
@@ -113,13 +113,13 @@ def simulate(
         )
     n_iter = opts.iterations or (3 if opts.optimizer == "async" else 1)
     capacity = hardware.memory_bytes - hardware.workspace_reserve_bytes
-    notes = list(notes)
+    said = list(notes)
     if opts.stream_weights is None:
         if table.weight_bound:
             need = resident_bytes(table, workload)
             stream = [n > capacity for n in need]
             if any(stream):
-                notes.append(
+                said.append(
                     "weights streamed instead of resident on device(s) "
                     + ", ".join(str(d) for d, s in enumerate(stream) if s)
                     + f": all their layers need up to {_gib(max(need))} of {_gib(capacity)}"
@@ -196,7 +196,7 @@ def simulate(
         fits=not reasons,
         reason="; ".join(reasons),
         optimizer=opts.optimizer,
-        notes=tuple(notes),
+        notes=tuple(said),
         reordered=sim.ready.moved if sim.ready is not None else 0,
         raw_spans=sim.spans,
         timeline_meta=meta,

@@ -29,8 +29,9 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal, cast
 
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
 from roundpipe.partition.cost import layer_times, model_costs
@@ -67,7 +68,7 @@ class TuneResult:
 
 
 def _rank_key(c: Candidate) -> tuple:
-    return (not c.fits, -c.result.tokens_per_s, c.policy, c.num_microbatches)
+    return (not c.fits, -cast(SimResult, c.result).tokens_per_s, c.policy, c.num_microbatches)
 
 
 GRAIN_ALTERNATIVES = OBJECTIVE_GRAINS - 1  # grains of the objective simulated besides its best
@@ -80,7 +81,7 @@ def grain_alternatives(
     """Partitions of the objective's next-best grains for ``prep``'s model and microbatch shape (the
     best one is ``prep``'s own when it was planned with a free grain)."""
     s, hw = prep.scenario, prep.hardware
-    config = dict(s.model) if isinstance(s.model, dict) else load_model_config(s.model)
+    config = dict(s.model) if isinstance(s.model, Mapping) else load_model_config(s.model)
     costs = model_costs(
         config, s.seq_len, prep.micro_batch_size, dtype=s.dtype, lora_rank=s.lora_rank,
         label_fraction=s.label_fraction, fp16_accumulation=s.fp16_accumulation, head_shards=prep.head_shards,
@@ -254,9 +255,8 @@ def refine(
         if time.monotonic() > deadline:
             break
         fb, bb = stage_blame(best, table)
-        tries: list[tuple[float, str, int]] = [(w, TaskKind.F, s) for s, w in fb.items()] + [
-            (w, TaskKind.B, s) for s, w in bb.items()
-        ]
+        tries: list[tuple[float, str, int]] = [(w, TaskKind.F, s) for s, w in fb.items()]
+        tries += [(w, TaskKind.B, s) for s, w in bb.items()]
         tries.sort(reverse=True)
         tries = tries[:3] + [(0.0, which, stage) for which, stage in heavy_stages(best, table)]
         improved = False
@@ -352,7 +352,7 @@ def tune(
     refine_top: int = REFINE_TOP,
     label_fraction: float = 1.0,
     fp16_accumulation: bool = False,
-    head_shards: int | str = "auto",
+    head_shards: int | Literal["auto"] = "auto",
 ) -> TuneResult:
     """Search policy x partition x microbatches x stage grain (head shards with the partition) and
     return the best plan and a ranked table of alternatives (see the module docstring).
@@ -454,7 +454,7 @@ def tune(
             continue  # the same shape with another head shard count: refine one of them
         shapes_refined.add(shape)
         per_policy[cand.policy] += 1
-        table, res, moves = refine(prep, cand.result, opts, deadline)
+        table, res, moves = refine(prep, cast(SimResult, cand.result), opts, deadline)
         if moves:
             refined[idx] = replace(
                 cand,
@@ -469,7 +469,7 @@ def tune(
     if not ranked:
         raise PlanError("no configuration could be evaluated")
     if not ranked[0].fits:
-        notes.append("nothing fits: " + ranked[0].result.reason)
+        notes.append("nothing fits: " + cast(SimResult, ranked[0].result).reason)
     return TuneResult(ranked[0], tuple(ranked), time.monotonic() - t0, tuple(notes))
 
 
@@ -535,7 +535,7 @@ def format_ranked(result: TuneResult, limit: int = 15) -> str:
         f"{'bubble':>7} {'GPU GiB':>8} {'host GiB':>8}  fits"
     ]
     for i, c in enumerate(result.ranked[:limit], 1):
-        r = c.result
+        r = cast(SimResult, c.result)
         step = f"{r.iteration_s:8.2f}" if math.isfinite(r.iteration_s) else f"{'-':>8}"
         bubble = f"{r.bubble_total:7.1%}" if math.isfinite(r.bubble_total) else f"{'-':>7}"
         rows.append(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from roundpipe.schedule.policies.chimera import chimera
 from roundpipe.schedule.policies.closed_forms import (
+    ClosedFormFn,
     chimera_form,
     gpipe_form,
     hanayo_form,
@@ -82,7 +83,7 @@ class PolicySpec:
     next_start_device: Callable | None = None
     cannot_run: str = ""
     provisional: bool = False
-    closed_form: Callable | None = None
+    closed_form: ClosedFormFn | None = None
 
     @property
     def executable(self) -> bool:

@@ -67,7 +67,9 @@ def list_schedule(
     now, left = 0, len(placement)
 
     def fits(key: TaskKey) -> bool:
-        pool = memory.acquire(key) if memory else None
+        if not memory:
+            return True
+        pool = memory.acquire(key)
         return pool is None or held[pool] < memory.cap(pool)
 
     def start(d: int, key: TaskKey) -> None:

@@ -9,7 +9,12 @@ domain. Pure Python.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from roundpipe.errors import ConfigError
+
+ClosedFormFn = Callable[[int, int, int, float, float], tuple[float, int]]
+"""``(devices, stages, microbatches, f, b) -> (step time, peak activations)``."""
 
 
 def positive(name: str, value) -> int:
