@@ -221,9 +221,10 @@ def _layers_run(adapter, batch, dtype, trainable) -> TrainingRun:
             block += 1
     loss = x / (ctx.shift_labels != -100).sum()
     rl = getattr(adapter, "router_loss", None)
-    if rl is not None:
-        stats = [rl.stats(g, mask) for g in ctx.router_logits.values() if g]
-        loss = loss + rl.value(torch.stack(stats).sum(0))
+    if rl is not None:  # the batch's counts, then each layer's differentiable share, as the runtime
+        routed = [g for g in ctx.router_logits.values() if g]
+        weights = rl.weights(torch.stack([rl.stats(g, mask) for g in routed]).sum(0))
+        loss = loss + sum(rl.term(g, mask, weights) for g in routed)
     try:
         loss.backward()
     except Exception as err:
