@@ -7,9 +7,9 @@ activation offsets), a custom autograd function or backward hook between the lay
 trains on the same short probe (2 x 8 tokens with labels, ``probe.probe_batch``), in train mode:
 
 1. *Exactness.* With every dropout probability forced to 0 (``nn.Dropout`` modules and every
-   float, or dict of floats, named ``*dropout*`` / ``*pdrop*`` on a module or the config), the
-   model called as a user calls it (``PeftModel(...)(input_ids=..., attention_mask=...,
-   labels=...)``, or the HF model's own forward) and the layer-by-layer run (embed -> blocks ->
+   float, or dict of floats, named ``*dropout*``, ``*pdrop*`` or ``*layerdrop*`` on a module or
+   the config), the model called as a user calls it (``PeftModel(...)(input_ids=...,
+   attention_mask=..., labels=...)``, or the HF model's own forward) and the layer-by-layer run (embed -> blocks ->
    head, as the runtime chains them, loss = head sum / label tokens + the MoE router loss) must
    give the same loss and the same gradient of every trainable parameter, and of the hidden state
    handed from layer to layer, to round-off of the model's dtype. Compared from the loss backward,
@@ -23,7 +23,8 @@ trains on the same short probe (2 x 8 tokens with labels, ``probe.probe_batch``)
 
 A difference raises :class:`UnsupportedModel`. The proof leaves the model as it found it: training
 flags, dropout settings, ``.grad`` of every parameter and torch's CPU generator are put back.
-Cost: four forward + backward passes of the probe (tens of milliseconds on a tiny model).
+Cost: four forward + backward passes of the probe (a tenth of a second on the test suite's tiny
+Llama), and host memory for two copies of the trainable parameters' gradients besides ``.grad``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def prove_training(wrapped: nn.Module, adapter: ModelAdapter, *, what: str = "th
             torch.manual_seed(SEED)
             got = _layers_run(adapter, batch, dtype, trainable)
         _compare(wrapped, adapter, trainable, got, want, dtype, what)
+        del want, got  # at most two runs' gradients held at once
         torch.manual_seed(SEED)
         first = _layers_run(adapter, batch, dtype, trainable)
         torch.manual_seed(SEED)
@@ -118,14 +120,14 @@ def _grads_put_back(params: list[nn.Parameter]) -> Iterator[None]:
 
 
 def _is_dropout_name(name: str) -> bool:
-    return "dropout" in name or "pdrop" in name
+    return "dropout" in name or "pdrop" in name or "layerdrop" in name
 
 
 @contextlib.contextmanager
 def _dropout_off(modules: list[nn.Module], configs: list[Any]) -> Iterator[None]:
     """Every dropout probability 0 while inside: ``p`` of dropout modules, and floats (or dicts of
-    floats, as peft's LoHa/LoKr keep per adapter) named ``*dropout*``/``*pdrop*`` on a module or a
-    config (some attention modules read their dropout from a float or from the config)."""
+    floats, as peft's LoHa/LoKr keep per adapter) named ``*dropout*``/``*pdrop*``/``*layerdrop*`` on a
+    module or a config (some attention modules read their dropout from a float or from the config)."""
     saved: list[tuple[Any, str, Any]] = []
 
     def zero(obj: Any, name: str, value: Any) -> None:
