@@ -69,7 +69,7 @@ def test_a_loss_term_added_outside_the_layers_is_refused(verify_model):
         UnsupportedModel, match=r"the model's loss \(.*\) differs from the layers' loss"
     ) as info:
         _wrap(_regularized_llama(), verify_model=verify_model).close()
-    assert "adds a term to the loss outside the layers" in str(info.value)
+    assert "adds a term to the loss" in str(info.value)
 
 
 # --- a backward changed between the layers ----------------------------------------------------
@@ -120,6 +120,31 @@ def test_a_backward_changed_between_layers_is_refused_naming_the_layer(monkeypat
     with pytest.raises(
         UnsupportedModel, match=r"the gradient reaching the output of layer layers\.0 is the first"
     ):
+        _wrap(model).close()
+
+
+@pytest.mark.parametrize("lora", [None, "all-linear"])
+def test_a_backward_hook_inside_a_layer_is_refused_naming_its_parameter(monkeypatch, lora):
+    """The model's forward puts a backward hook on layer 1's MLP that doubles the gradient it hands
+    back: the forward and the gradient reaching layers.1's output are the same, the gradients of
+    the parameters before the MLP in layer 1 are not; the first of them is named with its layer."""
+    model = make_model("llama", lora=lora, num_layers=3)
+    inner = model.get_base_model() if lora else model
+    base = inner.model
+    original = base.forward
+
+    def forward(*args, **kwargs):
+        double = base.layers[1].mlp.register_full_backward_hook(
+            lambda m, grad_in, grad_out: (2 * grad_in[0],)
+        )
+        try:
+            return original(*args, **kwargs)
+        finally:
+            double.remove()
+
+    monkeypatch.setattr(base, "forward", forward)
+    found = r"the first trainable parameter whose gradient differs is \S*layers\.1\.\S* \(layer layers\.1, LlamaDecoderLayer\)"
+    with pytest.raises(UnsupportedModel, match=found):
         _wrap(model).close()
 
 

@@ -313,10 +313,12 @@ def _compare(wrapped, adapter, trainable, got: TrainingRun, want: TrainingRun, d
     if not ok:
         raise UnsupportedModel(
             f"{where} the model's loss ({float(want.loss):.6g}) differs from the layers' loss "
-            f"({float(got.loss):.6g}) by {diff:.3g} (round-off allows {tol:.3g}). Its forward adds a "
-            f"term to the loss outside the layers (a regularizer, an auxiliary loss), which the "
-            f"pipeline would not train: train a model whose loss is the LM loss of its layers (and "
-            f"the MoE router loss), or report the model or peft method"
+            f"({float(got.loss):.6g}) by {diff:.3g} (round-off allows {tol:.3g}). Its forward changes "
+            f"the loss outside the layers: it adds a term to the loss (a regularizer, an auxiliary "
+            f"loss), or hands the layers arguments computed per batch that the pipeline does not "
+            f"give them (as aLoRA's activation offsets); the pipeline would train neither. Train a "
+            f"model whose loss is the LM loss of its layers (and the MoE router loss), or report "
+            f"the model or peft method"
         )
     found = _first_difference(adapter, trainable, got, want, dtype)
     if found is None:
