@@ -519,6 +519,7 @@ def write_docs(path: Path, rows: list[dict], command: str) -> None:
             + " |"
             for r in routed
         ]
+    lines += ["", "## What wrap time proves", "", PROOFS.strip()]
     lines += ["", "## How it is measured", "", HOW.strip(), "", "```", command, "```", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
@@ -527,6 +528,38 @@ def write_docs(path: Path, rows: list[dict], command: str) -> None:
 def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
+
+PROOFS = """
+Every `roundpipe.wrap` (and `roundpipe train`) proves the layers on a probe of 2 sequences of 8
+tokens, one left-padded, some labels -100, before it plans anything, and refuses with
+`UnsupportedModel` a model they do not reproduce:
+
+- **forward** (`roundpipe/models/verify.py`): the unwrapped model's own forward in eval mode; each
+  layer run on what the model handed it must give what the model's layer gave, and the loss the
+  model's loss. The first layer that differs is named.
+- **training** (`roundpipe/models/training_proof.py`): one training step, in train mode with every
+  dropout probability 0, of the model as you call it (`PeftModel(...)(input_ids=...,
+  attention_mask=..., labels=...)`, or the HF model's forward) against the layers chained as the
+  pipeline chains them. The loss must be the same (else the model adds a term outside the layers,
+  as AdaLoRA's orthogonal regularizer does), then, from the loss back, the gradient of every
+  trainable parameter and of the hidden state each layer hands on (else something outside the
+  layers changes the backward: a custom autograd function, a backward hook, arguments computed per
+  batch such as aLoRA's activation offsets; the first layer or parameter that differs is named).
+  Then, with your dropout, the layers run twice from one seed must agree: a layer drawing from a
+  generator the pipeline does not replay (a `torch.Generator` of its own, Python's `random`) is
+  named. It costs four forward and backward passes of the probe.
+
+peft methods known to train outside the layers are refused by name: prompt tuning, prefix tuning,
+p-tuning and CPT (virtual tokens), AdaLoRA (its orthogonal regularizer and `update_and_allocate`)
+and activated LoRA (`LoraConfig(alora_invocation_tokens=...)`).
+
+A model over 1B parameters, on the meta device, or wrapped with `RunConfig(verify_model=False)` is
+proved on a tiny model of its config class (`roundpipe.models.tiny.tiny_config`, seed 0) with the
+same peft config. That proves the code: the model class, its forward and loss, the peft method and
+its settings. It does not prove what belongs to your instance: hooks registered on it, modules
+replaced in it, `requires_grad` set by hand, its weights (a difference that shows only at some
+values, such as a tie in an MoE router's top-k), nor what only the full sizes exercise.
+"""
 
 HOW = f"""
 Each family's default config (`transformers.CONFIG_MAPPING[model_type]()`) is shrunk by

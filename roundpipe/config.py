@@ -437,10 +437,12 @@ class RunConfig:
     )
     verify_model: bool = _setting(
         True,
-        "at wrap time, prove the layers against the model's own forward on two 8-token sequences "
-        "and refuse (``UnsupportedModel``, naming the first layer that differs) a model they do not "
-        "reproduce; a model over 1B parameters or on the meta device is proved through a tiny model "
-        "of its config class. False: only through the tiny model (docs/models.md).",
+        "at wrap time, prove the layers against the model's own forward on two 8-token sequences, "
+        "and one training step of them against the model as you call it (loss, every trainable "
+        "gradient, random draws replayed), and refuse (``UnsupportedModel``, naming the first layer, "
+        "parameter or loss term that differs) a model they do not reproduce; a model over 1B "
+        "parameters or on the meta device is proved through a tiny model of its config class. "
+        "False: only through the tiny model (docs/models.md).",
         check=_true_or_false,
     )
 

@@ -347,8 +347,32 @@ def _unwrap_peft(model: Any) -> Any:
                 f"peft {config.peft_type} adds virtual tokens outside the model's layers, which the "
                 f"pipeline does not run; use an adapter injected into the layers, such as LoRA"
             )
+        problem = None if config is None else _peft_method_refusal(config)
+        if problem is not None:
+            raise UnsupportedModel(problem)
         return model.get_base_model()
     return model
+
+
+def _peft_method_refusal(config: Any) -> str | None:
+    """Why the pipeline cannot train the peft method ``config`` asks for exactly, or None. These
+    methods work outside the layers in training (the wrap-time training proof would refuse them
+    too, with a less specific message)."""
+    if str(config.peft_type).endswith("ADALORA"):
+        return (
+            f"peft {config.peft_type} trains outside the model's layers: AdaLoraModel.forward adds an "
+            f"orthogonal regularizer of every adapter to the loss (orth_reg_weight), and every step "
+            f"calls update_and_allocate to reallocate the ranks from the gradients; the pipeline does "
+            f"neither. Use LoRA (peft.LoraConfig) instead"
+        )
+    if getattr(config, "alora_invocation_tokens", None):
+        return (
+            f"peft {config.peft_type} with alora_invocation_tokens (activated LoRA) applies the adapters "
+            f"only after the invocation tokens, at offsets PeftModelForCausalLM.forward computes per "
+            f"batch outside the layers; the pipeline runs the layers without them. Use LoraConfig "
+            f"without alora_invocation_tokens"
+        )
+    return None
 
 
 def adapt_model(model: nn.Module, head_shards: int = 1) -> ModelAdapter:

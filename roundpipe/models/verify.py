@@ -17,7 +17,6 @@ attached: the same code path at a small size.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import torch
@@ -25,33 +24,10 @@ from torch import nn
 
 from roundpipe.errors import UnsupportedModel
 from roundpipe.models.base import MicrobatchInputs, ModelAdapter, loss_positions
+from roundpipe.models.probe import PROBE_TOKENS, param_dtype, probe_batch, same_within
+from roundpipe.models.training_proof import prove_training
 
 VERIFY_MAX_PARAMS = 1_000_000_000  # above this the probe runs on a tiny model of the same class
-PROBE_TOKENS = 8
-PAD = 2  # left padding of the first probe sequence
-
-
-def same_within(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[bool, float, float]:
-    """(whether ``a`` matches ``b`` beyond round-off of ``dtype``, max abs difference, tolerance):
-    the tolerance scales with ``b``'s magnitude and the dtype's epsilon."""
-    if a.shape != b.shape:
-        return False, math.inf, 0.0
-    a, b = a.double(), b.double()
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    tol = 64 * eps * (float(b.abs().max()) + 1.0)
-    diff = float((a - b).abs().max()) if a.numel() else 0.0
-    return diff <= tol, diff, tol
-
-
-def _probe_batch(vocab: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(1, max(2, vocab - 1), (2, PROBE_TOKENS), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[0, :PAD] = 0
-    labels = ids.clone()
-    labels[0, :PAD] = -100
-    labels[1, 3] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def _record(blocks: list[nn.Module]) -> tuple[list, list, list]:
@@ -72,18 +48,14 @@ def _record(blocks: list[nn.Module]) -> tuple[list, list, list]:
     return inputs, outputs, handles
 
 
-def _dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
 def verify_adapter(adapter: ModelAdapter, *, what: str = "the model") -> None:
     """Raise UnsupportedModel when ``adapter``'s layers do not reproduce its model's forward
     (module docstring). ``what`` names the probed model in the message."""
     model = adapter.model
     config = adapter.config
-    batch = _probe_batch(int(config.vocab_size))
+    batch = probe_batch(int(config.vocab_size))
     blocks = [layer.module for layer in adapter.layers if layer.kind == "block"]
-    dtype = _dtype(model)
+    dtype = param_dtype(model)
     # Views (the embedding, context and logits views) are modules of their own, not children of
     # the model: each gets eval mode for the probe too, and every flag is put back after.
     modules = [model, adapter.context_module, *(layer.module for layer in adapter.layers)]
@@ -229,12 +201,13 @@ def verify_model(wrapped: Any, adapter: ModelAdapter, *, full: bool = True, head
     big = sum(p.numel() for p in model.parameters()) > VERIFY_MAX_PARAMS
     if full and not big and not _has_meta(model):
         verify_adapter(adapter)
+        prove_training(wrapped, adapter)
         return "model"
     from roundpipe.models.adapter import adapt_model
 
     twin = _tiny_twin(wrapped, model)
-    verify_adapter(
-        adapt_model(twin, head_shards=head_shards),
-        what=f"a tiny {type(model).__name__} of the same config class",
-    )
+    twin_adapter = adapt_model(twin, head_shards=head_shards)
+    what = f"a tiny {type(model).__name__} of the same config class"
+    verify_adapter(twin_adapter, what=what)
+    prove_training(twin, twin_adapter, what=what)
     return "tiny model"
