@@ -5,6 +5,13 @@ becomes final with the backward of one layer (a parameter belongs to the lowest 
 so a tied embedding steps after the embedding's backward, not the head's). Stepping group by group
 lets the optimizer run while lower layers are still in backward; the semantics per parameter are
 exactly ``torch.optim.AdamW``'s.
+
+That includes a parameter that got no gradient: autograd leaves its ``.grad`` None when it is not
+in the step's graph (a LoRA on a module whose weight the model reads directly, a parameter some
+batches do not use), and ``torch.optim.AdamW`` then skips it: no weight decay, no moment update, no
+step count. The store's fp32 gradient buffer is zero in that case, which is not the same (a zero
+gradient still decays the weight and the moments), so each entry says whether a backward produced
+a gradient for it (``has_grad``) and only those reach the optimizer.
 """
 
 from __future__ import annotations
@@ -21,13 +28,16 @@ from roundpipe.errors import ConfigError
 
 class SteppedEntry(Protocol):
     """One tensor as the optimizer sees it (``runtime.store.Entry`` is one): an fp32 ``master``
-    stepped in place with its accumulated fp32 ``grad``, grouped by ``owner``."""
+    stepped in place with its accumulated fp32 ``grad``, grouped by ``owner``; ``has_grad``: a
+    backward produced a gradient for it since the last step (else ``grad`` is zero and AdamW skips
+    the entry, as ``torch.optim.AdamW`` skips a parameter whose ``.grad`` is None)."""
 
     key: int
     name: str
     trainable: bool
     master: torch.Tensor | None
     grad: torch.Tensor | None
+    has_grad: bool
 
     @property
     def owner(self) -> int:
@@ -93,12 +103,17 @@ class LayerwiseAdamW:
     def step_group(self, layer: int, grad_factor: float = 1.0, publish_to: int | None = None) -> None:
         """Step the parameters owned by ``layer`` with their accumulated gradients times ``grad_factor``.
 
-        Zeroes those gradients afterwards and copies the new weights into compute copy
-        ``publish_to`` (all copies when None) for the uploads that read it next.
+        A parameter without a gradient (``has_grad`` false) is handed to ``torch.optim.AdamW`` with
+        ``.grad`` None, which leaves it and its state untouched. Zeroes the gradients afterwards
+        and copies the masters into compute copy ``publish_to`` (all copies when None) for the
+        uploads that read it next (also the untouched ones: in async mode that copy may still hold
+        the weights from before the previous update).
         """
         keys = self.groups[layer]
         for k in keys:
             e = self.store.entries[k]
+            if not e.has_grad:
+                continue
             if grad_factor != 1.0:
                 e.grad.mul_(grad_factor)
             e.master.grad = e.grad
@@ -107,6 +122,7 @@ class LayerwiseAdamW:
             e = self.store.entries[k]
             e.master.grad = None
             e.grad.zero_()
+            e.has_grad = False
         self.store.refresh_compute(keys, publish_to)
 
     def grad_norm_sq(self, groups=None) -> float:
