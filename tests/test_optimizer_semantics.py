@@ -11,6 +11,7 @@ weights and the optimizer's state (step counts, moments) parameter by parameter.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from tiny_models import make_batch, make_model, place_flag_token, with_flag_toke
 from torch import nn
 
 import roundpipe
+from roundpipe.errors import ConfigError
 
 torch.set_num_threads(1)
 
@@ -279,3 +281,37 @@ def test_learning_rate_changes_under_the_async_optimizer_apply_to_the_next_updat
 )
 def test_each_optimizer_option_means_what_it_means_in_torch(option):
     _check(make_model("llama", num_layers=2), _batches(12), 3, **option)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    with roundpipe.wrap(make_model("llama", num_layers=2), roundpipe.RunConfig(devices="cpu:1")) as p:
+        yield p
+
+
+@pytest.mark.parametrize(
+    "bad, what",
+    [
+        (dict(lr=-1e-3), "lr"),
+        (dict(lr=math.nan), "lr"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(weight_decay=math.nan), "weight_decay"),
+        (dict(weight_decay=math.inf), "weight_decay"),
+        (dict(eps=0.0), "eps"),
+        (dict(eps=math.nan), "eps"),
+        (dict(eps=math.inf), "eps"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(betas=(math.nan, 0.9)), "betas"),
+        (dict(betas=(0.9,)), "betas"),
+        (dict(betas=0.9), "betas"),
+        (dict(lr="1e-3"), "lr"),
+        (dict(max_grad_norm=0.0), "max_grad_norm"),
+        (dict(max_grad_norm=math.nan), "max_grad_norm"),
+        (dict(max_grad_norm=math.inf), "max_grad_norm"),
+    ],
+)
+def test_an_optimizer_setting_torch_would_reject_or_misread_is_refused_by_name(pipe, bad, what):
+    """A NaN weight decay or eps makes torch raise a ValueError and a NaN clipping norm clips
+    differently in torch; every such value is a ConfigError that names the setting."""
+    with pytest.raises(ConfigError, match=what):
+        pipe.configure_optimizer(**bad)

@@ -17,6 +17,7 @@ a gradient for it (``has_grad``) and only those reach the optimizer.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,6 +59,15 @@ class MasterStore(Protocol):
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    """``torch.optim.AdamW``'s options that roundpipe takes (one parameter group, ``amsgrad`` and
+    ``maximize`` off), plus ``clip_grad_norm_``'s ``max_norm``. Weight decay applies to every
+    trainable parameter, as in ``torch.optim.AdamW(model.parameters(), weight_decay=...)``.
+
+    Raises:
+        ConfigError: a value torch would reject, or one that is not finite (a NaN or infinite
+            setting would not train as the same setting does in torch, or not at all).
+    """
+
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -65,16 +75,27 @@ class OptimizerConfig:
     max_grad_norm: float | None = None
 
     def __post_init__(self):
-        if not (self.lr >= 0 and math.isfinite(self.lr)):
+        if not (_finite(self.lr) and self.lr >= 0):
             raise ConfigError(f"lr must be a finite non-negative number, got {self.lr!r}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        if self.eps <= 0:
-            raise ConfigError(f"eps must be > 0, got {self.eps!r}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+        if not (_finite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(
+                f"weight_decay must be a finite number >= 0 (0: no decay), got {self.weight_decay!r}"
+            )
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else None
+        if betas is None or len(betas) != 2 or not all(_finite(b) and 0.0 <= b < 1.0 for b in betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), e.g. (0.9, 0.999), got {self.betas!r}")
+        object.__setattr__(self, "betas", betas)
+        if not (_finite(self.eps) and self.eps > 0):
+            raise ConfigError(f"eps must be a finite number > 0, got {self.eps!r}")
+        if self.max_grad_norm is not None and not (_finite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ConfigError(
+                f"max_grad_norm must be a finite number > 0, or None not to clip, got {self.max_grad_norm!r}"
+            )
+
+
+def _finite(x) -> bool:
+    """A real number (not a bool, a string or a tensor) that is finite."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class LayerwiseAdamW:
