@@ -57,9 +57,9 @@ def _sometimes_used_model(*, lora: bool):
     return model
 
 
-def _mamba_with_dt_proj_lora():
-    """Tiny Mamba with LoRA on ``x_proj`` and ``dt_proj``: the mixer reads ``dt_proj.weight`` itself
-    (``dt_proj.weight @ time_step``), so the ``dt_proj`` LoRA never gets a gradient."""
+def _mamba_with_dt_proj_lora(targets=("x_proj", "dt_proj")):
+    """Tiny Mamba with LoRA on ``targets``: the mixer reads ``dt_proj.weight`` itself
+    (``dt_proj.weight @ time_step``), so a ``dt_proj`` LoRA never gets a gradient."""
     import peft
     import transformers
 
@@ -70,7 +70,7 @@ def _mamba_with_dt_proj_lora():
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
     lora = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["x_proj", "dt_proj"], init_lora_weights=False
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets), init_lora_weights=False
     )  # fmt: skip
     return peft.get_peft_model(model, lora)
 
@@ -201,6 +201,16 @@ def test_a_lora_that_never_gets_a_gradient_is_neither_decayed_nor_stepped():
     state = _check(model, batches, 3)
     assert not any("dt_proj" in n for n in state)  # the case this test is about: no gradient there
     assert any("x_proj" in n for n in state)
+
+
+def test_a_stage_none_of_whose_parameters_gets_a_gradient_trains_the_others():
+    """With LoRA on ``dt_proj`` and ``lm_head`` only the head's adapter is in the graph: a backward
+    stage of one Mamba layer has trainable parameters but nothing to differentiate, and nothing to
+    hand down (the embedding is frozen). Plain PyTorch trains the head's adapter; so must roundpipe."""
+    model = _mamba_with_dt_proj_lora(targets=("dt_proj", "lm_head"))
+    batches = _batches(12, vocab=model.config.vocab_size)
+    state = _check(model, batches, 2, run=dict(policy="roundpipe", partition=None))
+    assert state and all("lm_head" in n for n in state)
 
 
 PATHS = {
