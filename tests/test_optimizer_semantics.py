@@ -118,7 +118,9 @@ def plain_run(model, batches, steps, *, lrs=None, max_grad_norm=None, stale=Fals
     return RunResult(losses, trainable_weights(latest)), state
 
 
-def roundpipe_run(model, batches, steps, *, lrs=None, max_grad_norm=None, run=None, **adamw):
+def roundpipe_run(model, batches, steps, *, lrs=None, max_grad_norm=None, run=None, accumulate=1, **adamw):
+    """roundpipe's side of ``plain_run``; ``accumulate``: each step's batch in that many slices of
+    rows, each a ``forward_backward`` over the step's label tokens (the loss is the last slice's)."""
     model = copy.deepcopy(model)
     run = dict(devices="cpu:2", num_microbatches=2) | (run or {})
     with roundpipe.wrap(model, roundpipe.RunConfig(**run)) as pipe:
@@ -128,9 +130,16 @@ def roundpipe_run(model, batches, steps, *, lrs=None, max_grad_norm=None, run=No
             if lrs is not None:
                 pipe.set_lr(lrs[t])
             b = batches[t % len(batches)]
-            out = pipe.forward_backward(
-                b["input_ids"], labels=b["labels"], attention_mask=b.get("attention_mask")
-            )
+            parts = [{k: v.tensor_split(accumulate)[i] for k, v in b.items()} for i in range(accumulate)]
+            tokens = int((b["labels"][:, 1:] != -100).sum())
+            for i, part in enumerate(parts):
+                out = pipe.forward_backward(
+                    part["input_ids"],
+                    labels=part["labels"],
+                    attention_mask=part.get("attention_mask"),
+                    accumulate=i < accumulate - 1,
+                    loss_tokens=tokens,
+                )
             pipe.step()
             losses.append(out.loss)
         pipe.export_to(model)
@@ -169,7 +178,9 @@ def assert_same_state(got: dict, want: dict, names) -> None:
             )
 
 
-def _check(model, batches, steps, *, run=None, lrs=None, max_grad_norm=None, stale=False, **adamw):
+def _check(
+    model, batches, steps, *, run=None, lrs=None, max_grad_norm=None, stale=False, accumulate=1, **adamw
+):
     adamw = ADAMW | adamw
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     plain, plain_state = plain_run(
@@ -185,8 +196,10 @@ def _check(model, batches, steps, *, run=None, lrs=None, max_grad_norm=None, sta
         **adamw,
     )
     got, got_state = roundpipe_run(
-        model, batches, steps, lrs=lrs, max_grad_norm=max_grad_norm, run=run, **adamw
+        model, batches, steps, lrs=lrs, max_grad_norm=max_grad_norm, run=run, accumulate=accumulate, **adamw
     )
+    if accumulate > 1:  # each step reports its last slice's loss: the weights say it all
+        got = RunResult(plain.losses, got.weights)
     assert_exact(got, plain, exact)
     assert_same_state(got_state, plain_state, names)
     return plain_state
@@ -250,6 +263,21 @@ def test_a_parameter_only_some_microbatches_reach_is_stepped_when_any_does(run):
     state = _check(model, batches, 5, run=run, stale="optimizer_mode" in run)
     (scale,) = [n for n in state if n.endswith("input_layernorm.scale")]
     assert float(state[scale]["step"]) == 3
+
+
+def test_gradient_accumulation_steps_a_parameter_any_of_the_calls_reached():
+    """Two ``accumulate`` calls per step: on even steps only the first call's rows hold the flag
+    token, on odd steps neither's. ``scale`` has a gradient when either call reached it, as
+    ``.grad`` accumulated over the calls would be non-None in torch."""
+    model = make_model("llama", num_layers=3, lora="default")
+    token = with_flag_token(model)
+    batches = [
+        place_flag_token(make_batch(batch=8, seq=10), token, rows=[1]),
+        place_flag_token(make_batch(batch=8, seq=10, seed=1), token, rows=[]),
+    ]
+    state = _check(model, batches, 3, accumulate=2)
+    (scale,) = [n for n in state if n.endswith("input_layernorm.scale")]
+    assert float(state[scale]["step"]) == 2
 
 
 def test_a_gradient_of_exact_zeros_is_still_a_gradient():
