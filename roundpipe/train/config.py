@@ -159,7 +159,11 @@ RunSection = _run_section()
 @dataclass
 class OptimConfig:
     lr: float = _f(1e-4, "Peak learning rate (AdamW).")
-    weight_decay: float = _f(0.0, "Decoupled weight decay.")
+    weight_decay: float = _f(
+        0.0,
+        "Decoupled weight decay (torch.optim.AdamW's), on every trainable parameter, norms and biases "
+        "included; a parameter that got no gradient in a step is not decayed in it.",
+    )
     betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
     eps: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float | None = _f(1.0, "Clip the global gradient norm to this (null: no clipping).")
