@@ -12,6 +12,7 @@ than one field. The ``run:`` keys that set a ``roundpipe.RunConfig`` setting (``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal
 
@@ -269,11 +270,31 @@ class TrainConfig:
             raise RecipeError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         if self.run.epochs <= 0:
             raise RecipeError(f"run.epochs must be positive, got {self.run.epochs}")
-        if len(self.optim.betas) != 2:
-            raise RecipeError(f"optim.betas must be two numbers, got {self.optim.betas}")
+        self._check_optim()
         if self.lora.enabled and self.lora.rank < 1:
             raise RecipeError(f"lora.rank must be at least 1, got {self.lora.rank}")
         check_run_paths(self)  # nothing the run writes may lie outside its run directory
+
+    def _check_optim(self) -> None:
+        """What ``Pipeline.configure_optimizer`` (``optim.OptimizerConfig``) refuses, refused at load
+        (this module does not import torch, so the rule is spelled out here; the loader has
+        already refused NaN)."""
+        o = self.optim
+        finite = math.isfinite
+        if not (finite(o.lr) and o.lr >= 0):
+            raise RecipeError(f"optim.lr must be a finite number >= 0, got {o.lr}")
+        if not (finite(o.weight_decay) and o.weight_decay >= 0):
+            raise RecipeError(
+                f"optim.weight_decay must be a finite number >= 0 (0: no decay), got {o.weight_decay}"
+            )
+        if len(o.betas) != 2 or not all(finite(b) and 0.0 <= b < 1.0 for b in o.betas):
+            raise RecipeError(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.999], got {o.betas}")
+        if not (finite(o.eps) and o.eps > 0):
+            raise RecipeError(f"optim.eps must be a finite number > 0, got {o.eps}")
+        if o.max_grad_norm is not None and not (finite(o.max_grad_norm) and o.max_grad_norm > 0):
+            raise RecipeError(
+                f"optim.max_grad_norm must be a finite number > 0, or null not to clip, got {o.max_grad_norm}"
+            )
 
     @property
     def output_dir(self) -> str:
