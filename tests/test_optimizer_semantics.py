@@ -280,6 +280,29 @@ def test_gradient_accumulation_steps_a_parameter_any_of_the_calls_reached():
     assert float(state[scale]["step"]) == 2
 
 
+@pytest.mark.parametrize(
+    "run",
+    [
+        dict(dtype="bf16"),
+        dict(dtype="fp16"),
+        dict(nan_policy="skip"),
+        dict(dtype="bf16", optimizer_mode="async"),
+    ],
+    ids=["bf16", "fp16-loss-scaling", "nan-skip-deferred", "bf16-async"],
+)
+def test_a_parameter_never_reached_keeps_its_weight_and_has_no_state_in_every_mode(run):
+    """Only odd-length batches: ``scale`` is never in the graph. With weight decay on, torch leaves
+    it bit for bit as it was and gives it no optimizer state; so does every precision and update
+    path of roundpipe (low-precision runs have no exact plain counterpart; this property does)."""
+    model = _sometimes_used_model(lora=True)
+    (name,) = [n for n, p in model.named_parameters() if n.endswith("mlp.scale")]
+    before = dict(model.named_parameters())[name].detach().clone()
+    got, state = roundpipe_run(model, _batches(13, 11), 4, run=run, **ADAMW)
+    assert torch.equal(got.weights[name], before)
+    assert not any(key.endswith("mlp.scale") for key in state)
+    assert any("lora_A" in key for key in state)  # the others were stepped
+
+
 def test_a_gradient_of_exact_zeros_is_still_a_gradient():
     """A parameter in the graph whose gradient is exactly zero (a LoRA A under B = 0) is decayed
     and stepped, as in torch: roundpipe tells 'no gradient' from 'zero gradient' as autograd does."""
