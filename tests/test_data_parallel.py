@@ -16,7 +16,7 @@ import pytest
 import torch
 from support.dp_cases import train_case
 from support.reference import RunResult, assert_exact, reference_train
-from support.tiny_models import make_batch, make_model
+from support.tiny_models import make_batch, make_model, place_flag_token, with_flag_token
 
 import roundpipe
 from roundpipe.errors import ConfigError
@@ -355,3 +355,40 @@ def test_low_precision_sharded_ranks_equal_one_process(two_ranks_special, dtype)
         for name, w in single["weights"].items():
             # Measured 4e-4 (bf16) and 7e-5 (fp16); training on half the batch instead is 6e-3 off.
             torch.testing.assert_close(got.weights[name], w, rtol=0, atol=1e-3, msg=name)
+
+
+# Row 5 of the global batch of 8 is rank 1's: on even steps the parameter that row reaches gets a
+# gradient on rank 1 only, as one process on the whole batch gets one; on odd steps no row reaches
+# it, and neither rank nor the one process has a gradient for it.
+FLAGGED = {
+    "policy": "roundpipe",
+    "lora": "default",
+    "steps": STEPS,
+    "flag_rows": [[5], []],
+    "weight_decay": 0.1,
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks_flagged(tmp_path_factory):
+    cases = [{"name": f"flagged-{s}", **FLAGGED, "optimizer_sharding": s} for s in ("none", "nodes")]
+    return launch(2, cases, tmp_path_factory.mktemp("dp2flagged"))
+
+
+@launches
+@pytest.mark.parametrize("sharding", ["none", "nodes"])
+def test_a_parameter_one_rank_reaches_is_stepped_as_one_process_steps_it(two_ranks_flagged, sharding):
+    """Every rank steps a parameter that only another rank's rows reach, no rank steps it when no
+    row does (weight decay on), and every rank ends with plain PyTorch's weights on the whole batch."""
+    model = make_model("llama", lora="default", num_layers=3)
+    token = with_flag_token(model)
+    batch = [
+        place_flag_token(make_batch(batch=8, padding="left"), token, rows) for rows in FLAGGED["flag_rows"]
+    ]
+    plain = reference_train(model, batch, STEPS, weight_decay=0.1)
+    exact = reference_train(copy.deepcopy(model).double(), batch, STEPS, weight_decay=0.1)
+    ranks = [as_run(r) for r in two_ranks_flagged[f"flagged-{sharding}"]]
+    for got in ranks:
+        assert_exact(got, plain, exact)
+    for name, w in ranks[0].weights.items():
+        assert torch.equal(w, ranks[1].weights[name]), name

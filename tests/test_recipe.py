@@ -202,6 +202,27 @@ def test_a_wrong_type_names_the_key_the_expected_type_and_the_line(tmp_path, lin
     assert error_of(path) == f"{path}:6: {expected}"
 
 
+@pytest.mark.parametrize(
+    "line, key",
+    [
+        ("optim:\n  lr: -1.0", "optim.lr"),
+        ("optim:\n  lr: .nan", "optim.lr"),
+        ("optim:\n  weight_decay: .nan", "optim.weight_decay"),
+        ("optim:\n  weight_decay: -0.1", "optim.weight_decay"),
+        ("optim:\n  eps: 0.0", "optim.eps"),
+        ("optim:\n  eps: .inf", "optim.eps"),
+        ("optim:\n  betas: [0.9, 1.0]", "optim.betas"),
+        ("optim:\n  max_grad_norm: .nan", "optim.max_grad_norm"),
+        ("optim:\n  max_grad_norm: 0.0", "optim.max_grad_norm"),
+    ],
+)
+def test_an_optimizer_setting_adamw_cannot_take_is_refused_when_the_recipe_loads(tmp_path, line, key):
+    """The values configure_optimizer refuses are refused at load, naming the key, before any model
+    is built."""
+    message = error_of(write(tmp_path, MINIMAL + line + "\n"))
+    assert f"{key} must be" in message, message
+
+
 def test_literal_choices_are_listed_with_the_nearest(tmp_path):
     path = write(tmp_path, MINIMAL.replace("t.jsonl\n", "t.jsonl\n  format: txt\n"))
     assert error_of(path) == (

@@ -8,8 +8,12 @@ are issued in: the host thread marks groups final as their last gradient lands (
 bucket is issued only when it and every bucket before it are complete.
 
 Each bucket travels as one collective per large gradient, in place, and one flat fp32 tensor of
-its small ones with one extra element: 1 when this rank already knew of a non-finite value when
-it issued the bucket. The sum tells every receiver whether any rank did,
+its small ones followed by one flag per entry of the bucket and one more element. An entry's flag
+is 1 when this rank's backward produced a gradient for it (``has_grad``): the sum tells the
+receiver whether any rank's did, so a parameter no rank's rows reach is skipped by AdamW as one
+process on the whole batch skips it (``optim/adamw.py``), and one that some rank's rows reach is
+stepped by every rank. The last element is 1 when this rank already knew of a non-finite value
+when it issued the bucket. The sum tells every receiver whether any rank did,
 so no rank steps a layer that another rank has found poisoned (as one process steps nothing once
 it knows). Unsharded, it is an all-reduce and every rank steps every group; sharded, a reduce to
 the bucket's owner, which steps it and broadcasts the new fp32 masters to the others.
@@ -121,11 +125,14 @@ class GradientReduction:
 
     def _issue(self, b: Bucket) -> None:
         """Issue bucket ``b``'s collectives: one in place per large gradient (no copy of it exists),
-        one for the small ones packed together with the non-finite flag."""
+        one for the small ones packed together with the entries' gradient flags and the
+        non-finite flag."""
         entries = self.store.entries
         large, small = _in_place(self.store, b)
-        flag = torch.tensor([1.0 if self._known_nonfinite() else 0.0])
-        packed = torch.cat([grad_of(entries[k]).reshape(-1) for k in small] + [flag])
+        flags = torch.tensor(
+            [1.0 if entries[k].has_grad else 0.0 for k in b.keys] + [1.0 if self._known_nonfinite() else 0.0]
+        )
+        packed = torch.cat([grad_of(entries[k]).reshape(-1) for k in small] + [flags])
         what = f"summing the gradients of {self._label(b)}"
 
         def issue(t: torch.Tensor):
@@ -182,9 +189,12 @@ class GradientReduction:
                     g = grad_of(entries[k])
                     g.copy_(packed[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
+                for k, got in zip(b.keys, packed[offset:-1].tolist()):
+                    entries[k].has_grad = got > 0  # some rank's backward produced a gradient
             else:  # sharded, another rank's: its owner steps it; this rank's share is spent
                 for k in b.keys:
                     grad_of(entries[k]).zero_()
+                    entries[k].has_grad = False
         if self._step_groups is None:
             return
         if mine and not self.flagged and not self._known_nonfinite():

@@ -5,11 +5,19 @@ becomes final with the backward of one layer (a parameter belongs to the lowest 
 so a tied embedding steps after the embedding's backward, not the head's). Stepping group by group
 lets the optimizer run while lower layers are still in backward; the semantics per parameter are
 exactly ``torch.optim.AdamW``'s.
+
+That includes a parameter that got no gradient: autograd leaves its ``.grad`` None when it is not
+in the step's graph (a LoRA on a module whose weight the model reads directly, a parameter some
+batches do not use), and ``torch.optim.AdamW`` then skips it: no weight decay, no moment update, no
+step count. The store's fp32 gradient buffer is zero in that case, which is not the same (a zero
+gradient still decays the weight and the moments), so each entry says whether a backward produced
+a gradient for it (``has_grad``) and only those reach the optimizer.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,7 +30,11 @@ from roundpipe.errors import ConfigError
 class SteppedEntry(Protocol):
     """One tensor as the optimizer sees it (``runtime.store.Entry`` is one): an fp32 ``master``
     stepped in place with its accumulated fp32 ``grad``, grouped by ``owner``. A frozen entry has
-    neither; :func:`master_of` and :func:`grad_of` read a trainable one's."""
+    neither; :func:`master_of` and :func:`grad_of` read a trainable one's. ``has_grad``: a backward
+    produced a gradient for it since the last step (else ``grad`` is zero and AdamW skips the entry,
+    as ``torch.optim.AdamW`` skips a parameter whose ``.grad`` is None)."""
+
+    has_grad: bool
 
     @property
     def key(self) -> int: ...
@@ -68,6 +80,15 @@ class MasterStore(Protocol):
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    """``torch.optim.AdamW``'s options that roundpipe takes (one parameter group, ``amsgrad`` and
+    ``maximize`` off), plus ``clip_grad_norm_``'s ``max_norm``. Weight decay applies to every
+    trainable parameter, as in ``torch.optim.AdamW(model.parameters(), weight_decay=...)``.
+
+    Raises:
+        ConfigError: a value torch would reject, or one that is not finite (a NaN or infinite
+            setting would not train as the same setting does in torch, or not at all).
+    """
+
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -75,16 +96,27 @@ class OptimizerConfig:
     max_grad_norm: float | None = None
 
     def __post_init__(self):
-        if not (self.lr >= 0 and math.isfinite(self.lr)):
+        if not (_finite(self.lr) and self.lr >= 0):
             raise ConfigError(f"lr must be a finite non-negative number, got {self.lr!r}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        if self.eps <= 0:
-            raise ConfigError(f"eps must be > 0, got {self.eps!r}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+        if not (_finite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(
+                f"weight_decay must be a finite number >= 0 (0: no decay), got {self.weight_decay!r}"
+            )
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else None
+        if betas is None or len(betas) != 2 or not all(_finite(b) and 0.0 <= b < 1.0 for b in betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), e.g. (0.9, 0.999), got {self.betas!r}")
+        object.__setattr__(self, "betas", betas)
+        if not (_finite(self.eps) and self.eps > 0):
+            raise ConfigError(f"eps must be a finite number > 0, got {self.eps!r}")
+        if self.max_grad_norm is not None and not (_finite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ConfigError(
+                f"max_grad_norm must be a finite number > 0, or None not to clip, got {self.max_grad_norm!r}"
+            )
+
+
+def _finite(x) -> bool:
+    """A real number (not a bool, a string or a tensor) that is finite."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class LayerwiseAdamW:
@@ -113,20 +145,28 @@ class LayerwiseAdamW:
     def step_group(self, layer: int, grad_factor: float = 1.0, publish_to: int | None = None) -> None:
         """Step the parameters owned by ``layer`` with their accumulated gradients times ``grad_factor``.
 
-        Zeroes those gradients afterwards and copies the new weights into compute copy
-        ``publish_to`` (all copies when None) for the uploads that read it next.
+        A parameter without a gradient (``has_grad`` false) is handed to ``torch.optim.AdamW`` with
+        ``.grad`` None, which leaves it and its state untouched. Zeroes the gradients afterwards
+        and copies the masters into compute copy ``publish_to`` (all copies when None) for the
+        uploads that read it next (also the untouched ones: in async mode that copy may still hold
+        the weights from before the previous update).
         """
         keys = self.groups[layer]
         for k in keys:
-            master, grad = master_of(self.store.entries[k]), grad_of(self.store.entries[k])
+            e = self.store.entries[k]
+            if not e.has_grad:
+                continue
+            master, grad = master_of(e), grad_of(e)
             if grad_factor != 1.0:
                 grad.mul_(grad_factor)
             master.grad = grad
         self.optimizers[layer].step()
         for k in keys:
-            master, grad = master_of(self.store.entries[k]), grad_of(self.store.entries[k])
+            e = self.store.entries[k]
+            master, grad = master_of(e), grad_of(e)
             master.grad = None
             grad.zero_()
+            e.has_grad = False
         self.store.refresh_compute(keys, publish_to)
 
     def grad_norm_sq(self, groups=None) -> float:

@@ -238,8 +238,18 @@ class TaskCompute:
                     device=dev.name,
                 ):
                     seeds = [s * float("nan") for s in seeds]
-                if wrt:
-                    torch.autograd.backward(outputs, grad_tensors=seeds, inputs=wrt)
+                # An output none of ``wrt`` reaches has no graph: none of this stage's parameters
+                # is in it (a LoRA on a module whose weight the model reads directly) and nothing
+                # is handed down. Autograd would refuse it; plain PyTorch's backward of the whole
+                # model just leaves those parameters' .grad None (``requires_grad``: no host sync).
+                differentiable = [(o, s) for o, s in zip(outputs, seeds) if o.requires_grad]
+                if wrt and differentiable:
+                    torch.autograd.backward(
+                        [o for o, _ in differentiable],
+                        grad_tensors=[s for _, s in differentiable],
+                        inputs=wrt,
+                    )
+                del differentiable
                 del outputs, seeds
         finally:
             for h in hooks:

@@ -133,9 +133,15 @@ class Pipeline:
         eps: float = 1e-8,
         max_grad_norm: float | None = None,
     ) -> None:
-        """AdamW on the fp32 CPU masters (``torch.optim.AdamW`` semantics, fused CPU kernel)."""
-        pair = cast(tuple[float, float], tuple(betas))  # a list too; OptimizerConfig checks the length
-        self._updates.configure(OptimizerConfig(lr, weight_decay, pair, eps, max_grad_norm))
+        """AdamW on the fp32 CPU masters: ``torch.optim.AdamW(params, lr, betas, eps, weight_decay)``
+        over every trainable parameter, parameter by parameter (fused CPU kernel), one with no
+        gradient in a step skipped as torch skips a ``.grad`` of None; ``max_grad_norm`` clips as
+        ``torch.nn.utils.clip_grad_norm_`` does before the step.
+
+        Raises:
+            ConfigError: a setting torch would reject, or one that is not finite.
+        """
+        self._updates.configure(OptimizerConfig(lr, weight_decay, betas, eps, max_grad_norm))
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next ``step()``. In async mode an update may still be running

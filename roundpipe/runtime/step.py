@@ -126,8 +126,9 @@ class StepRun:
         with updates.recorder.host_span(f"acc:{updates.names[layers.start]}", "accumulate"):
             store = updates.store
             for (k, rows), g in (host_grads.value or {}).items():
-                grad = store.entries[k].grad
-                (grad if rows is None else grad[rows[0] : rows[1]]).add_(g)
+                entry = store.entries[k]
+                (entry.grad if rows is None else entry.grad[rows[0] : rows[1]]).add_(g)
+                entry.has_grad = True  # autograd made a gradient for it (a piece is absent otherwise)
                 store.host.pool.release(g)  # added: the download buffer is free again
             for k in store.trainable_keys(layers):
                 self.remaining[k] -= contributions

@@ -67,6 +67,10 @@ class Entry:
     buffers: list[torch.Tensor]  # compute copies in the run dtype; uploads read buffers[read]
     master: nn.Parameter | None = None
     grad: torch.Tensor | None = None
+    # A backward produced a gradient for it since the gradients were last zeroed: autograd's
+    # ``.grad is not None``. ``grad`` stays zero otherwise, and AdamW must then skip the entry, not
+    # step it with a zero gradient (set by the host thread as it adds a downloaded gradient).
+    has_grad: bool = False
     users: list[int] = field(default_factory=list)  # layer indices that use it
     read: int = 0
     source: str | None = None  # the name it was loaded by from ``weights`` (None: copied from the model)
@@ -358,9 +362,11 @@ class ParameterStore:
                 e.read = index % len(e.buffers)
 
     def zero_grads(self) -> None:
+        """Zero every gradient and forget which entries got one (autograd's ``zero_grad()``)."""
         for e in self.entries:
             if e.grad is not None:
                 e.grad.zero_()
+            e.has_grad = False
 
 
 def _qualified_names(model: nn.Module) -> dict[int, list[str]]:

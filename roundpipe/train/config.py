@@ -12,6 +12,7 @@ than one field. The ``run:`` keys that set a ``roundpipe.RunConfig`` setting (``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal
 
@@ -159,7 +160,11 @@ RunSection = _run_section()
 @dataclass
 class OptimConfig:
     lr: float = _f(1e-4, "Peak learning rate (AdamW).")
-    weight_decay: float = _f(0.0, "Decoupled weight decay.")
+    weight_decay: float = _f(
+        0.0,
+        "Decoupled weight decay (torch.optim.AdamW's), on every trainable parameter, norms and biases "
+        "included; a parameter that got no gradient in a step is not decayed in it.",
+    )
     betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
     eps: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float | None = _f(1.0, "Clip the global gradient norm to this (null: no clipping).")
@@ -265,11 +270,31 @@ class TrainConfig:
             raise RecipeError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         if self.run.epochs <= 0:
             raise RecipeError(f"run.epochs must be positive, got {self.run.epochs}")
-        if len(self.optim.betas) != 2:
-            raise RecipeError(f"optim.betas must be two numbers, got {self.optim.betas}")
+        self._check_optim()
         if self.lora.enabled and self.lora.rank < 1:
             raise RecipeError(f"lora.rank must be at least 1, got {self.lora.rank}")
         check_run_paths(self)  # nothing the run writes may lie outside its run directory
+
+    def _check_optim(self) -> None:
+        """What ``Pipeline.configure_optimizer`` (``optim.OptimizerConfig``) refuses, refused at load
+        (this module does not import torch, so the rule is spelled out here; the loader has
+        already refused NaN)."""
+        o = self.optim
+        finite = math.isfinite
+        if not (finite(o.lr) and o.lr >= 0):
+            raise RecipeError(f"optim.lr must be a finite number >= 0, got {o.lr}")
+        if not (finite(o.weight_decay) and o.weight_decay >= 0):
+            raise RecipeError(
+                f"optim.weight_decay must be a finite number >= 0 (0: no decay), got {o.weight_decay}"
+            )
+        if len(o.betas) != 2 or not all(finite(b) and 0.0 <= b < 1.0 for b in o.betas):
+            raise RecipeError(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.999], got {o.betas}")
+        if not (finite(o.eps) and o.eps > 0):
+            raise RecipeError(f"optim.eps must be a finite number > 0, got {o.eps}")
+        if o.max_grad_norm is not None and not (finite(o.max_grad_norm) and o.max_grad_norm > 0):
+            raise RecipeError(
+                f"optim.max_grad_norm must be a finite number > 0, or null not to clip, got {o.max_grad_norm}"
+            )
 
     @property
     def output_dir(self) -> str:

@@ -14,7 +14,7 @@ import torch
 import roundpipe
 from roundpipe.testing import faults
 from support.reference import EPS, LR, trainable_weights
-from support.tiny_models import make_batch, make_model
+from support.tiny_models import make_batch, make_model, place_flag_token, with_flag_token
 
 
 def optimizer_state_bytes(pipe) -> int:
@@ -43,23 +43,31 @@ def train_case(
     faults_injected=(),
     accumulate=1,
     in_place_bytes=None,
+    flag_rows=None,
+    weight_decay=0.0,
     **config,
 ) -> dict:
     """Train a tiny model ``steps`` AdamW steps with ``RunConfig(**config)`` (default ``cpu:2``,
-    one layer per stage); ``fault_rank`` raises on that rank before step ``fault_step``."""
+    one layer per stage); ``fault_rank`` raises on that rank before step ``fault_step``;
+    ``flag_rows``: give layer 0 a parameter that only rows ``flag_rows[t % len(flag_rows)]`` of
+    the batch reach at step ``t`` (``tiny_models.with_flag_token``)."""
     if in_place_bytes is not None:  # which gradients the reduction sums in place (tiny models: none)
         from roundpipe.distributed import reducer
 
         reducer.IN_PLACE_BYTES = in_place_bytes
     model = make_model(family, lora=lora, num_layers=3)
     data = make_batch(batch=batch, padding="left")
+    step_data = [data]
+    if flag_rows is not None:
+        token = with_flag_token(model)
+        step_data = [place_flag_token(data, token, rows) for rows in flag_rows]
     config = {"devices": "cpu:2", "partition": None, **config}
     clip = config.pop("max_grad_norm", None)
     model = copy.deepcopy(model)
     losses = []
     skipped = None
     with roundpipe.wrap(model, roundpipe.RunConfig(**config)) as pipe:
-        pipe.configure_optimizer(lr=LR, eps=EPS, weight_decay=0.0, max_grad_norm=clip)
+        pipe.configure_optimizer(lr=LR, eps=EPS, weight_decay=weight_decay, max_grad_norm=clip)
         for step in range(steps):
             if pipe.dp is not None and pipe.dp.rank == fault_rank and step == fault_step:
                 raise RuntimeError(f"injected failure on rank {fault_rank} at step {step}")
@@ -68,7 +76,7 @@ def train_case(
                     Path(kill_stamp).write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             with faults.injected(*(faults.Fault(**f) for f in faults_injected)):
-                out = _forward_backward(pipe, data, accumulate)
+                out = _forward_backward(pipe, step_data[step % len(step_data)], accumulate)
                 pipe.step()
             losses.append(out.loss)
         skipped = pipe.skipped_steps

@@ -29,14 +29,19 @@ def trainable_weights(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def reference_train(model, batch: dict, steps: int, *, max_grad_norm=None, autocast_dtype=None) -> RunResult:
-    """Train a copy of ``model`` with HF's forward + loss and ``torch.optim.AdamW`` on one device."""
+def reference_train(
+    model, batch: dict, steps: int, *, max_grad_norm=None, autocast_dtype=None, weight_decay=0.0
+) -> RunResult:
+    """Train a copy of ``model`` with HF's forward + loss and ``torch.optim.AdamW`` on one device;
+    ``batch`` may be a list: step ``t`` trains on ``batch[t % len(batch)]``."""
+    batches = batch if isinstance(batch, list) else [batch]
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=0.0
+        [p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=weight_decay
     )
     losses = []
-    for _ in range(steps):
+    for t in range(steps):
+        batch = batches[t % len(batches)]
         if autocast_dtype is None:
             loss = model(**batch, use_cache=False).loss
         else:

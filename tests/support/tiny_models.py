@@ -197,6 +197,52 @@ def variable_length_batch(
     return {"input_ids": ids * mask, "labels": torch.where(mask.bool(), ids, -100), "attention_mask": mask}
 
 
+class ScaledWhereFlagged(nn.Module):
+    """A norm whose output a trainable per-channel ``scale`` multiplies at the positions whose input
+    has channel 0 above ``threshold``, and only when some position does: a batch (or microbatch, or
+    data-parallel rank's rows) without such a position leaves ``scale`` out of the graph, and
+    autograd leaves its ``.grad`` None, as an expert no token is routed to. Each position's output
+    does not depend on the other rows. (Reading ``any()`` is a host sync: a test model only.)"""
+
+    def __init__(self, norm: nn.Module, hidden: int, threshold: float):
+        super().__init__()
+        self.norm = norm
+        self.scale = nn.Parameter(1.0 + 0.1 * torch.randn(hidden))
+        self.threshold = threshold
+
+    def forward(self, x):
+        y = self.norm(x)
+        flagged = x[..., 0] > self.threshold
+        if not bool(flagged.any()):
+            return y
+        return torch.where(flagged[..., None], y * self.scale, y)
+
+
+def with_flag_token(model: nn.Module) -> int:
+    """Put a ``ScaledWhereFlagged`` around layer 0's input norm of a tiny Llama (or a peft model
+    of one) whose embedding stays frozen (LoRA), so that layer 0's input is the embedding itself;
+    returns the one token id whose positions it scales (a token >= 3: not padding or bos/eos)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    column = base.model.embed_tokens.weight.detach()[:, 0]
+    token = 3 + int(column[3:].argmax())
+    others = torch.cat([column[:token], column[token + 1 :]])
+    threshold = float(column[token] + others.max()) / 2
+    layer = base.model.layers[0]
+    torch.manual_seed(1)
+    layer.input_layernorm = ScaledWhereFlagged(layer.input_layernorm, base.config.hidden_size, threshold)
+    return token
+
+
+def place_flag_token(batch: dict, token: int, rows) -> dict:
+    """``batch`` with ``token`` removed everywhere and put at the last position of each of ``rows``."""
+    ids = batch["input_ids"].clone()
+    ids[ids == token] = token + 1 if token + 1 < VOCAB else token - 1
+    for r in rows:
+        ids[r, -1] = token
+    labels = torch.where(batch["labels"] == -100, batch["labels"], ids)
+    return {**batch, "input_ids": ids, "labels": labels}
+
+
 def make_timing_llama(*, vocab: int, num_layers: int, hidden: int = 256, seed: int = 0) -> nn.Module:
     """A Llama big enough that a layer's compute outweighs Python and timer noise (hidden 256,
     MLP 4x), for tests that compare measured times."""
