@@ -22,9 +22,12 @@ the issuing thread around each closure and sees every aten operation it makes:
   until the stream drains;
 - **host work**: an operation on host tensors only (none of its tensors is device memory) runs at
   once, as the CPU runs it on CUDA;
-- **random numbers**: a kernel that draws them draws from the generator of the ``Device.seeded``
-  block it was issued in (that block's own generator, consumed in stream order), so a recomputation
-  replays the forward's draws without any lock held while the layer is issued.
+- **random numbers**: a kernel that draws them draws from the device generator of the
+  ``Device.seeded`` block it was issued in (that block's own generator, consumed in stream order),
+  and host work that draws (a random operation on host tensors, run at issue as on CUDA) from the
+  block's host generator, at once; so a recomputation replays the forward's draws without any lock
+  held while the layer is issued. Outside a seeded block both draw from (and advance) torch's
+  default generator, as CUDA's kernels advance the device's.
 
 Device memory is what the allocator has handed out; host memory is everything else (what a closure
 makes inside :func:`host_allocation`, and every tensor made outside closures).
@@ -45,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 _local = threading.local()
-GENERATOR_LOCK = threading.Lock()  # the default CPU generator, swapped while a seeded kernel runs
+GENERATOR_LOCK = threading.Lock()  # the default CPU generator, swapped while a seeded draw runs
 
 
 @contextmanager
@@ -59,14 +62,32 @@ def host_allocation():
 
 
 @contextmanager
-def task_generator(generator: torch.Generator):
-    """Random kernels issued inside draw from ``generator`` (``Device.seeded`` on the cpu backend)."""
-    previous = getattr(_local, "generator", None)
-    _local.generator = generator
+def task_generator(device: torch.Generator, host: torch.Generator):
+    """Random kernels issued inside draw from ``device`` (in stream order), random host work from
+    ``host`` (at issue): ``Device.seeded`` on the cpu backend."""
+    previous = getattr(_local, "generator", None), getattr(_local, "host_generator", None)
+    _local.generator, _local.host_generator = device, host
     try:
         yield
     finally:
-        _local.generator = previous
+        _local.generator, _local.host_generator = previous
+
+
+def drawing_from(generator: torch.Generator | None, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with torch's default generator standing in for ``generator`` (which
+    it then advances); ``None``: the default generator itself. The default generator is
+    process-wide, so the swap holds ``GENERATOR_LOCK``."""
+    with GENERATOR_LOCK:
+        if generator is None:
+            return fn(*args, **kwargs)
+        default = torch.default_generator
+        saved = default.get_state()
+        default.set_state(generator.get_state())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            generator.set_state(default.get_state())
+            default.set_state(saved)
 
 
 # ---------------------------------------------------------------------------------- host syncs
@@ -444,8 +465,10 @@ class IssueMode(TorchDispatchMode):
                 kargs[i] = kv
             else:
                 kkwargs[name] = kv
-        if not on_device and host_data:
-            return func(*args, **kwargs)  # host work: the CPU runs it now, as on CUDA
+        if not on_device and host_data:  # host work: the CPU runs it now, as on CUDA
+            if rule.random:
+                return drawing_from(getattr(_local, "host_generator", None), func, *args, **kwargs)
+            return func(*args, **kwargs)
         if kind is SYNC:
             self.host_sync(str(func))
             return func(*args, **kwargs)
@@ -517,7 +540,10 @@ class IssueMode(TorchDispatchMode):
         else:
             self.backend.host_syncs.stall(str(func))
             self.stream.wait_until_issued()
-        out = func(*args, **kwargs)
+        if rule_of(func).random:
+            out = drawing_from(getattr(_local, "generator", None), func, *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         return _map_tensors(out, self._adopt)
 
     def _adopt(self, t: torch.Tensor) -> torch.Tensor:
@@ -586,17 +612,7 @@ class _Kernel:
 
     def __call__(self) -> None:
         if self.random:
-            with GENERATOR_LOCK:
-                default = torch.default_generator
-                saved = default.get_state()
-                if self.generator is not None:
-                    default.set_state(self.generator.get_state())
-                try:
-                    self._run()
-                finally:
-                    if self.generator is not None:
-                        self.generator.set_state(default.get_state())
-                    default.set_state(saved)
+            drawing_from(self.generator, self._run)
         else:
             self._run()
 
