@@ -519,6 +519,8 @@ def write_docs(path: Path, rows: list[dict], command: str) -> None:
             + " |"
             for r in routed
         ]
+    title, _, text = RANDOM_DRAWS.strip().partition("\n\n")
+    lines += ["", f"## {title}", "", text]
     lines += ["", "## How it is measured", "", HOW.strip(), "", "```", command, "```", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
@@ -527,6 +529,20 @@ def write_docs(path: Path, rows: list[dict], command: str) -> None:
 def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
+
+RANDOM_DRAWS = """
+Random draws in training
+
+The runs above set dropout to 0. With it on, every random draw a layer makes in training is
+replayed exactly in the backward's recomputation: dropout modules and probabilities (`lora_dropout`,
+attention, residual and embedding dropout such as GPT-2's `embd_pdrop`), a MoE router's jitter,
+peft LoHa's `module_dropout` and LoHa/LoKr's `rank_dropout` (drawn with `torch.rand` on the
+host). Each training-mode layer runs seeded by (`RunConfig.seed`, step, layer, microbatch,
+data-parallel rank), on the device's and the CPU's generator, so two runs with one seed agree bit
+for bit and the draws do not depend on the device count (tests/test_random_draws.py). peft's
+MonteCLoRA (`LoraConfig(monteclora_config=...)`) keeps its randomness in a sample buffer that
+every forward advances, which no seed replays: it is refused at wrap time.
+"""
 
 HOW = f"""
 Each family's default config (`transformers.CONFIG_MAPPING[model_type]()`) is shrunk by
