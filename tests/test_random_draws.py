@@ -232,3 +232,53 @@ def test_monteclora_is_refused_at_wrap_time():
     model = peft.get_peft_model(model, config)
     with pytest.raises(UnsupportedModel, match="(?i)monteclora"):
         roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", **PINNED))
+
+
+def _draws(seed: int | None, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A closure on a fresh ``cpu:1`` compute stream draws a device tensor (a random kernel, run
+    later on the stream's thread) and a host one (random host work, run at issue), inside
+    ``Device.seeded(seed)`` or, for None, outside any seeded block."""
+    from contextlib import nullcontext
+
+    from roundpipe.backend.cpu import CpuBackend
+
+    backend = CpuBackend(1, sanitize=False)
+    dev, out = backend.devices[0], {}
+
+    def draw():
+        with dev.seeded(seed) if seed is not None else nullcontext():
+            out["device"] = torch.rand(64)
+            out["host"] = torch.bernoulli(host)
+            out["device"] = torch.cat([out["device"], torch.rand(64)])  # a second kernel
+        dev.ledger.reserve(out["device"], "draw", "activations")
+
+    try:
+        stream = dev.streams["compute"]
+        stream.submit(draw, name="draw")
+        stream.synchronize()
+        return out["device"].clone(), out["host"].clone()
+    finally:
+        backend.close()
+
+
+def test_the_cpu_backend_seeds_kernels_and_host_work_and_leaves_the_default_generator_alone():
+    host = torch.full((64,), 0.5)
+    before = torch.get_rng_state()
+    device, drawn = _draws(11, host)
+    assert torch.equal(torch.get_rng_state(), before)
+    again = _draws(11, host)
+    assert torch.equal(again[0], device) and torch.equal(again[1], drawn)
+    other = _draws(12, host)
+    assert not torch.equal(other[0], device) and not torch.equal(other[1], drawn)
+    # The host draws come from another generator than the kernels' (not the same numbers).
+    assert not torch.equal(drawn, (device[:64] < 0.5).float())
+
+
+def test_the_cpu_backend_advances_the_default_generator_outside_seeded_blocks():
+    """As a CUDA kernel advances the device's generator: two unseeded draws differ (the backend
+    used to restore the default generator after each random kernel, so every unseeded draw was the
+    same and an unseeded recompute replayed its forward by accident)."""
+    host = torch.full((64,), 0.5)
+    device, drawn = _draws(None, host)
+    assert not torch.equal(device[:64], device[64:])
+    assert not torch.equal(drawn, _draws(None, host)[1])
