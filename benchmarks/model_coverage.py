@@ -520,6 +520,8 @@ def write_docs(path: Path, rows: list[dict], command: str) -> None:
             for r in routed
         ]
     lines += ["", "## What wrap time proves", "", PROOFS.strip()]
+    title, _, text = RANDOM_DRAWS.strip().partition("\n\n")
+    lines += ["", f"## {title}", "", text]
     lines += ["", "## How it is measured", "", HOW.strip(), "", "```", command, "```", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
@@ -559,6 +561,20 @@ same peft config. That proves the code: the model class, its forward and loss, t
 its settings. It does not prove what belongs to your instance: hooks registered on it, modules
 replaced in it, `requires_grad` set by hand, its weights (a difference that shows only at some
 values, such as a tie in an MoE router's top-k), nor what only the full sizes exercise.
+"""
+
+RANDOM_DRAWS = """
+Random draws in training
+
+The runs above set dropout to 0. With it on, every random draw a layer makes in training is
+replayed exactly in the backward's recomputation: dropout modules and probabilities (`lora_dropout`,
+attention, residual and embedding dropout such as GPT-2's `embd_pdrop`), a MoE router's jitter,
+peft LoHa's `module_dropout` and LoHa/LoKr's `rank_dropout` (drawn with `torch.rand` on the
+host). Each training-mode layer runs seeded by (`RunConfig.seed`, step, layer, microbatch,
+data-parallel rank), on the device's and the CPU's generator, so two runs with one seed agree bit
+for bit and the draws do not depend on the device count (tests/test_random_draws.py). peft's
+MonteCLoRA (`LoraConfig(monteclora_config=...)`) keeps its randomness in a sample buffer that
+every forward advances, which no seed replays: it is refused at wrap time.
 """
 
 HOW = f"""

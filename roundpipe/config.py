@@ -376,7 +376,8 @@ class RunConfig:
     )
     seed: int = _setting(
         0,
-        "base seed of the dropout masks, so recomputation replays them exactly.",
+        "base seed of every random draw a layer makes in training (dropout masks, peft LoHa/LoKr "
+        "rank and module dropout, router jitter), so recomputation replays them exactly.",
         recipe="Seed of initialisation, shuffling and dropout.",
     )
     policy_options: dict[str, Any] = _setting(

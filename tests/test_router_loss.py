@@ -178,11 +178,14 @@ def test_only_gpipe_runs_every_forward_first_in_strict_order_and_ready_order_run
 
 def test_router_jitter_makes_the_blocks_random_so_recompute_replays_it():
     """Mixtral's router multiplies its input by uniform noise in training: the backward's recompute
-    must draw the same noise as the forward did, as for dropout."""
-    from roundpipe.runtime.pipeline import _layers_with_dropout
+    must draw the same noise as the forward did, as for dropout. Every layer in training mode runs
+    seeded (its draws cannot be told from its module types); in eval mode none draws."""
+    from roundpipe.models.random_draws import layers_that_draw
 
     model = _moe_model("mixtral")
-    blocks = {layer.index for layer in adapt_model(model).layers if layer.kind == "block"}
-    assert _layers_with_dropout(adapt_model(model)) == set()
     model.config.router_jitter_noise = 0.1
-    assert _layers_with_dropout(adapt_model(model)) == blocks
+    adapter = adapt_model(model)
+    assert layers_that_draw(adapter) == {layer.index for layer in adapter.layers}
+    model.eval()
+    adapter = adapt_model(model)
+    assert not {layer.index for layer in adapter.layers if layer.kind == "block"} & layers_that_draw(adapter)

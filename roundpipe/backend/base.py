@@ -35,6 +35,11 @@ STREAM_NAMES = ("compute", "h2d", "h2d_weights", "d2h", "d2h_grads")
 STREAM_PRIORITIES = {"compute": 0, "h2d": -1, "h2d_weights": 0, "d2h": -1, "d2h_grads": 0}
 
 
+def host_seed(seed: int) -> int:
+    """The seed of a seeded block's host (CPU) generator, another stream than its device's."""
+    return (seed ^ 0x5DEECE66D_2545F491) & ((1 << 63) - 1)
+
+
 def tensor_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -283,9 +288,14 @@ class Device(ABC):
 
     @abstractmethod
     def seeded(self, seed: int) -> AbstractContextManager:
-        """A context in which this device's RNG is seeded with ``seed`` and restored afterwards.
+        """A context in which every generator work issued inside can draw from is seeded from
+        ``seed``: this device's (kernels: dropout masks, router noise) and the host's (what a
+        layer draws on the CPU at issue time, such as peft LoHa's ``torch.rand(1)``, seeded with
+        ``host_seed(seed)``); the generators are left as they were afterwards.
 
-        Used so that a recomputed forward draws the same dropout masks as the original one.
+        The runtime issues every training-mode layer's forward inside one, keyed by (seed, step,
+        layer, microbatch, rank), so a recomputed forward draws what the original one drew, on
+        whichever device or thread it runs.
         """
 
     def __repr__(self) -> str:

@@ -37,6 +37,7 @@ from roundpipe.backend.base import (
     Event,
     Stream,
     as_device_error,
+    host_seed,
 )
 from roundpipe.backend.cpu_allocator import AllocatorRules, CachingAllocator
 from roundpipe.backend.cpu_clock import IssueMode, host_allocation, task_generator
@@ -457,11 +458,13 @@ class CpuDevice(Device):
 
     @contextmanager
     def seeded(self, seed: int):
-        # The block's random kernels draw from their own generator, in stream order: no lock is held
-        # while the work is issued, and a recomputation issued with the same seed draws the same.
-        generator = torch.Generator()
-        generator.manual_seed(seed)
-        with task_generator(generator):
+        # The block's random kernels draw from their own generator, in stream order, and its random
+        # host work from another, at issue: no lock is held while the work is issued, and a
+        # recomputation issued with the same seed draws the same.
+        device, host = torch.Generator(), torch.Generator()
+        device.manual_seed(seed)
+        host.manual_seed(host_seed(seed))
+        with task_generator(device, host):
             yield
 
 

@@ -22,9 +22,12 @@ the issuing thread around each closure and sees every aten operation it makes:
   until the stream drains;
 - **host work**: an operation on host tensors only (none of its tensors is device memory) runs at
   once, as the CPU runs it on CUDA;
-- **random numbers**: a kernel that draws them draws from the generator of the ``Device.seeded``
-  block it was issued in (that block's own generator, consumed in stream order), so a recomputation
-  replays the forward's draws without any lock held while the layer is issued.
+- **random numbers**: a kernel that draws them draws from the device generator of the
+  ``Device.seeded`` block it was issued in (that block's own generator, consumed in stream order),
+  and host work that draws (a random operation on host tensors, run at issue as on CUDA) from the
+  block's host generator, at once; so a recomputation replays the forward's draws without any lock
+  held while the layer is issued. Outside a seeded block both draw from (and advance) torch's
+  default generator, as CUDA's kernels advance the device's.
 
 Device memory is what the allocator has handed out; host memory is everything else (what a closure
 makes inside :func:`host_allocation`, and every tensor made outside closures).
@@ -43,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.backend.cpu_host_syncs import call_site
-from roundpipe.backend.cpu_kernels import Kernel, KernelRef, KernelRefList
+from roundpipe.backend.cpu_kernels import Kernel, KernelRef, KernelRefList, drawing_from
 from roundpipe.backend.cpu_op_rules import (
     DIRECT,
     RULES,
@@ -70,14 +73,15 @@ def host_allocation():
 
 
 @contextmanager
-def task_generator(generator: torch.Generator):
-    """Random kernels issued inside draw from ``generator`` (``Device.seeded`` on the cpu backend)."""
-    previous = getattr(_local, "generator", None)
-    _local.generator = generator
+def task_generator(device: torch.Generator, host: torch.Generator):
+    """Random kernels issued inside draw from ``device`` (in stream order), random host work from
+    ``host`` (at issue): ``Device.seeded`` on the cpu backend."""
+    previous = getattr(_local, "generator", None), getattr(_local, "host_generator", None)
+    _local.generator, _local.host_generator = device, host
     try:
         yield
     finally:
-        _local.generator = previous
+        _local.generator, _local.host_generator = previous
 
 
 # ---------------------------------------------------------------------------------- the mode
@@ -203,8 +207,10 @@ class IssueMode(TorchDispatchMode):
                 kargs[i] = kv
             else:
                 kkwargs[name] = kv
-        if not on_device and host_data:
-            return func(*args, **kwargs)  # host work: the CPU runs it now, as on CUDA
+        if not on_device and host_data:  # host work: the CPU runs it now, as on CUDA
+            if rule.random:
+                return drawing_from(getattr(_local, "host_generator", None), func, *args, **kwargs)
+            return func(*args, **kwargs)
         if kind is SYNC:
             self.host_sync(str(func))
             return func(*args, **kwargs)
@@ -276,7 +282,10 @@ class IssueMode(TorchDispatchMode):
         else:
             self.backend.host_syncs.stall(str(func))
             self.stream.wait_until_issued()
-        out = func(*args, **kwargs)
+        if rule_of(func).random:
+            out = drawing_from(getattr(_local, "generator", None), func, *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         return _map_tensors(out, self._adopt)
 
     def _adopt(self, t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,24 @@ import threading
 
 import torch
 
-GENERATOR_LOCK = threading.Lock()  # the default CPU generator, swapped while a seeded kernel runs
+GENERATOR_LOCK = threading.Lock()  # the default CPU generator, swapped while a seeded draw runs
+
+
+def drawing_from(generator: torch.Generator | None, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with torch's default generator standing in for ``generator`` (which
+    it then advances); ``None``: the default generator itself. The default generator is
+    process-wide, so the swap holds ``GENERATOR_LOCK``."""
+    with GENERATOR_LOCK:
+        if generator is None:
+            return fn(*args, **kwargs)
+        default = torch.default_generator
+        saved = default.get_state()
+        default.set_state(generator.get_state())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            generator.set_state(default.get_state())
+            default.set_state(saved)
 
 
 class KernelRef:
@@ -58,17 +75,7 @@ class Kernel:
 
     def __call__(self) -> None:
         if self.random:
-            with GENERATOR_LOCK:
-                default = torch.default_generator
-                saved = default.get_state()
-                if self.generator is not None:
-                    default.set_state(self.generator.get_state())
-                try:
-                    self._run()
-                finally:
-                    if self.generator is not None:
-                        self.generator.set_state(default.get_state())
-                    default.set_state(saved)
+            drawing_from(self.generator, self._run)
         else:
             self._run()
 

@@ -25,6 +25,7 @@ from roundpipe.backend.base import (
     Event,
     Stream,
     as_device_error,
+    host_seed,
 )
 from roundpipe.backend.cpu_allocator import CUDA_RULES
 
@@ -178,15 +179,24 @@ class CudaDevice(Device):
 
     @contextmanager
     def seeded(self, seed: int):
-        # Seed and restore this GPU's generator only: torch.manual_seed would reseed every GPU
-        # (and the CPU), while fork_rng restores just the devices it is given.
-        with (
-            self.backend.rng_lock,
-            torch.random.fork_rng(devices=[self.torch_device.index]),
-            torch.cuda.device(self.torch_device),
-        ):
-            torch.cuda.manual_seed(seed)
-            yield
+        # This GPU's generator and the CPU's default one (what a layer draws on the host at issue
+        # time) are both process-wide and shared by the workers' threads, so the block holds the
+        # backend's lock while the layer is issued: issuing is serialised between workers (it is
+        # Python under the GIL in any case; a host sync inside a training-mode layer would hold
+        # the others). The states are saved and restored directly (a CUDA generator's state is
+        # its seed and Philox offset, kept on the host: no device work, no sync), which is
+        # cheaper than fork_rng's device bookkeeping per layer.
+        gpu = torch.cuda.default_generators[self.torch_device.index]
+        cpu = torch.default_generator
+        with self.backend.rng_lock:
+            saved_gpu, saved_cpu = gpu.get_state(), cpu.get_state()
+            gpu.manual_seed(seed)
+            cpu.manual_seed(host_seed(seed))
+            try:
+                yield
+            finally:
+                gpu.set_state(saved_gpu)
+                cpu.set_state(saved_cpu)
 
 
 def use_expandable_segments() -> bool:

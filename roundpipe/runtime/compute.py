@@ -1,8 +1,9 @@
 """A task's compute on the device's compute stream: its layers' forwards, then its backward.
 
 Forward runs without autograd and leaves what later stages need in the task's produced slots;
-backward recomputes its stage's forward from the saved input (with the same dropout masks, seeded
-by step, layer and microbatch) and runs autograd on it, moving each weight gradient into the
+backward recomputes its stage's forward from the saved input (with the same random draws: each
+training-mode layer runs in ``Device.seeded`` by step, layer, microbatch and rank, see
+``models/random_draws.py``) and runs autograd on it, moving each weight gradient into the
 stage's open accumulator as soon as autograd has it (``gradients.into_accumulator``). The head's
 forward and backward run back to back in one task. Whatever the compute leaves on the device is
 reserved in the device's ledger here and freed after its download (``transfers.TaskOutputs``).
@@ -160,8 +161,8 @@ class TaskCompute:
             "forward", step=step.index, layer=layer.name, microbatch=mb, device=self.device.name
         )
         module = self.shells.bind(i, weights)
-        if i in self.setup.random_layers:  # data-parallel ranks draw their own masks
-            with self.device.seeded(_seed(self.setup.config.seed, step.index, i, mb, self.setup.rank)):
+        if i in self.setup.random_layers:  # every training-mode layer; ranks draw their own
+            with self.device.seeded(draw_seed(self.setup.config.seed, step.index, i, mb, self.setup.rank)):
                 y = layer.forward(module, x, ctx)
         else:
             y = layer.forward(module, x, ctx)
@@ -239,9 +240,11 @@ class TaskCompute:
                 ):
                     seeds = [s * float("nan") for s in seeds]
                 # An output none of ``wrt`` reaches has no graph: none of this stage's parameters
-                # is in it (a LoRA on a module whose weight the model reads directly) and nothing
-                # is handed down. Autograd would refuse it; plain PyTorch's backward of the whole
-                # model just leaves those parameters' .grad None (``requires_grad``: no host sync).
+                # is in it (a LoRA on a module whose weight the model reads directly, or peft's
+                # module_dropout skipping every adapter of a frozen stage this microbatch) and
+                # nothing is handed down. Autograd would refuse it; plain PyTorch's backward of the
+                # whole model just leaves those parameters' .grad None (``requires_grad``: no host
+                # sync).
                 differentiable = [(o, s) for o, s in zip(outputs, seeds) if o.requires_grad]
                 if wrt and differentiable:
                     torch.autograd.backward(
@@ -279,7 +282,10 @@ class TaskCompute:
         return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
 
 
-def _seed(base: int, step: int, layer: int, mb: int, rank: int | None = None) -> int:
+def draw_seed(base: int, step: int, layer: int, mb: int, rank: int | None = None) -> int:
+    """The seed of layer ``layer``'s random draws in microbatch ``mb`` of step ``step`` (``base``:
+    ``RunConfig.seed``; ``rank``: the data-parallel rank, None alone): a hash of these only, so a
+    recompute, another device count or another thread draws the same."""
     key = f"{base}/{step}/{layer}/{mb}" + ("" if rank is None else f"/rank{rank}")
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)

@@ -25,6 +25,7 @@ from roundpipe.config import RunConfig
 from roundpipe.distributed import join as join_data_parallel
 from roundpipe.errors import InputError, PipelineStateError
 from roundpipe.models import adapt_model
+from roundpipe.models.random_draws import layers_that_draw
 from roundpipe.models.verify import verify_model
 from roundpipe.optim import LayerwiseAdamW, OptimizerConfig
 from roundpipe.runtime.data_parallel import DataParallelSteps
@@ -66,6 +67,7 @@ class Pipeline:
         # The data-parallel group when launched as one rank of several (torchrun), else None.
         self.dp = join_data_parallel(self.config)
         self.adapter = adapt_model(model, head_shards=self.config.head_shards)
+        random_layers = layers_that_draw(self.adapter)  # refuses draws no seed replays
         self.verified = verify_model(
             model, self.adapter, full=self.config.verify_model, head_shards=self.config.head_shards
         )
@@ -94,7 +96,7 @@ class Pipeline:
                 self.adapter,
                 self.config,
                 self.host_memory,
-                random_layers=frozenset(_layers_with_dropout(self.adapter)),
+                random_layers=random_layers,
                 rank=None if self.dp is None else self.dp.rank,
                 weight_cache_bytes=self.config.weight_cache_bytes or (capacity // 2 if capacity else None),
             )
@@ -571,26 +573,6 @@ class Pipeline:
 def _router_loss(step: StepRun) -> float:
     """The batch's ``coef * aux`` (0.0 without a router load-balancing loss), as HF adds it."""
     return step.router.value() if step.router is not None else 0.0
-
-
-def _layers_with_dropout(adapter) -> set[int]:
-    """Layers whose forward draws random numbers in training mode (dropout, router jitter), so
-    recompute must replay them."""
-    out = set()
-    # Attention dropout, and a MoE router's jitter (Mixtral, PhiMoE: its input times uniform noise).
-    block_p = max(
-        float(getattr(adapter.config, a, 0.0) or 0.0) for a in ("attention_dropout", "router_jitter_noise")
-    )
-    for layer in adapter.layers:
-        mods = list(layer.module.modules())
-        training = any(m.training for m in mods)
-        if not training:
-            continue
-        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in mods) or (
-            layer.kind == "block" and block_p > 0
-        ):
-            out.add(layer.index)
-    return out
 
 
 def _mean_tokens(microbatches) -> float:

@@ -29,8 +29,9 @@ class WorkerSetup:
         config: the run settings workers follow (``order``, ``prefetch``, ``seed``,
             ``copy_chunk_bytes``, ``head_chunk_tokens``).
         host_memory: the ledger of hand-offs (activations, gradients) held on the CPU.
-        random_layers: layers whose forward draws random numbers (recompute replays them seeded).
-        rank: this process's data-parallel rank (ranks draw their own dropout masks), None alone.
+        random_layers: layers whose forward may draw random numbers, run seeded so that the
+            recompute replays them (``models.random_draws.layers_that_draw``).
+        rank: this process's data-parallel rank (ranks draw their own random numbers), None alone.
         weight_cache_bytes: how much a weight-bound table may keep resident on a device (None: no
             limit).
     """
