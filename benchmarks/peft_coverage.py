@@ -118,8 +118,8 @@ CASES: list[Case] = [
         "lora_all_linear",
         "LoRA",
         "LoraConfig",
-        {"task_type": "CAUSAL_LM", "target_modules": "all-linear", **NO_INIT},
-        f"{COMMON} (target_modules='all-linear')",
+        {**LORA_DECODER, "lora_dropout": 0.0, "target_modules": "all-linear", **NO_INIT},
+        f"{DECODER} ALL_CONFIGS LoraConfig (lora_dropout 0) with target_modules='all-linear'",
     ),
     Case(
         "lora_bias_all",
@@ -224,8 +224,8 @@ CASES: list[Case] = [
         "lora_gaussian",
         "LoRA (gaussian init)",
         "LoraConfig",
-        {"init_lora_weights": "gaussian", "target_modules": ["q_proj", "v_proj"]},
-        f"{INIT} (init_lora_weights='gaussian')",
+        {"target_modules": ["q_proj"], "init_lora_weights": "gaussian"},
+        f"{INIT} test_lora_linear_init_gaussian",
     ),
     Case(
         "lora_modules_to_save",
