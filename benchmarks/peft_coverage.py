@@ -411,8 +411,9 @@ def _cell(value) -> str:
 
 
 PEFT_HOW = f"""
-Each configuration's values are those of the named peft test file (the file of the huggingface/peft
-repository; the tiny model's module names stand in for the test models': `lin0`/`lin1` become
+Each configuration's values are those of the named peft test file (read from the huggingface/peft
+repository's `tests/`, which may be newer than the installed release: every configuration here
+builds with the installed peft; the tiny model's module names stand in for the test models': `lin0`/`lin1` become
 `q_proj`/`v_proj`, `emb` becomes `embed_tokens`), with the adapter started away from the identity as
 peft's `set_init_weights_false` does (`init_lora_weights=False`, `init_weights=False`), except for
 the initialisation schemes under test. The batch is {BATCH} sequences of {SEQ} tokens with left
