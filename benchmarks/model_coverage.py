@@ -523,8 +523,21 @@ def write_docs(path: Path, rows: list[dict], command: str) -> None:
     title, _, text = RANDOM_DRAWS.strip().partition("\n\n")
     lines += ["", f"## {title}", "", text]
     lines += ["", "## How it is measured", "", HOW.strip(), "", "```", command, "```", ""]
+    lines += _kept_sections(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def _kept_sections(path: Path) -> list[str]:
+    """The sections other generators keep on the same page (benchmarks/peft_coverage.py's "peft
+    methods", between its markers), so that rewriting the family table does not drop them."""
+    from peft_coverage import DOCS_BEGIN, DOCS_END
+
+    text = path.read_text() if path.exists() else ""
+    if DOCS_BEGIN not in text or DOCS_END not in text:
+        return []
+    section = DOCS_BEGIN + text.split(DOCS_BEGIN, 1)[1].split(DOCS_END, 1)[0] + DOCS_END
+    return [section, ""]
 
 
 def _cell(value) -> str:
