@@ -248,3 +248,35 @@ def test_the_pinned_pool_stays_within_its_headroom_over_200_steps_of_variable_le
     print(f"pool: reserved/peak in use at most {worst:.3f}; {host}")
     assert worst <= 1.25
     assert host["pool_reuses"] > 0.9 * host["pool_acquires"]  # it really reuses
+
+
+def test_a_linalg_error_check_waits_for_the_kernels_it_reads_as_on_cuda():
+    """``torch.linalg.solve`` checks the solver's ``info`` on the host (``aten._linalg_check_errors``,
+    a host sync on CUDA). On the cpu backend's clock it must wait for the queued factorisation, not
+    read the ``info`` bytes before the kernel wrote them (a spurious "matrix is singular")."""
+    from roundpipe.backend.cpu import CpuBackend
+
+    backend = CpuBackend(1, sanitize=False)
+    dev, out = backend.devices[0], {}
+    a = torch.eye(4) * 3 + torch.ones(4, 4)
+    b = torch.arange(4.0).reshape(4, 1)
+
+    def solve():
+        x = torch.empty(4, 4).copy_(a)  # device copies: the solve's inputs are device tensors
+        rhs = torch.empty(4, 1).copy_(b)
+        for _ in range(20):  # keep the stream busy so the check would run ahead of the kernels
+            x = x + 0.0
+        out["x"] = torch.linalg.solve(x, rhs)
+        dev.ledger.reserve(out["x"], "solve", "activations")
+
+    try:
+        syncs_before = backend.host_syncs.count if backend.host_syncs is not None else 0
+        for _ in range(5):
+            stream = dev.streams["compute"]
+            stream.submit(solve, name="solve")
+            stream.synchronize()
+            torch.testing.assert_close(out["x"].clone(), torch.linalg.solve(a, b))
+        if backend.host_syncs is not None:
+            assert backend.host_syncs.count > syncs_before  # counted, as CUDA's check is a sync
+    finally:
+        backend.close()

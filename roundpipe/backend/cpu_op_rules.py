@@ -23,6 +23,7 @@ _SYNC_OPS = {
     aten.item.default,
     aten.equal.default,
     aten.is_nonzero.default,
+    aten._linalg_check_errors.default,  # reads the solver's info on the host (torch.linalg.*)
 }
 # Schemas that say "fresh" for what is a view, or that queue device work despite returning nothing.
 _AS_VIEW = {aten._unsafe_view.default, aten.lift_fresh.default}
