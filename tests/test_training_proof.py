@@ -285,3 +285,37 @@ def test_the_proof_leaves_flags_grads_dropout_and_the_generator_as_they_were():
     assert model.get_base_model().model.layers[0].mlp.act_fn[1].p == 0.25
     for i, p in enumerate(params):
         assert (p.grad is None) if i % 2 else torch.equal(p.grad, torch.full_like(p, 3.0))
+
+
+# --- a forward that writes a parameter ------------------------------------------------------------
+
+
+def test_a_forward_that_writes_a_parameter_in_place_is_refused_naming_it(monkeypatch):
+    """The pipeline's workers run each step on copies of the weights, so a change the forward makes
+    to a parameter in place (peft OFT's ``coft`` projection of ``oft_R``, a running statistic kept
+    as a parameter) would be lost where plain PyTorch keeps it."""
+    model = make_model("llama", num_layers=2)
+    mlp = model.model.layers[1].mlp
+    original = mlp.forward
+
+    def forward(x):
+        if mlp.training:
+            with torch.no_grad():
+                mlp.up_proj.weight.mul_(0.999)
+        return original(x)
+
+    monkeypatch.setattr(mlp, "forward", forward)
+    with pytest.raises(
+        UnsupportedModel, match=r"writes parameter \S*layers\.1\.mlp\.up_proj\.weight in place"
+    ):
+        _wrap(model).close()
+
+
+def test_peft_constrained_oft_is_refused_at_wrap_time():
+    import peft
+
+    model = _peft(
+        make_model("llama"), peft.OFTConfig(r=0, oft_block_size=8, coft=True, target_modules=["q_proj"])
+    )
+    with pytest.raises(UnsupportedModel, match=r"oft_R\S* in place"):
+        _wrap(model).close()

@@ -71,10 +71,12 @@ def prove_training(wrapped: nn.Module, adapter: ModelAdapter, *, what: str = "th
     modules = list({id(m): m for top in tops for m in top.modules()}.values())
     params = list({id(p): p for m in modules for p in m.parameters(recurse=False)}.values())
     trainable = [(name, p) for name, p in wrapped.named_parameters() if p.requires_grad]
+    versions = {id(p): p._version for p in params}  # bumped by every in-place write
     with _train_mode(modules), _grads_put_back(params), torch.random.fork_rng(devices=[]):
         with _dropout_off(modules, [adapter.config, getattr(adapter.model, "config", None)]):
             torch.manual_seed(SEED)
             want = _model_run(wrapped, adapter, batch, trainable)
+            _refuse_written(wrapped, adapter, params, versions)
             torch.manual_seed(SEED)
             got = _layers_run(adapter, batch, dtype, trainable)
         _compare(wrapped, adapter, trainable, got, want, dtype, what)
@@ -84,6 +86,23 @@ def prove_training(wrapped: nn.Module, adapter: ModelAdapter, *, what: str = "th
         torch.manual_seed(SEED)
         second = _layers_run(adapter, batch, dtype, trainable)
         _compare_replay(adapter, trainable, first, second, dtype)
+
+
+def _refuse_written(wrapped: nn.Module, adapter: ModelAdapter, params: list[nn.Parameter], versions) -> None:
+    """Refuse a model whose training forward writes one of its parameters in place (peft OFT's
+    ``coft`` projection of ``oft_R``, a statistic kept as a parameter): the pipeline's workers run
+    each step on copies of the weights, so the write would be lost where plain PyTorch keeps it."""
+    written = {id(p) for p in params if p._version != versions[id(p)]}
+    if not written:
+        return
+    names = {id(p): n for n, p in wrapped.named_parameters(remove_duplicate=False)}
+    name = next((names[i] for i in names if i in written), "a parameter outside the model's names")
+    raise UnsupportedModel(
+        f"{type(adapter.model).__name__}: its forward in training writes parameter {name} in place "
+        f"(seen on the wrap-time probe); the pipeline's workers run each step on copies of the "
+        f"weights, so that change would be lost where plain PyTorch keeps it. Stop the forward "
+        f"writing it (peft OFT: coft=False), or report the model or peft method"
+    )
 
 
 def _place_invocation(wrapped: nn.Module, ids: torch.Tensor) -> None:
