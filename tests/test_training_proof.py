@@ -319,3 +319,18 @@ def test_peft_constrained_oft_is_refused_at_wrap_time():
     )
     with pytest.raises(UnsupportedModel, match=r"oft_R\S* in place"):
         _wrap(model).close()
+
+
+def test_peft_shira_with_sparse_adapter_weights_is_refused_at_wrap_time():
+    import peft
+
+    model = _peft(make_model("llama"), peft.ShiraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(UnsupportedModel, match=r"sparse"):
+        _wrap(model).close()
+
+
+def test_a_sparse_tensor_in_the_model_is_refused_naming_it():
+    model = make_model("llama")
+    model.model.layers[0].mlp.register_buffer("mask", torch.eye(4).to_sparse())
+    with pytest.raises(UnsupportedModel, match=r"layers\.0\.mlp\.mask is a torch\.sparse_coo tensor"):
+        _wrap(model).close()

@@ -365,6 +365,18 @@ def _peft_method_refusal(config: Any) -> str | None:
             f"calls update_and_allocate to reallocate the ranks from the gradients; the pipeline does "
             f"neither. Use LoRA (peft.LoraConfig) instead"
         )
+    if str(config.peft_type).endswith("SHIRA"):
+        return (
+            f"peft {config.peft_type} builds a sparse tensor (torch.sparse_coo_tensor) from its weights "
+            f"in every forward, which the pipeline's workers do not run. Use LoRA (peft.LoraConfig) "
+            f"instead"
+        )
+    if getattr(config, "coft", False):
+        return (
+            f"peft {config.peft_type} with coft=True (constrained OFT) projects oft_R in place in every "
+            f"training forward; the pipeline's workers run each step on copies of the weights, so the "
+            f"projection would be lost. Use coft=False"
+        )
     if getattr(config, "alora_invocation_tokens", None):
         return (
             f"peft {config.peft_type} with alora_invocation_tokens (activated LoRA) applies the adapters "
@@ -423,6 +435,13 @@ def adapt_model(model: nn.Module, head_shards: int = 1) -> ModelAdapter:
         raise ConfigError(
             f"buffer {meta} of the model is on the meta device: build the model under "
             f"accelerate.init_empty_weights(), which leaves buffers real, not torch.device('meta')"
+        )
+    tensors = [*causal_lm.named_parameters(), *causal_lm.named_buffers()]
+    sparse = next(((n, t.layout) for n, t in tensors if t.layout != torch.strided), None)
+    if sparse is not None:  # the store keeps dense host copies and streams dense weights
+        raise UnsupportedModel(
+            f"{kind}: {sparse[0]} is a {sparse[1]} tensor; roundpipe streams dense weights. Store it "
+            f"dense, or use an adapter with dense weights, such as LoRA"
         )
     layout = discover_layout(causal_lm)
     if spec is not None:

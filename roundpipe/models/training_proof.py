@@ -71,12 +71,12 @@ def prove_training(wrapped: nn.Module, adapter: ModelAdapter, *, what: str = "th
     modules = list({id(m): m for top in tops for m in top.modules()}.values())
     params = list({id(p): p for m in modules for p in m.parameters(recurse=False)}.values())
     trainable = [(name, p) for name, p in wrapped.named_parameters() if p.requires_grad]
-    versions = {id(p): p._version for p in params}  # bumped by every in-place write
+    before = {id(p): (p._version, _fingerprint(p)) for p in params}  # the version: bumped by a write
     with _train_mode(modules), _grads_put_back(params), torch.random.fork_rng(devices=[]):
         with _dropout_off(modules, [adapter.config, getattr(adapter.model, "config", None)]):
             torch.manual_seed(SEED)
             want = _model_run(wrapped, adapter, batch, trainable)
-            _refuse_written(wrapped, adapter, params, versions)
+            _refuse_written(wrapped, adapter, params, before)
             torch.manual_seed(SEED)
             got = _layers_run(adapter, batch, dtype, trainable)
         _compare(wrapped, adapter, trainable, got, want, dtype, what)
@@ -88,11 +88,20 @@ def prove_training(wrapped: nn.Module, adapter: ModelAdapter, *, what: str = "th
         _compare_replay(adapter, trainable, first, second, dtype)
 
 
-def _refuse_written(wrapped: nn.Module, adapter: ModelAdapter, params: list[nn.Parameter], versions) -> None:
-    """Refuse a model whose training forward writes one of its parameters in place (peft OFT's
+def _fingerprint(p: torch.Tensor) -> tuple[float, float]:
+    """Two float64 sums of ``p``'s values: what tells a write that changed them from one that put
+    them back (peft's ``target_parameters`` registers and removes a parametrization per forward)."""
+    with torch.no_grad():
+        return float(p.sum(dtype=torch.float64)), float(p.abs().sum(dtype=torch.float64))
+
+
+def _refuse_written(wrapped: nn.Module, adapter: ModelAdapter, params: list[nn.Parameter], before) -> None:
+    """Refuse a model whose training forward changes one of its parameters in place (peft OFT's
     ``coft`` projection of ``oft_R``, a statistic kept as a parameter): the pipeline's workers run
-    each step on copies of the weights, so the write would be lost where plain PyTorch keeps it."""
-    written = {id(p) for p in params if p._version != versions[id(p)]}
+    each step on copies of the weights, so the change would be lost where plain PyTorch keeps it."""
+    written = {
+        id(p) for p in params if p._version != before[id(p)][0] and _fingerprint(p) != before[id(p)][1]
+    }
     if not written:
         return
     names = {id(p): n for n, p in wrapped.named_parameters(remove_duplicate=False)}
