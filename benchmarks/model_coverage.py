@@ -521,7 +521,18 @@ def write_docs(path: Path, rows: list[dict], command: str) -> None:
         ]
     lines += ["", "## How it is measured", "", HOW.strip(), "", "```", command, "```", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
+    path.write_text("\n".join(lines) + _kept_sections(path))
+
+
+# Sections other generators write at the end of the page (benchmarks/family_tester_coverage.py):
+# kept as they are when this walk rewrites the page.
+KEPT_SECTIONS = ("## transformers' tester configs",)
+
+
+def _kept_sections(path: Path) -> str:
+    text = path.read_text() if path.exists() else ""
+    starts = [text.index(title) for title in KEPT_SECTIONS if title in text]
+    return "\n" + text[min(starts) :] if starts else ""
 
 
 def _cell(value) -> str:
