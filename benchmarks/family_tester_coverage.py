@@ -13,7 +13,9 @@ sets*, and two things are checked:
 - ``replay``: with the tester's dropout on, two roundpipe runs on ``cpu:2`` with the same seed are
   bit-identical over 3 steps, and equal a run on ``cpu:1`` (losses to rtol 1e-5, weights to rtol
   1e-4, atol 1e-6): the dropout masks depend on the seed, the step, the layer and the microbatch,
-  never on the device a stage ran on or on the order the workers drew them.
+  never on the device a stage ran on or on the order the workers drew them; and the dropout
+  changes roundpipe's losses exactly where it changes plain PyTorch's (a pipeline that dropped the
+  dropout would replay perfectly and still train differently).
 
 A family is **exact** when both hold; **refused** when roundpipe refused it at wrap time (one of
 its own errors from ``roundpipe.wrap``: the first line of the message); **inexact** when a run
