@@ -64,7 +64,7 @@ BENCHMARKS = (
     Bench("masked_head", "skipping unlabelled tokens in the LM head", quick=None),
     Bench("fault_table", "how each injected fault surfaces and whether the step is redone exactly", quick=None),
     Bench("model_coverage", "which causal-LM families of the installed transformers train exactly", quick=None, results=("models.md",)),
-    Bench("family_tester_coverage", "transformers' own tester configs, dropout on: exact and replayed, or refused", quick=None, results=("models.md",)),
+    Bench("family_tester_coverage", "whether families built from transformers' own tester configs, dropout on, train exactly and replay it", quick=None, results=("models.md",)),
     Bench("host_syncs", "device values a steady step reads on the host, per model family (CUDA's clock)"),
     Bench("sim_speed", "how long one simulation takes", quick=("--repeats", "1")),
     Bench("choice_speed", "how long the runtime's automatic choice takes", quick=("--repeats", "1")),
