@@ -528,16 +528,24 @@ def write_docs(path: Path, rows: list[dict], command: str) -> None:
     path.write_text("\n".join(lines))
 
 
+# Sections other generators write on the same page, kept as they are when this walk rewrites it:
+# benchmarks/peft_coverage.py's "peft methods" (between its markers), then
+# benchmarks/family_tester_coverage.py's section, from its title to the end of the page.
+TESTER_SECTION = "## transformers' tester configs"
+
+
 def _kept_sections(path: Path) -> list[str]:
-    """The sections other generators keep on the same page (benchmarks/peft_coverage.py's "peft
-    methods", between its markers), so that rewriting the family table does not drop them."""
+    """The other generators' sections of ``path`` (see above), each followed by a blank line."""
     from peft_coverage import DOCS_BEGIN, DOCS_END
 
     text = path.read_text() if path.exists() else ""
-    if DOCS_BEGIN not in text or DOCS_END not in text:
-        return []
-    section = DOCS_BEGIN + text.split(DOCS_BEGIN, 1)[1].split(DOCS_END, 1)[0] + DOCS_END
-    return [section, ""]
+    kept = []
+    if DOCS_BEGIN in text and DOCS_END in text:
+        kept += [DOCS_BEGIN + text.split(DOCS_BEGIN, 1)[1].split(DOCS_END, 1)[0] + DOCS_END, ""]
+    if TESTER_SECTION in text:
+        tester = text[text.index(TESTER_SECTION) :].split(DOCS_BEGIN, 1)[0]
+        kept += [tester.rstrip("\n"), ""]
+    return kept
 
 
 def _cell(value) -> str:

@@ -65,6 +65,7 @@ BENCHMARKS = (
     Bench("fault_table", "how each injected fault surfaces and whether the step is redone exactly", quick=None),
     Bench("model_coverage", "which causal-LM families of the installed transformers train exactly", quick=None, results=("models.md",)),
     Bench("peft_coverage", "which peft configurations (from peft's test suite) train exactly or are refused", quick=None, results=("models.md",), timeout_s=7200.0),
+    Bench("family_tester_coverage", "whether families built from transformers' own tester configs, dropout on, train exactly and replay it", quick=None, results=("models.md",)),
     Bench("host_syncs", "device values a steady step reads on the host, per model family (CUDA's clock)"),
     Bench("sim_speed", "how long one simulation takes", quick=("--repeats", "1")),
     Bench("choice_speed", "how long the runtime's automatic choice takes", quick=("--repeats", "1")),
