@@ -343,3 +343,11 @@ def test_peft_lora_on_target_parameters_is_refused_at_wrap_time():
     config = peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.down_proj"])
     with pytest.raises(UnsupportedModel, match=r"target_parameters"):
         _wrap(_peft(model, config)).close()
+
+
+def test_ctrl_is_refused_at_wrap_time_naming_what_it_does():
+    import transformers
+
+    config = transformers.CTRLConfig(vocab_size=99, n_embd=32, n_layer=2, n_head=4, dff=37, n_positions=64)
+    with pytest.raises(UnsupportedModel, match=r"pos_encoding"):
+        _wrap(transformers.CTRLLMHeadModel(config)).close()

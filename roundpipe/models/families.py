@@ -83,3 +83,15 @@ def register_family(spec: FamilySpec) -> None:
 def supported_families() -> tuple[str, ...]:
     """The ``config.model_type`` values with a registered spec (any other discovers itself)."""
     return tuple(FAMILIES)
+
+
+def _ctrl_stores_its_position_table(config: Any) -> str:
+    return (
+        "its forward assigns the position table back to the model in every call "
+        "(self.pos_encoding = self.pos_encoding.to(...)), and the pipeline then finds the embedding "
+        "layer's device weights still referenced after its task (a StreamProtocolError on the cpu "
+        "backend); roundpipe does not run it yet (found by benchmarks/family_tester_coverage.py)"
+    )
+
+
+register_family(FamilySpec("ctrl", check_config=_ctrl_stores_its_position_table))
