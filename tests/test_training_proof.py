@@ -336,15 +336,6 @@ def test_a_sparse_tensor_in_the_model_is_refused_naming_it():
         _wrap(model).close()
 
 
-def test_peft_lora_on_target_parameters_is_refused_at_wrap_time():
-    import peft
-
-    model = make_model("qwen3_moe")
-    config = peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.down_proj"])
-    with pytest.raises(UnsupportedModel, match=r"target_parameters"):
-        _wrap(_peft(model, config)).close()
-
-
 def test_ctrl_is_refused_at_wrap_time_naming_what_it_does():
     import transformers
 

@@ -365,13 +365,6 @@ def _peft_method_refusal(config: Any) -> str | None:
             f"calls update_and_allocate to reallocate the ranks from the gradients; the pipeline does "
             f"neither. Use LoRA (peft.LoraConfig) instead"
         )
-    if getattr(config, "target_parameters", None):
-        return (
-            f"peft {config.peft_type} with target_parameters (LoRA on parameters, such as fused MoE "
-            f"experts) registers a parametrization on every forward, which gives the parameter new "
-            f"storage inside the pipeline's task; the workers' weights cannot be swapped under them. "
-            f"Use target_modules (the experts' linear layers, where the model has them)"
-        )
     if str(config.peft_type).endswith("SHIRA"):
         return (
             f"peft {config.peft_type} builds a sparse tensor (torch.sparse_coo_tensor) from its weights "
