@@ -41,7 +41,7 @@ TYPED_PATHS := roundpipe/errors.py roundpipe/config.py roundpipe/schedule roundp
 	roundpipe/backend/base.py roundpipe/backend/sanitizer.py \
 	roundpipe/models/base.py roundpipe/models/families.py roundpipe/models/head.py \
 	roundpipe/models/mask_facts.py roundpipe/models/router_loss.py roundpipe/models/verify.py \
-	roundpipe/models/training_proof.py roundpipe/models/probe.py
+	roundpipe/models/training_proof.py roundpipe/models/probe.py roundpipe/models/parametrized.py
 
 lint: $(STAMP)
 	.venv/bin/ruff format --check $(LINT_PATHS)

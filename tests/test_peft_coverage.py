@@ -40,27 +40,8 @@ def _verdict(name: str) -> dict:
     return row
 
 
-# A known, open failure, loud and not silent: LoRA on fused MoE experts (peft target_parameters,
-# which target_modules="all-linear" also adds on such models) fails in its first step on the cpu
-# backend with a StreamProtocolError (a tensor the parametrization makes inside the task outlives
-# it unreserved). It did so since the cpu backend took CUDA's clock (issue 21); strict: the test
-# fails the day it passes, so the mark cannot outlive the fix.
-KNOWN_FAILURES = {
-    name: "LoRA on fused MoE experts fails in its first step (StreamProtocolError, open)"
-    for name in ("lora_moe_experts_down", "lora_moe_experts_both", "lora_moe_experts_and_modules")
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(c.name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[c.name]))
-        if c.name in KNOWN_FAILURES
-        else c.name
-        for c in peft_coverage.CASES
-    ],
-)
+@pytest.mark.parametrize("name", [c.name for c in peft_coverage.CASES])
 def test_every_peft_configuration_trains_exactly_or_is_refused_at_wrap_time(name):
     _verdict(name)
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from roundpipe.backend import Device
+from roundpipe.models.parametrized import confined_cache
 from roundpipe.runtime.exchange import Slot
 from roundpipe.runtime.gradients import into_accumulator
 from roundpipe.runtime.numerics import TaskChecks
@@ -161,11 +163,13 @@ class TaskCompute:
             "forward", step=step.index, layer=layer.name, microbatch=mb, device=self.device.name
         )
         module = self.shells.bind(i, weights)
-        if i in self.setup.random_layers:  # every training-mode layer; ranks draw their own
-            with self.device.seeded(draw_seed(self.setup.config.seed, step.index, i, mb, self.setup.rank)):
+        with confined_cache(module) if i in self.setup.parametrized_layers else nullcontext():
+            if i in self.setup.random_layers:  # every training-mode layer; ranks draw their own
+                seed = draw_seed(self.setup.config.seed, step.index, i, mb, self.setup.rank)
+                with self.device.seeded(seed):
+                    y = layer.forward(module, x, ctx)
+            else:
                 y = layer.forward(module, x, ctx)
-        else:
-            y = layer.forward(module, x, ctx)
         if poison:
             y = y * float("nan")
         if checks is not None:

@@ -25,6 +25,7 @@ from roundpipe.config import RunConfig
 from roundpipe.distributed import join as join_data_parallel
 from roundpipe.errors import InputError, PipelineStateError
 from roundpipe.models import adapt_model
+from roundpipe.models.parametrized import layers_that_parametrize
 from roundpipe.models.random_draws import layers_that_draw
 from roundpipe.models.verify import verify_model
 from roundpipe.optim import LayerwiseAdamW, OptimizerConfig
@@ -97,6 +98,7 @@ class Pipeline:
                 self.config,
                 self.host_memory,
                 random_layers=random_layers,
+                parametrized_layers=layers_that_parametrize(self.adapter),
                 rank=None if self.dp is None else self.dp.rank,
                 weight_cache_bytes=self.config.weight_cache_bytes or (capacity // 2 if capacity else None),
             )

@@ -86,4 +86,9 @@ class LayerShells:
         """Take the device tensors out of the shells of ``layers``."""
         for layer in layers:
             for _, mod, attr, is_buffer, _piece in self._shells.get(layer, ()):
+                # Code that re-registers what it reads (torch's parametrizations, as peft's
+                # target_parameters LoRA uses them, give a plain tensor back as a buffer) may have
+                # moved the tensor to the other dictionary: clear both.
+                mod._parameters.pop(attr, None)
+                mod._buffers.pop(attr, None)
                 (mod._buffers if is_buffer else mod._parameters)[attr] = None

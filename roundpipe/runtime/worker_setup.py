@@ -31,6 +31,8 @@ class WorkerSetup:
         host_memory: the ledger of hand-offs (activations, gradients) held on the CPU.
         random_layers: layers whose forward may draw random numbers, run seeded so that the
             recompute replays them (``models.random_draws.layers_that_draw``).
+        parametrized_layers: layers whose forward reads torch parametrizations, whose cache
+            entries each call takes out when it ends (``models.parametrized``).
         rank: this process's data-parallel rank (ranks draw their own random numbers), None alone.
         weight_cache_bytes: how much a weight-bound table may keep resident on a device (None: no
             limit).
@@ -42,6 +44,7 @@ class WorkerSetup:
     config: RunConfig
     host_memory: MemoryLedger
     random_layers: frozenset[int]
+    parametrized_layers: frozenset[int]
     rank: int | None
     weight_cache_bytes: int | None
 
