@@ -74,7 +74,10 @@ def test_all_linear_lora_equals_plain_pytorch(family):
     assert_same_run(got, want)
 
 
-@pytest.mark.parametrize(("devices", "microbatches"), [("cpu:2", 3), ("cpu:3", 4), ("cpu:4", 6)])
+@pytest.mark.parametrize(
+    ("devices", "microbatches"),
+    [("cpu:2", 3), ("cpu:3", 4), pytest.param("cpu:4", 6, marks=pytest.mark.slow)],
+)
 def test_several_devices_give_the_same_training(devices, microbatches):
     model, batch, want = _reference("qwen3", None, True, "left")
     got = pipeline_train(model, batch, STEPS, devices=devices, num_microbatches=microbatches, **ROUNDPIPE)

@@ -130,6 +130,7 @@ def _assert_identical(a, b, what: str) -> None:
         assert torch.equal(a[1][name], b[1][name]), f"{what}: {name} differs"
 
 
+@pytest.mark.slow
 def test_seeded_runs_agree_bit_for_bit_whatever_the_device_count():
     model = ADAPTERS["loha-both"]()
     batch = make_batch(batch=8)
@@ -139,6 +140,7 @@ def test_seeded_runs_agree_bit_for_bit_whatever_the_device_count():
     _assert_identical(_train(model, batch, 3, "cpu:3"), two, "cpu:3 against cpu:2")
 
 
+@pytest.mark.slow
 def test_module_dropout_that_drops_a_whole_stage_trains_on():
     """With ``module_dropout`` a stage's every adapter can be skipped for a microbatch: its output
     then needs no gradient, and the stage's backward has nothing to do (it used to fail with

@@ -222,6 +222,7 @@ def test_what_is_alive_on_a_device_stays_within_two_stages_and_one_working_set(m
 
 
 # ----------------------------------------------------------------------------- watchdog
+@pytest.mark.slow
 def test_the_watchdog_counts_what_the_devices_finish_not_what_the_hosts_issue(monkeypatch):
     """A long step whose every task is slow (0.2 s) but finishes keeps the watchdog (1 s) quiet even
     when the host-side issue counter is frozen, as on CUDA where workers issue far ahead."""

@@ -101,6 +101,7 @@ def test_a_run_stopped_and_resumed_is_bit_for_bit_the_uninterrupted_run(tmp_path
 ONE_PLAN = {"policy": "roundpipe", "options": {"partition": None}}
 
 
+@pytest.mark.slow
 def test_a_run_resumes_exactly_on_a_different_device_count(tmp_path):
     whole = Trainer(config_from_dict(_recipe(tmp_path / "a", run=ONE_PLAN)), log=_quiet).fit()
     first = CheckpointManager(tmp_path / "a" / "run" / "checkpoints").list()[0]
@@ -114,6 +115,7 @@ def test_a_run_resumes_exactly_on_a_different_device_count(tmp_path):
     assert resumed.train_losses == whole.train_losses[3:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dropout",
     [{"lora": {"enabled": True, "dropout": 0.1}}, {"model": {"attention_dropout": 0.1}}],
@@ -303,6 +305,7 @@ def test_sigint_writes_a_checkpoint_and_resume_auto_continues_bit_for_bit(tmp_pa
         assert torch.equal(want[name], got[name]), name
 
 
+@pytest.mark.slow
 def test_an_async_run_resumes_bit_for_bit_too(tmp_path):
     """The step after a resume computes on the weights from one update before the masters (the
     staleness-1 contract), so the checkpoint carries that compute copy as well."""
