@@ -177,3 +177,21 @@ class DeviceMemoryError(RoundpipeError, MemoryError):
     def __init__(self, message: str, *, device: str, planned: int, free: int):
         self.device, self.planned, self.free = device, planned, free
         super().__init__(message)
+
+
+def add_note(err: BaseException, note: str) -> None:
+    """Add ``note`` to ``err`` as Python 3.11+ does (``err.add_note``, printed under the traceback);
+    on Python 3.10, whose exceptions have no notes, the note joins the message."""
+    add = getattr(err, "add_note", None)
+    if callable(add):
+        add(note)
+    else:
+        fold_note(err, note)
+
+
+def fold_note(err: BaseException, note: str) -> None:
+    """Python 3.10's way of :func:`add_note`: the note on a line of its own after the message."""
+    if err.args and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
+    else:
+        err.args = (*err.args, note)

@@ -222,3 +222,18 @@ def test_the_environment_enables_faults_and_a_bad_plan_says_what_to_write(monkey
 def test_no_plan_means_no_fault():
     assert faults._PLAN is None  # the state every other test and every run starts from
     faults.point("forward", step=0, layer="layers.0")  # returns at once
+
+
+def test_a_note_reaches_the_message_where_python_has_no_notes():
+    """Python 3.10 (which setup.cfg allows) has no BaseException.add_note: the note joins the
+    message there instead of raising AttributeError from the error path."""
+    from roundpipe.errors import StageError, add_note, fold_note
+
+    err = StageError("stage 1 failed", device="cpu:0")
+    fold_note(err, "this pipeline cannot run another step")
+    assert str(err) == "stage 1 failed [device=cpu:0]\nthis pipeline cannot run another step"
+    bare = RuntimeError()
+    fold_note(bare, "a note")
+    assert bare.args == ("a note",)
+    add_note(err, "and another")
+    assert "and another" in "".join(getattr(err, "__notes__", [])) + str(err)

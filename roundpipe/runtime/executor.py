@@ -20,7 +20,7 @@ import traceback
 
 from roundpipe.backend import Backend, MemoryLedger
 from roundpipe.backend.cpu import Aborted
-from roundpipe.errors import PipelineStateError, RoundpipeError, StageError, WatchdogTimeout
+from roundpipe.errors import PipelineStateError, RoundpipeError, StageError, WatchdogTimeout, add_note
 from roundpipe.runtime.exchange import AbortedWait
 from roundpipe.runtime.hostqueue import HostQueue
 from roundpipe.runtime.step import StepRun
@@ -89,10 +89,11 @@ class Executor:
             _drop_frames(err)
         root = _root_error(timed_out, late + errors)
         if self.broken is not None:
-            root.add_note(
+            add_note(
+                root,
                 f"this pipeline cannot run another step: {self.broken}. The last completed step's "
                 "weights and optimizer state are on the host: save them (state_dict, export_to), "
-                "close the pipeline and wrap the model again, or restart the process"
+                "close the pipeline and wrap the model again, or restart the process",
             )
         raise root
 

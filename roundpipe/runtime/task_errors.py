@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 from roundpipe.backend import Device
 from roundpipe.backend.base import as_device_error
-from roundpipe.errors import DeviceOutOfMemory, RoundpipeError, StageError
+from roundpipe.errors import DeviceOutOfMemory, RoundpipeError, StageError, add_note
 
 
 def task_error(e: BaseException, device: Device, message: str, **where) -> BaseException:
@@ -49,8 +49,7 @@ def failing_as_task(
         placed = getattr(e, "task", None) is not None  # an inner handler said where already
         err = task_error(e, device, message(e), **where)
         if oom_note is not None and isinstance(err, DeviceOutOfMemory) and not placed:
-            # BaseException.add_note is Python 3.11+: on 3.10 this raises AttributeError (reported, not fixed)
-            err.add_note(oom_note())  # type: ignore[attr-defined]
+            add_note(err, oom_note())
         if err is e:
             raise
         raise err from e
