@@ -161,7 +161,6 @@ def test_roundpipe_with_partition_auto_tries_the_free_grain_not_a_multiple_of_th
     assert why == [] and (table.forward, table.backward) in pairs
     grains = grain_choices(costs, fwd, bwd, num_devices=2, microbatches=4, limit=OBJECTIVE_GRAINS)
     assert all((g.forward, g.backward) in pairs for g in grains)  # the free grains are all tried
-    assert table.forward.bounds[-2] == table.backward.bounds[-2]  # the head fused in the last stage
 
 
 def test_each_batch_shape_gets_its_own_choice_from_the_one_profile(monkeypatch):

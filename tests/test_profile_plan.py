@@ -151,7 +151,8 @@ def test_plan_prints_a_table_and_serialises():
     backward = [row for row in data["stages"] if row["kind"] == "B"]
     for rows in (forward, backward):  # embed, 3 blocks, 2 head shards in each partition
         assert sum(row["num_layers"] for row in rows) == 6
-    assert forward[-1]["layers"] == backward[-1]["layers"]  # the head stage, fused, is last in both
+    # the head shards end both partitions (fused in one stage or not: the measured times decide)
+    assert forward[-1]["layers"].endswith("head.1") and backward[-1]["layers"].endswith("head.1")
     assert all(row["est_s"] > 0 and row["peak_bytes"] >= row["weight_bytes"] > 0 for row in data["stages"])
 
 
