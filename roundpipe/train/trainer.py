@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from roundpipe.errors import DataError
+from roundpipe.errors import ConfigError, DataError
 from roundpipe.schedule import TaskKind
-from roundpipe.train.batches import Batches
+from roundpipe.train.batches import Batches, model_inputs
 from roundpipe.train.checkpoint import CheckpointManager
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.data import DataSplits, load_data
@@ -225,8 +225,14 @@ class Trainer:
 
     def _prepare_pipeline(self, pipe) -> None:
         """Check the ranks the pipeline joined, log its layers and devices, set up its optimizer."""
+        from roundpipe.models.families import packing_refusal
+
         cfg = self.config
         check_joined(pipe, self.ranks)
+        adapter = pipe.adapter
+        refusal = cfg.data.packing and packing_refusal(adapter.family, adapter.layout, adapter.config)
+        if refusal:
+            raise ConfigError(f"data.packing: {refusal}")
         self.log(
             f"plan: {len(pipe.adapter.layers)} layers over [{', '.join(d.name for d in pipe.backend.devices)}]"
         )
@@ -319,9 +325,7 @@ class Trainer:
         loss_sum, tokens, idle = 0.0, 0, []
         for i, b in enumerate(micro):
             out = pipe.forward_backward(
-                b["input_ids"],
-                labels=b["labels"],
-                attention_mask=b["attention_mask"],
+                **model_inputs(b),  # packed rows: position ids restart per sample, no attention mask
                 accumulate=i < len(micro) - 1,
                 loss_tokens=label_tokens,
             )
