@@ -18,8 +18,7 @@ from support.tiny_models import SLIDING_WINDOW, make_model
 
 import roundpipe
 from roundpipe.errors import ConfigError
-from roundpipe.models import adapt_model
-from roundpipe.models.families import packing_refusal
+from roundpipe.models.adapter import packing_refusal_of
 from roundpipe.train.batches import Batches, model_inputs
 from roundpipe.train.data import IGNORE, Sample
 from roundpipe.train.tokenizer import EOS_ID
@@ -156,21 +155,22 @@ def _tiny(model_type: str):
 def test_a_family_whose_layers_carry_state_across_a_row_is_refused(model_type):
     """mamba (state-space layers only, no attention mask) and jamba (state-space layers among the
     attention ones) would carry one sample into the next: packing them is refused by name."""
-    adapter = adapt_model(_tiny(model_type))
-    refusal = packing_refusal(adapter.family, adapter.layout, adapter.config)
+    refusal = packing_refusal_of(_tiny(model_type))
     assert refusal is not None and model_type in refusal and "data.packing: false" in refusal
-    assert all(
-        packing_refusal(a.family, a.layout, a.config) is None
-        for a in (adapt_model(make_model(f)) for f in PACKING_FAMILIES)
-    )
+    assert all(packing_refusal_of(make_model(f, lora="default")) is None for f in PACKING_FAMILIES)
 
 
 def test_the_trainer_refuses_packing_for_such_a_family(tmp_path, monkeypatch):
     from test_train import _recipe
 
+    from roundpipe.runtime import Pipeline
     from roundpipe.train.recipe import config_from_dict
     from roundpipe.train.trainer import Trainer
 
+    def no_pipeline(*_, **__):
+        raise AssertionError("the refusal comes before the pipeline reads any weight")
+
+    monkeypatch.setattr(Pipeline, "__init__", no_pipeline)
     recipe = _recipe(tmp_path, data={"packing": True}, run={"max_steps": 1, "grad_accum": 1})
     recipe["model"]["config"] = {"model_type": "lfm2", "hidden_size": 32, "intermediate_size": 64,
                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

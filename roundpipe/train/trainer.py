@@ -148,6 +148,7 @@ class Trainer:
         checkpoints, resume_from = self._start_run()
         tokenizer, splits, batches, total_steps = self._read_data()
         model, weights = model_for_run(self.config, tokenizer, self.log)
+        self._check_packing(model)
         pipe_config = run_config_for(self.config, model, self.ranks, self.log)
         with Pipeline(model, pipe_config, weights=weights) as pipe:
             run = _Run(pipe, model, tokenizer, splits, batches, total_steps, checkpoints)
@@ -223,16 +224,19 @@ class Trainer:
         )
         return tokenizer, splits, batches, total_steps
 
-    def _prepare_pipeline(self, pipe) -> None:
-        """Check the ranks the pipeline joined, log its layers and devices, set up its optimizer."""
-        from roundpipe.models.families import packing_refusal
+    def _check_packing(self, model) -> None:
+        """Refuse ``data.packing`` for a model whose layers cannot keep the samples of a row apart,
+        before any weight is read (``models.adapter.packing_refusal_of``)."""
+        from roundpipe.models.adapter import packing_refusal_of
 
-        cfg = self.config
-        check_joined(pipe, self.ranks)
-        adapter = pipe.adapter
-        refusal = cfg.data.packing and packing_refusal(adapter.family, adapter.layout, adapter.config)
+        refusal = self.config.data.packing and packing_refusal_of(model)
         if refusal:
             raise ConfigError(f"data.packing: {refusal}")
+
+    def _prepare_pipeline(self, pipe) -> None:
+        """Check the ranks the pipeline joined, log its layers and devices, set up its optimizer."""
+        cfg = self.config
+        check_joined(pipe, self.ranks)
         self.log(
             f"plan: {len(pipe.adapter.layers)} layers over [{', '.join(d.name for d in pipe.backend.devices)}]"
         )
