@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from support.tiny_models import SLIDING_WINDOW, make_model
+from support.tiny_models import FAMILIES, SLIDING_WINDOW, make_model
 
 import roundpipe
 from roundpipe.errors import ConfigError
@@ -28,6 +28,11 @@ torch.set_num_threads(1)
 # llama: full attention (sdpa); mistral: a sliding window on every layer (sdpa); gemma2: sliding and
 # full layers alternating, eager attention (additive masks) and logit softcapping.
 PACKING_FAMILIES = ["llama", "mistral", "gemma2"]
+# every other test family, with CI's slow tests: per-layer-type rotary tables (gemma3), a window on
+# some layers only (qwen2), a mixture of experts (qwen3_moe), fused projections (phi3)
+ALL_FAMILIES = PACKING_FAMILIES + [
+    pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES if f not in PACKING_FAMILIES
+]
 MAX_LENGTH = 24
 
 
@@ -126,7 +131,7 @@ def test_hf_with_a_block_diagonal_mask_on_the_packed_rows_equals_the_samples_unp
         _assert_grads_close(crossing, want_grads)
 
 
-@pytest.mark.parametrize("family", PACKING_FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_packed_training_through_roundpipe_equals_the_samples_unpacked(family):
     """fp32 on two devices, two microbatches: the packed rows' loss and gradients are those of the
     same samples unpacked through roundpipe, and of plain HF on the unpacked samples."""
