@@ -527,7 +527,8 @@ def test_packing_fills_rows_of_max_length_without_splitting_samples():
     for _ in range(batches.steps_per_epoch):
         batch = batches.next()
         assert batch["input_ids"].shape == (2, 48)
-        for ids, labels, mask in zip(*(batch[k].tolist() for k in ("input_ids", "labels", "attention_mask"))):
+        keys = ("input_ids", "labels", "attention_mask", "position_ids")
+        for ids, labels, mask, positions in zip(*(batch[k].tolist() for k in keys)):
             used = sum(mask)
             assert mask == [1] * used + [0] * (48 - used)
             start = 0
@@ -536,8 +537,11 @@ def test_packing_fills_rows_of_max_length_without_splitting_samples():
                 end = start + len(sample.input_ids)
                 assert tuple(ids[start:end]) == sample.input_ids
                 assert labels[start] == IGNORE and labels[start + 1 : end] == list(sample.labels[1:])
+                # each sample's positions restart at 0: the model masks attention per sample
+                assert positions[start:end] == list(range(end - start))
                 start, found = end, found + 1
             assert start == used  # a row holds whole samples only
+            assert positions[used:] == list(range(48 - used))  # the padding: a sequence of its own
     assert found >= 30
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from roundpipe.errors import ConfigError, InputError, UnsupportedModel
 from roundpipe.models.base import Layer, LayerContext, MicrobatchInputs, ModelAdapter
 from roundpipe.models.discover import ModelLayout, discover_layout, how_to_add, text_config
-from roundpipe.models.families import FAMILIES, GENERIC_CHECKS, FamilySpec
+from roundpipe.models.families import FAMILIES, GENERIC_CHECKS, FamilySpec, packing_refusal
 from roundpipe.models.head import chunked_lm_loss, shift_labels
 from roundpipe.models.head_shards import head_tensors, vocab_ranges, vocab_shard_forward
 from roundpipe.models.mask_facts import MaskFacts, padding_known
@@ -447,3 +447,18 @@ def adapt_model(model: nn.Module, head_shards: int = 1) -> ModelAdapter:
     if spec is not None:
         layout = spec.adjust(layout, text_config(config))
     return DecoderOnlyAdapter(causal_lm, layout, spec, head_shards)
+
+
+def packing_refusal_of(model: nn.Module) -> str | None:
+    """Why ``model`` (optionally inside a peft wrapper) cannot train on packed rows, or None
+    (``families.packing_refusal``), found before it is wrapped: its layout discovered as
+    :func:`adapt_model` discovers it, its family's overrides applied. Discovery reads no weight, so
+    a model on the meta device is asked the same way."""
+    causal_lm = _unwrap_peft(model)
+    config = text_config(causal_lm.config)
+    family = getattr(config, "model_type", None) or getattr(causal_lm.config, "model_type", "")
+    layout = discover_layout(causal_lm)
+    spec = FAMILIES.get(family)
+    if spec is not None:
+        layout = spec.adjust(layout, config)
+    return packing_refusal(family, layout, config)

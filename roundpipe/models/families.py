@@ -7,6 +7,8 @@ the layers reproduce the model's forward. What is left for this module:
 - :data:`GENERIC_CHECKS`: config settings that change HF's training forward in a way the layers do
   not reproduce, for every family (bidirectional attention; the MoE router loss is reproduced,
   ``router_loss.py``);
+- :func:`packing_refusal`: why a model cannot train on packed rows (samples concatenated, attention
+  kept within each by position ids that restart), or None;
 - :class:`FamilySpec`: per ``config.model_type``, a check of its own and an ``adjust`` of the
   discovered layout, registered with :func:`register_family` where a family's behaviour differs
   from what discovery reads. None is built in today: discovery covers every family the coverage
@@ -27,6 +29,7 @@ __all__ = [
     "GENERIC_CHECKS",
     "SLIDING",
     "FamilySpec",
+    "packing_refusal",
     "register_family",
     "supported_families",
 ]
@@ -42,6 +45,32 @@ def _bidirectional(config: Any) -> str | None:
 
 
 GENERIC_CHECKS: tuple[Callable[[Any], str | None], ...] = (_bidirectional,)
+
+
+def packing_refusal(family: str, layout: ModelLayout, config: Any) -> str | None:
+    """Why ``family`` cannot train on packed rows, or None when it can.
+
+    A packed row goes to the model without an attention mask and with position ids that restart at
+    every sample; transformers' causal and sliding-window mask builders then keep attention within
+    each sample (``masking_utils.find_packed_sequence_indices``). Only layers that get one of those
+    masks (discovery's ``FULL`` and ``SLIDING``) are known to do so: any other mask, and any layer
+    that is not attention (linear attention, a state-space or convolution layer: ``layer_types``),
+    could carry one sample into the next.
+    """
+    kinds = [k for k in getattr(config, "layer_types", None) or () if k not in (FULL, SLIDING)]
+    others = [i for i, t in enumerate(layout.attention_types) if t not in (FULL, SLIDING)]
+    if not kinds and not others:
+        return None
+    why = (
+        f"layer_types holds {sorted(set(kinds))}, layers whose state runs on across the samples of a row"
+        if kinds
+        else f"decoder layers {others} get a mask other than transformers' causal or sliding-window mask, "
+        "so nothing shows that they keep attention within each packed sample"
+    )
+    return (
+        f"{family} cannot train on packed rows: {why}. Set data.packing: false (each sample its own "
+        f"row; group_by_length keeps the padding small)"
+    )
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,11 @@
 
 ``Batches`` cuts the training samples into batches of exactly ``batch_size`` rows, epoch after
 epoch, deterministically and resumably (its position goes into the checkpoint); ``eval_batches``
-cuts the held-out samples in order. A batch is a dict of three ``[B, T]`` int64 tensors:
-``input_ids``; ``labels``, unshifted (the pipeline shifts them), ``-100`` where there is no loss;
-``attention_mask``, 1 for a token and 0 for right padding.
+cuts the held-out samples in order. A batch is a dict of ``[B, T]`` int64 tensors: ``input_ids``;
+``labels``, unshifted (the pipeline shifts them), ``-100`` where there is no loss;
+``attention_mask``, 1 for a token and 0 for right padding; and, for packed rows only,
+``position_ids``, restarting at 0 at every sample (and at the padding after the last one).
+:func:`model_inputs` turns a batch into the arguments of ``Pipeline.forward_backward``.
 """
 
 from __future__ import annotations
@@ -23,19 +25,48 @@ GROUP_WINDOW = 50  # group_by_length sorts windows of this many batches
 
 
 def _collate(
-    rows: Sequence[tuple[Sequence[int], Sequence[int]]], length: int, pad_id: int
+    rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+    length: int,
+    pad_id: int,
+    positions: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Right-pad ``(input_ids, labels)`` rows to ``length``: the batch dict the pipeline takes."""
-    input_ids, labels, mask = [], [], []
-    for ids, row_labels in rows:
+    """Right-pad ``(input_ids, labels)`` rows to ``length``: the batch dict the pipeline takes.
+    ``positions``: each row's position ids (packed rows), padded by a sequence of its own that
+    restarts at 0, so that no token of the row attends to it, nor it to them."""
+    input_ids, labels, mask, position_ids = [], [], [], []
+    for k, (ids, row_labels) in enumerate(rows):
         pad = length - len(ids)
         input_ids.append([*ids, *[pad_id] * pad])
         labels.append([*row_labels, *[IGNORE] * pad])
         mask.append([1] * len(ids) + [0] * pad)
-    return {
+        if positions is not None:
+            position_ids.append([*positions[k], *range(pad)])
+    batch = {
         "input_ids": torch.tensor(input_ids, dtype=torch.int64),
         "labels": torch.tensor(labels, dtype=torch.int64),
         "attention_mask": torch.tensor(mask, dtype=torch.int64),
+    }
+    if positions is not None:
+        batch["position_ids"] = torch.tensor(position_ids, dtype=torch.int64)
+    return batch
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """``input_ids``, ``labels``, ``attention_mask`` and ``position_ids`` for
+    ``Pipeline.forward_backward`` (or a Hugging Face model's forward).
+
+    A packed batch goes without its attention mask and with its position ids: transformers then
+    finds the samples of a row where the position ids restart and masks attention per sample
+    (``masking_utils.find_packed_sequence_indices``), for every mask it builds (causal, sliding
+    window, eager or sdpa). Given an attention mask, it would not look, and a token would attend to
+    the earlier samples of its row. The row's padding is its own sequence, after every token.
+    """
+    packed = "position_ids" in batch
+    return {
+        "input_ids": batch["input_ids"],
+        "labels": batch["labels"],
+        "attention_mask": None if packed else batch["attention_mask"],
+        "position_ids": batch.get("position_ids"),
     }
 
 
@@ -72,7 +103,8 @@ class Batches:
     ``packing``: the samples (each ending with its eos) are packed once, in a seeded order, into rows
     of ``max_length`` positions; a sample is never split, and the rest of a row is padding. Each
     sample keeps its labels, except its first token, which nothing in the row before predicts
-    (-100). Attention spans the whole row: a token sees the earlier samples of its row.
+    (-100, as transformers' ``DataCollatorWithFlattening`` does), and its position ids restart at
+    0, so that the model attends within each sample only (:func:`model_inputs`).
     ``group_by_length`` has no effect (every row is ``max_length`` long).
 
     The position is ``(epoch, position)``: the next batch is batch ``position`` of epoch ``epoch``,
@@ -159,26 +191,30 @@ class Batches:
         self._plan = (epoch, batches)
         return batches
 
-    def _row(self, row: tuple[int, ...]) -> tuple[list[int], list[int]]:
-        ids, labels = [], []
+    def _row(self, row: tuple[int, ...]) -> tuple[list[int], list[int], list[int]]:
+        """A row's ids, labels and position ids (restarting at every sample)."""
+        ids, labels, positions = [], [], []
         for index in row:
             sample = self.samples[index]
             ids += sample.input_ids
             labels += sample.labels
+            positions += range(len(sample.input_ids))
             if self.packing:
                 labels[len(ids) - len(sample.input_ids)] = IGNORE
-        return ids, labels
+        return ids, labels, positions
 
     def next(self) -> dict[str, torch.Tensor]:
-        """The next batch: ``input_ids``, ``labels``, ``attention_mask``, each ``[batch_size, T]``
-        int64, ``T`` the longest row of the batch (``max_length`` when packing)."""
+        """The next batch: ``input_ids``, ``labels``, ``attention_mask`` (and ``position_ids`` when
+        packing), each ``[batch_size, T]`` int64, ``T`` the longest row of the batch (``max_length``
+        when packing)."""
         batch = self._batches_of(self._epoch)[self._position]
         self._position += 1
         if self._position == self.steps_per_epoch:
             self._epoch, self._position = self._epoch + 1, 0
         rows = [self._row(self._rows[r]) for r in batch]
-        length = self.max_length if self.packing else max(len(ids) for ids, _ in rows)
-        return _collate(rows, length, self.pad_id)
+        length = self.max_length if self.packing else max(len(ids) for ids, _, _ in rows)
+        positions = [p for _, _, p in rows] if self.packing else None
+        return _collate([(ids, labels) for ids, labels, _ in rows], length, self.pad_id, positions)
 
     def _fingerprint(self) -> dict[str, Any]:
         lengths = b"".join(len(s.input_ids).to_bytes(4, "little") for s in self.samples)

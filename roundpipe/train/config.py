@@ -99,7 +99,7 @@ class DataConfig:
         "skip", "What to do with a longer sample: skip it (counted and logged), cut it, or stop."
     )
     add_eos: bool = _f(True, "End every sample with the tokenizer's end-of-sequence token.")
-    packing: bool = _f(False, "Pack several samples into each row of `max_length` tokens (no padding).")
+    packing: bool = _f(False, "Pack samples into rows of `max_length` tokens; attention stays within each.")
     group_by_length: bool = _f(True, "Batch samples of similar length together (less padding).")
     shuffle: bool = _f(True, "Shuffle the training samples every epoch (seeded by `run.seed`).")
     synthetic: str | None = _f(

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from roundpipe.errors import DataError
+from roundpipe.errors import ConfigError, DataError
 from roundpipe.schedule import TaskKind
-from roundpipe.train.batches import Batches
+from roundpipe.train.batches import Batches, model_inputs
 from roundpipe.train.checkpoint import CheckpointManager
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.data import DataSplits, load_data
@@ -148,6 +148,7 @@ class Trainer:
         checkpoints, resume_from = self._start_run()
         tokenizer, splits, batches, total_steps = self._read_data()
         model, weights = model_for_run(self.config, tokenizer, self.log)
+        self._check_packing(model)
         pipe_config = run_config_for(self.config, model, self.ranks, self.log)
         with Pipeline(model, pipe_config, weights=weights) as pipe:
             run = _Run(pipe, model, tokenizer, splits, batches, total_steps, checkpoints)
@@ -222,6 +223,15 @@ class Trainer:
             1, math.floor(cfg.run.epochs * batches.steps_per_epoch / cfg.run.grad_accum)
         )
         return tokenizer, splits, batches, total_steps
+
+    def _check_packing(self, model) -> None:
+        """Refuse ``data.packing`` for a model whose layers cannot keep the samples of a row apart,
+        before any weight is read (``models.adapter.packing_refusal_of``)."""
+        from roundpipe.models.adapter import packing_refusal_of
+
+        refusal = self.config.data.packing and packing_refusal_of(model)
+        if refusal:
+            raise ConfigError(f"data.packing: {refusal}")
 
     def _prepare_pipeline(self, pipe) -> None:
         """Check the ranks the pipeline joined, log its layers and devices, set up its optimizer."""
@@ -319,9 +329,7 @@ class Trainer:
         loss_sum, tokens, idle = 0.0, 0, []
         for i, b in enumerate(micro):
             out = pipe.forward_backward(
-                b["input_ids"],
-                labels=b["labels"],
-                attention_mask=b["attention_mask"],
+                **model_inputs(b),  # packed rows: position ids restart per sample, no attention mask
                 accumulate=i < len(micro) - 1,
                 loss_tokens=label_tokens,
             )
