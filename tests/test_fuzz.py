@@ -430,7 +430,19 @@ def _csv(rows: list) -> str:
     return out.getvalue()
 
 
-BROKEN_LINES = ["{", "not json", "", "[1, 2]", '"text"', "null", '{"text": "a"', "}{"]
+BROKEN_LINES = [
+    "{",
+    "not json",
+    "",
+    "   ",
+    "\r",
+    "[1, 2]",
+    '"text"',
+    "null",
+    '{"text": "a"',
+    "}{",
+    "[" * 5000,
+]
 
 data_configs = st.fixed_dictionaries(
     {
@@ -442,6 +454,7 @@ data_configs = st.fixed_dictionaries(
         "train_on_prompt": st.booleans(),
         "eval_fraction": st.sampled_from([0.0, 0.0, 0.5]),
         "file_type": st.sampled_from(["auto"] * 8 + ["jsonl", "csv", "text"]),
+        "on_bad_record": st.sampled_from(["error", "skip"]),
     }
 )
 
@@ -458,7 +471,7 @@ def data_cases(draw) -> tuple[str, bytes, dict]:
     if ext == ".jsonl":
         lines = [json.dumps(r) for r in rows]
         for at, line in draw(
-            st.lists(st.tuples(st.integers(0, 4), st.sampled_from(BROKEN_LINES)), max_size=1)
+            st.lists(st.tuples(st.integers(0, 4), st.sampled_from(BROKEN_LINES)), max_size=3)
         ):
             lines.insert(at, line)
         text = "\n".join(lines) + draw(st.sampled_from(["\n", "", "\n\n"]))
@@ -475,6 +488,10 @@ def data_cases(draw) -> tuple[str, bytes, dict]:
 DEEP_JSON = '{"text": "hi", "x": ' + "[" * 10_000 + "]" * 10_000 + "}\n"
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 TEXT = {"format": "text"}
+MIXED_CHAT = "".join(
+    json.dumps({"messages": [{"role": "user", "content": c}, {"role": "assistant", "content": "16"}]}) + "\n"
+    for c in ["q", [1, 2], "r"]
+)
 
 
 @fuzz(15)
@@ -489,6 +506,8 @@ TEXT = {"format": "text"}
 @example(
     (".jsonl", (json.dumps({"text": "x" * 20_000}) + "\n").encode(), {"format": "text", "max_length": 3})
 )
+@example((".jsonl", b'{"text": "a"}\n\n{"text": \n\n{"text": "b"}\n', {**TEXT, "on_bad_record": "skip"}))
+@example((".jsonl", MIXED_CHAT.encode(), {"format": "chat"}))  # found: one list content retyped the column
 def test_data_files_load_or_raise_data_error(data_dir, tokenizer, case):
     ext, content, options = case
     path = data_dir / f"train{ext}"
@@ -499,6 +518,8 @@ def test_data_files_load_or_raise_data_error(data_dir, tokenizer, case):
         return
     report = splits.report
     assert report.read == report.kept + sum(report.skipped.values())
+    if ext == ".jsonl" and cfg.file_type in ("auto", "jsonl"):  # every line that is not blank is a record
+        assert report.read == sum(1 for line in content.split(b"\n") if line.strip())
     assert report.kept == len(splits.train) + len(splits.eval) > 0
     for sample in splits.train + splits.eval:
         assert len(sample.input_ids) == len(sample.labels) <= cfg.max_length

@@ -98,6 +98,11 @@ class DataConfig:
     too_long: Literal["skip", "truncate", "error"] = _f(
         "skip", "What to do with a longer sample: skip it (counted and logged), cut it, or stop."
     )
+    on_bad_record: Literal["error", "skip"] = _f(
+        "error",
+        "A record that cannot be read at all (a JSON Lines line that is not valid JSON or not an "
+        "object): stop naming its file:line, or skip it (counted and named in the report).",
+    )
     add_eos: bool = _f(True, "End every sample with the tokenizer's end-of-sequence token.")
     packing: bool = _f(False, "Pack several samples into each row of `max_length` tokens (no padding).")
     group_by_length: bool = _f(True, "Batch samples of similar length together (less padding).")

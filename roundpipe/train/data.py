@@ -254,11 +254,21 @@ def _samples_from_file(path: str, cfg: DataConfig, encoder: _Encoder, report: Da
             f"{path} is a plain-text file (one sample per line), which only data.format: text reads; "
             f"for format {cfg.format} give a .jsonl, .json, .csv or .parquet file"
         )
-    records, columns = read_records(path, kind, cfg.text_field)
-    report.files[path] = len(records)
-    report.read += len(records)
+    found = read_records(path, kind, cfg.text_field)
+    records, columns = found.records, found.columns
+    if found.bad and cfg.on_bad_record == "error":
+        first = found.bad[0]
+        more = f" ({len(found.bad)} such records in the file)" if len(found.bad) > 1 else ""
+        raise DataError(
+            f"{first.location}: {first.reason} ({first.detail}){more}. Fix or delete the record, or "
+            f"set data.on_bad_record: skip to skip such records (each is counted in the data report)"
+        )
+    report.files[path] = len(records) + len(found.bad)
+    report.read += len(records) + len(found.bad)
     report.max_length = cfg.max_length
     skipped_before = dict(report.skipped)
+    for bad in found.bad:
+        report.skip(bad.reason, bad.where)
     samples = []
     for where, record in records:
         try:
