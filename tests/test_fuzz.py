@@ -367,7 +367,17 @@ messages = st.one_of(
     junk,
     texts,
 )
-FIELDS = ["text", "instruction", "input", "output", "messages", "other"]
+turns = st.lists(  # ShareGPT's {from, value}
+    st.fixed_dictionaries(
+        {
+            "from": st.sampled_from(["human", "gpt", "system", "observation", "function_call", "x"]) | junk,
+            "value": texts | junk,
+        }
+    )
+    | junk,
+    max_size=4,
+)
+FIELDS = ["text", "instruction", "input", "output", "messages", "conversations", "system", "tools", "other"]
 
 
 prose = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12).map(lambda t: t + "ok")
@@ -383,6 +393,11 @@ GOOD = {  # records each format reads, of one shape (a file's columns keep their
             "messages": [*head, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
         }
     ),
+    "sharegpt": st.lists(st.fixed_dictionaries({"from": st.just("human"), "value": prose}), max_size=2).map(
+        lambda head: {
+            "conversations": [*head, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+        }
+    ),
 }
 SPOILS = [None, "", "   ", 7, [], "{input}"]
 
@@ -394,8 +409,8 @@ def records(draw):
         return draw(junk | texts)
     record = {}
     for name in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True)):
-        if name == "messages":
-            value = draw(messages)
+        if name in ("messages", "conversations", "tools"):
+            value = draw(messages | turns)
             record[name] = json.dumps(value) if draw(st.integers(0, 4)) == 0 else value
         else:
             record[name] = draw(texts | junk)
@@ -446,7 +461,7 @@ BROKEN_LINES = [
 
 data_configs = st.fixed_dictionaries(
     {
-        "format": st.sampled_from(["text", "instruction", "chat"]),
+        "format": st.sampled_from(["text", "instruction", "chat", "sharegpt"]),
         "max_length": st.sampled_from([1, 3, 16, 64, 1024, 1024]),
         "too_long": st.sampled_from(["skip", "truncate", "error"]),
         "add_eos": st.booleans(),

@@ -65,14 +65,19 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    train: str = _f(REQUIRED, "Training data file: .jsonl, .json, .csv, .parquet or .txt.")
-    eval: str | None = _f(None, "Held-out data file (same formats). Default: split off `eval_fraction`.")
+    train: str = _f(
+        REQUIRED,
+        "Training data file (.jsonl, .json, .csv, .parquet or .txt), a dataset directory written by "
+        "`save_to_disk`, or a directory of .parquet / .arrow / .jsonl / .json / .csv files.",
+    )
+    eval: str | None = _f(None, "Held-out data (same kinds). Default: split off `eval_fraction`.")
     eval_fraction: float = _f(0.0, "Share of the training file held out for evaluation when `eval` is unset.")
-    format: Literal["text", "instruction", "chat"] = _f(
+    format: Literal["text", "instruction", "chat", "sharegpt"] = _f(
         "instruction",
         "text: one `text` field per sample; instruction: `instruction` / `input` / `output` "
-        "(Alpaca style); chat: `messages`, a list of {role, content}, rendered with the "
-        "tokenizer's chat template.",
+        "(Alpaca style); chat: `messages`, a list of {role, content} (OpenAI style, tool calls "
+        "included), rendered with the tokenizer's chat template; sharegpt: `conversations`, a list "
+        "of {from, value} (human, gpt, system, ...), rendered the same way.",
     )
     file_type: Literal["auto", "jsonl", "json", "csv", "parquet", "text"] = _f(
         "auto", "How to read the files; `auto` goes by the extension."
@@ -81,7 +86,10 @@ class DataConfig:
     instruction_field: str = _f("instruction", "Field holding the instruction (format: instruction).")
     input_field: str = _f("input", "Field holding the optional input (format: instruction).")
     output_field: str = _f("output", "Field holding the response (format: instruction).")
-    messages_field: str = _f("messages", "Field holding the conversation (format: chat).")
+    messages_field: str | None = _f(
+        None,
+        "Field holding the conversation. Default: `messages` (format: chat), `conversations` (format: sharegpt).",
+    )
     prompt_template: str = _f(
         "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
         "Prompt of the instruction format; `{instruction}` and `{input}` are filled in.",

@@ -9,12 +9,12 @@ batches the pipeline trains on. Users' view of all this: ``docs/data.md``.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass, field
 
 from roundpipe.errors import DataError
+from roundpipe.train.chats import BadChat, openai_messages, record_tools, sharegpt_messages
 from roundpipe.train.config import DataConfig
 from roundpipe.train.data_files import file_type_of, read_records
 
@@ -125,28 +125,24 @@ def _fill(template: str, values: dict[str, str]) -> str:
     return re.sub(r"\{(instruction|input)\}", lambda m: values[m.group(1)], template)
 
 
-def _messages(record: dict, name: str) -> list[dict]:
-    value = record.get(name)
-    if value is None:
+def messages_field(cfg: DataConfig) -> str:
+    """The field holding a conversation: ``data.messages_field``, else ``messages`` for
+    ``format: chat`` and ``conversations`` for ``format: sharegpt``."""
+    if cfg.messages_field:
+        return cfg.messages_field
+    return "conversations" if cfg.format == "sharegpt" else "messages"
+
+
+def _messages(record: dict, cfg: DataConfig) -> list[dict]:
+    name = messages_field(cfg)
+    if record.get(name) is None:
         raise _Skip(f"missing field {name!r}")
-    if isinstance(value, str):  # a CSV cell, or a JSON string holding the list
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError):  # RecursionError: nested too deeply for the parser
-            raise _Skip(f"field {name!r} is not a list of messages") from None
-    if not isinstance(value, list) or not value:
-        raise _Skip(f"field {name!r} is not a list of messages")
-    messages = []
-    for message in value:
-        if (
-            not isinstance(message, dict)
-            or not isinstance(message.get("role"), str)
-            or not isinstance(message.get("content"), str)
-        ):
-            raise _Skip("malformed message (each needs a string 'role' and 'content')")
-        # Readers fill keys other records have with None; a template would render them.
-        messages.append({k: v for k, v in message.items() if v is not None})
-    return messages
+    try:
+        if cfg.format == "sharegpt":
+            return sharegpt_messages(record, name)
+        return openai_messages(record[name], name)
+    except BadChat as bad:
+        raise _Skip(bad.args[0]) from None
 
 
 def _common_prefix(prefix: list[int], full: list[int]) -> int:
@@ -169,11 +165,13 @@ class _Encoder:
                 "the tokenizer has no eos token, which data.add_eos (and packing) needs: set "
                 "data.add_eos: false and data.packing: false, or use a tokenizer with an eos token"
             )
-        if cfg.format == "chat" and not getattr(tokenizer, "chat_template", None):
+        if cfg.format in ("chat", "sharegpt") and not getattr(tokenizer, "chat_template", None):
             raise DataError(
-                "format: chat needs a tokenizer with a chat template, and this one has none: use a "
-                "tokenizer whose tokenizer_config.json (or chat_template.jinja) has one, or format: instruction"
+                f"format: {cfg.format} needs a tokenizer with a chat template, and this one has none: "
+                f"use a tokenizer whose tokenizer_config.json (or chat_template.jinja) has one, or "
+                f"format: instruction"
             )
+        self.template_text = str(getattr(tokenizer, "chat_template", "") or "")
         # A packed sample must end with eos: it is what separates it from the next one in a row.
         self.tail = [self.eos] if cfg.add_eos or cfg.packing else []
 
@@ -187,9 +185,9 @@ class _Encoder:
             return ids, list(ids), 0
         if fmt == "instruction":
             return self._instruction(record)
-        if fmt == "chat":
+        if fmt in ("chat", "sharegpt"):
             return self._chat(record)
-        raise DataError(f"unknown data.format {fmt!r}: use text, instruction or chat")
+        raise DataError(f"unknown data.format {fmt!r}: use text, instruction, chat or sharegpt")
 
     def _instruction(self, record: dict) -> tuple[list[int], list[int], int]:
         cfg = self.cfg
@@ -202,30 +200,39 @@ class _Encoder:
         labels = (prompt if cfg.train_on_prompt else [IGNORE] * len(prompt)) + answer
         return prompt + answer, labels, len(prompt)
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: list | None) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
             )
         except Exception as error:
             raise _Skip(f"chat template error: {str(error)[:80]}") from None
         return self.encode(text, False)
 
     def _chat(self, record: dict) -> tuple[list[int], list[int], int]:
-        messages = _messages(record, self.cfg.messages_field)
+        messages = _messages(record, self.cfg)
+        try:
+            tools = record_tools(record)
+        except BadChat as bad:
+            raise _Skip(bad.args[0]) from None
+        # A template that does not read tool calls or definitions would drop them without a word.
+        if tools and "tools" not in self.template_text:
+            raise _Skip("tool definitions, which the chat template does not render")
+        if any("tool_calls" in m for m in messages) and "tool_calls" not in self.template_text:
+            raise _Skip("tool calls, which the chat template does not render")
         turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
         if not turns:
             raise _Skip("no assistant turn")
         messages = messages[: turns[-1] + 1]  # what follows the last answer carries no loss
-        ids = self._render(messages, False)
+        ids = self._render(messages, False, tools)
         # An assistant turn spans from the end of the conversation before it (with the generation
         # prompt, i.e. the assistant header) to the end of the conversation through it. Templates
         # that render a prefix differently inside the whole conversation are handled by keeping
         # only what the prefix and the whole share.
         spans = []
         for i in turns:
-            start = _common_prefix(self._render(messages[:i], True), ids)
-            end = _common_prefix(self._render(messages[: i + 1], False), ids)
+            start = _common_prefix(self._render(messages[:i], True, tools), ids)
+            end = _common_prefix(self._render(messages[: i + 1], False, tools), ids)
             spans.append((start, max(start, end)))
         prompt_len = spans[-1][0]
         if self.tail and self.eos not in ids[prompt_len:]:
@@ -243,6 +250,7 @@ _FIELD_KEYS = {
     "text": ("text_field",),
     "instruction": ("instruction_field", "output_field"),
     "chat": ("messages_field",),
+    "sharegpt": ("messages_field",),
 }
 
 
@@ -300,7 +308,11 @@ def _samples_from_file(path: str, cfg: DataConfig, encoder: _Encoder, report: Da
         }
         reasons = "; ".join(f"{reason} ({n})" for reason, n in here.items())
         message = f"no usable sample in {path}: every record was skipped: {reasons}."
-        missing = [key for key in _FIELD_KEYS[cfg.format] if f"missing field {getattr(cfg, key)!r}" in here]
+        field_of = {
+            key: messages_field(cfg) if key == "messages_field" else getattr(cfg, key)
+            for key in _FIELD_KEYS[cfg.format]
+        }
+        missing = [key for key, name in field_of.items() if f"missing field {name!r}" in here]
         if missing:
             message += (
                 f" The file has the fields {', '.join(map(repr, columns))}: set "

@@ -115,8 +115,14 @@ def _json_file(path: str, data: bytes) -> FileRecords:
     return found
 
 
+_DIRECTORY_FILES = (".parquet", ".arrow", ".jsonl", ".json", ".csv")  # what a data directory may hold
+
+
 def file_type_of(path: str, file_type: str) -> str:
-    """``file_type`` itself, or for ``auto`` the type its extension names (DataError if none)."""
+    """``file_type`` itself, ``directory`` for a directory, or for ``auto`` the type its extension
+    names (DataError if none)."""
+    if os.path.isdir(path):
+        return "directory"
     if file_type != "auto":
         return file_type
     ext = os.path.splitext(path)[1].lower()
@@ -171,6 +177,64 @@ def _quiet_datasets():
             datasets.enable_progress_bars()
 
 
+def _read_directory(path: str, text_field: str) -> FileRecords:
+    """A dataset saved with ``datasets``' ``save_to_disk``, or a directory of data files of one type
+    (``.parquet``, ``.arrow``, ``.jsonl``, ``.json`` or ``.csv``), read in name order."""
+    name = os.path.basename(os.path.normpath(path))
+    if os.path.exists(os.path.join(path, "dataset_dict.json")):
+        splits = sorted(e for e in os.listdir(path) if os.path.isdir(os.path.join(path, e)))
+        raise DataError(
+            f"{path} holds a dataset with the splits {', '.join(splits)} (a DatasetDict saved with "
+            f"save_to_disk): name one split's directory, e.g. {os.path.join(path, splits[0] if splits else 'train')}"
+        )
+    if os.path.exists(os.path.join(path, "state.json")):
+        with _quiet_datasets() as datasets:
+            try:
+                table = datasets.load_from_disk(path)
+                rows, columns = table.to_list(), list(table.column_names)
+            except Exception as error:
+                raise DataError(
+                    f"cannot read {path} as a dataset saved with save_to_disk: {error}"
+                ) from error
+        if not rows:
+            raise DataError(f"{path} holds no records")
+        return FileRecords([(f"{name} record {i}", row) for i, row in enumerate(rows, 1)], columns)
+    files = sorted(
+        e for e in os.listdir(path) if os.path.isfile(os.path.join(path, e)) and not e.startswith(".")
+    )
+    kinds = sorted({os.path.splitext(e)[1].lower() for e in files} & set(_DIRECTORY_FILES))
+    if len(kinds) != 1:
+        found = f"files of the types {', '.join(kinds)}" if kinds else "no data files"
+        raise DataError(
+            f"{path} is a directory with {found}: a data directory is one saved with save_to_disk, or "
+            f"holds files of one type ({', '.join(_DIRECTORY_FILES)}); name a file instead, or "
+            f"move the others out"
+        )
+    merged = FileRecords([], [])
+    columns: dict[str, None] = {}
+    for entry in (e for e in files if e.lower().endswith(kinds[0])):
+        part = os.path.join(path, entry)
+        if kinds[0] == ".arrow":
+            with _quiet_datasets() as datasets:
+                try:
+                    table = datasets.Dataset.from_file(part, in_memory=True)
+                    rows = table.to_list()
+                except Exception as error:
+                    raise DataError(f"cannot read {part} as an Arrow file: {error}") from error
+            found = FileRecords(
+                [(f"{entry} record {i}", r) for i, r in enumerate(rows, 1)], table.column_names
+            )
+        else:
+            found = read_records(part, "auto", text_field)
+        merged.records += found.records
+        merged.bad += found.bad
+        columns.update(dict.fromkeys(found.columns))
+    merged.columns = list(columns)
+    if not merged.records and not merged.bad:
+        raise DataError(f"{path} holds no records")
+    return merged
+
+
 def read_records(path: str, file_type: str = "auto", text_field: str = "text") -> FileRecords:
     """Read a local data file into records, offline.
 
@@ -194,6 +258,8 @@ def read_records(path: str, file_type: str = "auto", text_field: str = "text") -
     """
     if not os.path.exists(path):
         raise DataError(f"data file not found: {path} (working directory: {os.getcwd()})")
+    if os.path.isdir(path):
+        return _read_directory(path, text_field)
     if not os.path.isfile(path):
         raise DataError(f"{path} is not a file: name one data file (.jsonl, .json, .csv, .parquet, .txt)")
     kind = file_type_of(path, file_type)
