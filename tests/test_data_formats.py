@@ -244,7 +244,13 @@ def _saved_dataset(tmp_path):
     return str(tmp_path / "saved"), {"format": "instruction"}
 
 
-@pytest.mark.parametrize("make_data", [_sharegpt_file, _openai_file, _saved_dataset])
+def _two_files_mixed(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"first file {i}"} for i in range(4)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"second file {i}"} for i in range(4)])
+    return [a, {"path": b, "weight": 0.5}], {"format": "text"}
+
+
+@pytest.mark.parametrize("make_data", [_sharegpt_file, _openai_file, _saved_dataset, _two_files_mixed])
 def test_each_format_trains_through_roundpipe_train(tmp_path, capsys, make_data):
     from roundpipe.commands.train import main
 
@@ -262,5 +268,53 @@ def test_each_format_trains_through_roundpipe_train(tmp_path, capsys, make_data)
     main([str(path)])
     out = capsys.readouterr().out
     assert "done: 2 steps" in out
-    records = len(CHATS * 4) if data_keys["format"] != "instruction" else len(ALPACA * 3)
+    records = {"sharegpt": 8, "chat": 8, "instruction": 9, "text": 8}[data_keys["format"]]
     assert f"kept {records}, all for training" in out  # every record became a sample
+
+
+# --- several files mixed by weight --------------------------------------------------------------
+
+
+def test_files_are_mixed_by_weight_seeded_and_held_out_before_weighting(byte, tmp_path):
+    from collections import Counter
+
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(4)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i}"} for i in range(4)])
+    data = DataConfig(format="text", train=[{"path": a, "weight": 2}, {"path": b, "weight": 0.5}])
+    splits = load_data(data, byte, seed=0)
+    counts = Counter(byte.decode(s.input_ids, skip_special_tokens=True) for s in splits.train)
+    assert {k: v for k, v in counts.items() if k.startswith("a")} == {f"a{i}": 2 for i in range(4)}
+    picked = sorted(k for k in counts if k.startswith("b"))
+    assert len(picked) == 2 and all(counts[k] == 1 for k in picked)
+    assert splits.report.files == {a: 4, b: 4} and splits.report.read == 8
+    assert f"mixed: {a} x2 -> 8 samples, {b} x0.5 -> 2 samples" in splits.report.summary()
+    assert load_data(data, byte, seed=0).train == splits.train  # seeded
+    held = load_data(DataConfig(format="text", eval_fraction=0.25, train=data.train), byte, seed=0)
+    held_text = {byte.decode(s.input_ids, skip_special_tokens=True) for s in held.eval}
+    train_text = {byte.decode(s.input_ids, skip_special_tokens=True) for s in held.train}
+    assert len(held.eval) == 2 and not held_text & train_text  # one of each file, never trained on
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (
+            {"train": [{"path": "a.jsonl", "weigth": 2}]},
+            r"data.train\[0\]: unknown key weigth; an entry takes path, weight",
+        ),
+        (
+            {"train": ["b.jsonl", {"path": "a.jsonl", "weight": 0}]},
+            r"data.train\[1\].weight must be a number > 0, got 0",
+        ),
+        ({"train": [{"weight": 1}]}, r"data.train\[0\] needs a path"),
+        ({"train": []}, "data.train is an empty list"),
+        ({"train": ["a.jsonl"], "synthetic": "reverse"}, "data.train cannot be a list"),
+    ],
+)
+def test_a_bad_files_entry_is_a_recipe_error_naming_it(data, message):
+    from roundpipe.errors import RecipeError
+    from roundpipe.train.recipe import config_from_dict
+
+    recipe = {"model": {"config": TINY_MODEL}, "data": data}
+    with pytest.raises(RecipeError, match=message):
+        config_from_dict(recipe)

@@ -373,7 +373,7 @@ def test_the_reference_and_the_epilog_list_every_key():
         for f in dataclasses.fields(group.default_factory()):
             assert f"| `{f.name}` |" in page
             assert f"  {group.name}.{f.name} (" in epilog
-    assert "  data.train (str, required): Training data file" in epilog
+    assert "  data.train (str or list[str or dict], required): Training data file" in epilog
     assert "  run.max_steps (int or null, default null): " in epilog
     assert "| `format` | text \\| instruction \\| chat \\| sharegpt | `instruction` |" in page
     assert all(len(line) <= 100 for line in epilog.splitlines())

@@ -65,10 +65,12 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    train: str = _f(
+    train: str | list[str | dict[str, Any]] = _f(
         REQUIRED,
         "Training data file (.jsonl, .json, .csv, .parquet or .txt), a dataset directory written by "
-        "`save_to_disk`, or a directory of .parquet / .arrow / .jsonl / .json / .csv files.",
+        "`save_to_disk`, or a directory of .parquet / .arrow / .jsonl / .json / .csv files. Several "
+        "mixed by weight: a list of {path, weight} (or plain paths, weight 1); weight 2 repeats each "
+        "sample of that file twice an epoch, 0.5 takes a seeded half of them.",
     )
     eval: str | None = _f(None, "Held-out data (same kinds). Default: split off `eval_fraction`.")
     eval_fraction: float = _f(0.0, "Share of the training file held out for evaluation when `eval` is unset.")
@@ -263,6 +265,7 @@ class TrainConfig:
             )
         if self.data.train == REQUIRED:  # ==, not `is`: a dumped and re-read "<required>" is another str
             raise RecipeError("data.train is required: the path of the training data file")
+        self._check_data_files()
         for key, value in (
             ("run.batch_size", self.run.batch_size),
             ("run.grad_accum", self.run.grad_accum),
@@ -287,6 +290,33 @@ class TrainConfig:
         if self.lora.enabled and self.lora.rank < 1:
             raise RecipeError(f"lora.rank must be at least 1, got {self.lora.rank}")
         check_run_paths(self)  # nothing the run writes may lie outside its run directory
+
+    def _check_data_files(self) -> None:
+        """``data.train`` as a list: each entry a path, or a path and a positive weight."""
+        if not isinstance(self.data.train, list):
+            return
+        if not self.data.train:
+            raise RecipeError("data.train is an empty list: name at least one training data file")
+        if self.data.synthetic is not None:
+            raise RecipeError("data.synthetic writes one data.train file: data.train cannot be a list")
+        for i, entry in enumerate(self.data.train):
+            where = f"data.train[{i}]"
+            if isinstance(entry, str):
+                entry = {"path": entry}
+            unknown = sorted(set(entry) - {"path", "weight"})
+            if unknown:
+                raise RecipeError(f"{where}: unknown key {', '.join(unknown)}; an entry takes path, weight")
+            if not isinstance(entry.get("path"), str) or not entry["path"]:
+                raise RecipeError(
+                    f"{where} needs a path (a data file or directory), e.g. {{path: a.jsonl, weight: 1}}"
+                )
+            weight = entry.get("weight", 1.0)
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, (int, float))
+                or not (math.isfinite(weight) and weight > 0)
+            ):
+                raise RecipeError(f"{where}.weight must be a number > 0, got {weight!r}")
 
     def _check_optim(self) -> None:
         """What ``Pipeline.configure_optimizer`` (``optim.OptimizerConfig``) refuses, refused at load

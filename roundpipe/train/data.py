@@ -50,9 +50,11 @@ class DataReport:
         examples: per skip reason, the first few places (``"train.jsonl record 4"``).
         truncated: kept samples cut to ``max_length`` (``too_long: truncate``).
         max_length: the ``data.max_length`` the samples were held to.
-        train: samples for training; eval: held-out samples.
+        train: samples for training (an epoch's, after the files' weights); eval: held-out samples.
         eval_source: where the held-out samples come from (a file, or a share of the train file).
-        eval_in_train: held-out samples (from an eval file) identical to a training sample.
+        eval_in_train: held-out samples identical to a training sample (from an eval file, or
+            across the files of a ``data.train`` list).
+        mix: per ``data.train`` entry (a list of files), ``"PATH xWEIGHT -> N samples"``.
     """
 
     files: dict[str, int] = field(default_factory=dict)
@@ -66,6 +68,7 @@ class DataReport:
     eval: int = 0
     eval_source: str = ""
     eval_in_train: int = 0
+    mix: list[str] = field(default_factory=list)
 
     def skip(self, reason: str, where: str) -> None:
         """Count one record dropped for ``reason``, found at ``where``."""
@@ -79,10 +82,12 @@ class DataReport:
         sources = ", ".join(f"{n} from {path}" for path, n in self.files.items())
         lines = [
             f"read {self.read} records ({sources})",
-            f"kept {self.kept}: {self.train} for training, {self.eval} held out ({self.eval_source})"
+            f"kept {self.kept}: {self.kept - self.eval} for training, {self.eval} held out ({self.eval_source})"
             if self.eval
             else f"kept {self.kept}, all for training (nothing held out: set data.eval or data.eval_fraction)",
         ]
+        if self.mix:
+            lines.append(f"mixed: {', '.join(self.mix)} ({self.train} training samples an epoch)")
         for reason, count in sorted(self.skipped.items(), key=lambda item: -item[1]):
             lines.append(f"skipped {count}: {reason} (e.g. {', '.join(self.examples[reason])})")
         if self.truncated:
@@ -368,16 +373,48 @@ def load_data(cfg: DataConfig, tokenizer, seed: int) -> DataSplits:
     """
     encoder = _Encoder(cfg, tokenizer)
     report = DataReport()
-    train = _samples_from_file(cfg.train, cfg, encoder, report)
+    sources = train_files(cfg)
+    mixing = isinstance(cfg.train, list)
+    parts = [_samples_from_file(path, cfg, encoder, report) for path, _ in sources]
+    held_out: list[Sample] = []
     if cfg.eval:
         held_out = _samples_from_file(cfg.eval, cfg, encoder, report)
         report.eval_source = f"from {cfg.eval}"
+    elif cfg.eval_fraction > 0:
+        for i, part in enumerate(parts):  # from each file, before its weight repeats a sample
+            parts[i], held = _hold_out(part, cfg.eval_fraction, seed)
+            held_out += held
+        names = ", ".join(path for path, _ in sources)
+        report.eval_source = f"{cfg.eval_fraction:.0%} of {names}, seed {seed}"
+    train: list[Sample] = []
+    for (path, weight), part in zip(sources, parts):
+        mixed = _weighted(part, weight, f"roundpipe-mix-{seed}-{path}") if mixing else part
+        if mixing:
+            report.mix.append(f"{path} x{weight:g} -> {len(mixed)} samples")
+        train += mixed
+    if not train:
+        raise DataError(
+            f"data.train's weights leave no training sample ({'; '.join(report.mix)}): raise the weights"
+        )
+    if held_out:
         seen = {sample.input_ids for sample in train}
         report.eval_in_train = sum(sample.input_ids in seen for sample in held_out)
-    elif cfg.eval_fraction > 0:
-        train, held_out = _hold_out(train, cfg.eval_fraction, seed)
-        report.eval_source = f"{cfg.eval_fraction:.0%} of {cfg.train}, seed {seed}"
-    else:
-        held_out = []
     report.train, report.eval = len(train), len(held_out)
     return DataSplits(train=train, eval=held_out, report=report)
+
+
+def train_files(cfg: DataConfig) -> list[tuple[str, float]]:
+    """``data.train`` as ``(path, weight)`` pairs: one file of weight 1, or the list's entries."""
+    if isinstance(cfg.train, str):
+        return [(cfg.train, 1.0)]
+    entries = [{"path": e} if isinstance(e, str) else e for e in cfg.train]
+    return [(e["path"], float(e.get("weight", 1.0))) for e in entries]
+
+
+def _weighted(samples: list[Sample], weight: float, seed: str) -> list[Sample]:
+    """``weight`` times the samples: ``int(weight)`` copies of each, then a seeded choice of the
+    remaining fraction of them (each at most once), in file order."""
+    whole = int(weight)
+    extra = round((weight - whole) * len(samples))
+    picks = sorted(random.Random(seed).sample(range(len(samples)), extra))
+    return samples * whole + [samples[i] for i in picks]
