@@ -318,3 +318,64 @@ def test_a_bad_files_entry_is_a_recipe_error_naming_it(data, message):
     recipe = {"model": {"config": TINY_MODEL}, "data": data}
     with pytest.raises(RecipeError, match=message):
         config_from_dict(recipe)
+
+
+# --- a named chat template for a tokenizer without one ------------------------------------------
+
+
+def test_a_named_template_serves_a_tokenizer_without_one_and_never_overrides_the_models(byte, tmp_path):
+    path = write_jsonl(tmp_path / "o.jsonl", [{"messages": CHATS[0]}])
+    bare = byte_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(DataError, match="data.chat_template: chatml"):
+        load_data(DataConfig(train=path, format="chat"), bare, seed=0)
+    splits = load_data(DataConfig(train=path, format="chat", chat_template="chatml"), bare, seed=0)
+    sample = splits.train[0]
+    assert bare.decode(sample.input_ids, skip_special_tokens=True).startswith(
+        "<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\n2 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n5<|im_end|>\n"
+    )
+    assert learned(bare, sample) == ["5<|im_end|>\n", "20<|im_end|>\n</s>"]
+    assert "<|im_start|>" in bare.chat_template  # the tokenizer carries it on, so an export saves it
+    llama = byte_tokenizer()
+    llama.chat_template = None
+    sample = load_data(DataConfig(train=path, format="chat", chat_template="llama3"), llama, seed=0).train[0]
+    assert "<|start_header_id|>assistant<|end_header_id|>\n\n5<|eot_id|>" in llama.decode(sample.input_ids)
+    # The model's own template wins, and the report says the named one went unused.
+    own = load_data(DataConfig(train=path, format="chat", chat_template="chatml"), byte, seed=0)
+    assert own.train == load_data(DataConfig(train=path, format="chat"), byte, seed=0).train
+    assert (
+        "data.chat_template chatml is not used: the tokenizer has its own chat template"
+        in own.report.summary()
+    )
+
+
+@pytest.mark.parametrize("name", ["chatml", "qwen", "llama3", "mistral", "gemma"])
+def test_every_named_template_learns_exactly_the_answers(tmp_path, name):
+    tool_turn = [*CHATS[1][:1], {"role": "tool", "content": "x"}, CHATS[1][1]]
+    path = write_jsonl(tmp_path / "o.jsonl", [{"messages": c} for c in [*CHATS, tool_turn]])
+    bare = byte_tokenizer()
+    bare.chat_template = None
+    splits = load_data(DataConfig(train=path, format="chat", chat_template=name), bare, seed=0)
+    answers = [[bare.decode(t, skip_special_tokens=True) for t in learned_ids(s)] for s in splits.train[:2]]
+    assert [[a.strip() for a in sample] for sample in answers][0][0].startswith("5")
+    assert [len(a) for a in answers] == [2, 1]
+    assert answers[0][1].startswith("20") and answers[1][0].startswith("hi")
+    system_shown = "Answer with a number." in bare.decode(splits.train[0].input_ids)
+    assert system_shown  # the system prompt is never dropped, even where the template folds it in
+    # A role the template has no place for is counted, not dropped from the conversation unsaid.
+    if name in ("mistral", "gemma"):
+        assert len(splits.train) == 2 and [*splits.report.skipped][0].startswith("chat template error")
+    else:
+        assert len(splits.train) == 3 and not splits.report.skipped
+
+
+def learned_ids(sample):
+    runs, run = [], []
+    for token, label in zip(sample.input_ids, sample.labels):
+        if label != IGNORE:
+            run.append(token)
+        elif run:
+            runs.append(run)
+            run = []
+    return runs + ([run] if run else [])

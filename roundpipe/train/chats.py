@@ -139,3 +139,51 @@ def record_tools(record: dict) -> list | None:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise BadChat("field 'tools' is not a list of tool definitions")
     return tools or None
+
+
+# Chat templates by name, for a tokenizer that has none (a base model's): ``data.chat_template``.
+# The model's own template always wins. Roles a template has no place for are refused by it
+# (``raise_exception``), which the data report counts as a chat template error.
+_CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+_MISTRAL = (  # [INST] turns; a system prompt goes into the next user turn
+    "{%- set ns = namespace(system='') -%}{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{%- set ns.system = message['content'] + '\\n\\n' -%}"
+    "{%- elif message['role'] == 'user' -%}{{ '[INST] ' + ns.system + message['content'] + ' [/INST]' }}"
+    "{%- set ns.system = '' -%}"
+    "{%- elif message['role'] == 'assistant' -%}{{ message['content'] + eos_token }}"
+    "{%- else -%}{{ raise_exception('the mistral template has no role ' + message['role']) }}"
+    "{%- endif -%}{%- endfor -%}"
+)
+_GEMMA = (  # user / model turns; a system prompt goes into the next user turn
+    "{%- set ns = namespace(system='') -%}{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{%- set ns.system = message['content'] + '\\n\\n' -%}"
+    "{%- elif message['role'] in ('user', 'assistant') -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else 'user' -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (ns.system if role == 'user' else '')"
+    " + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{%- if role == 'user' -%}{%- set ns.system = '' -%}{%- endif -%}"
+    "{%- else -%}{{ raise_exception('the gemma template has no role ' + message['role']) }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+NAMED_TEMPLATES = {
+    "chatml": _CHATML,
+    "qwen": _CHATML,
+    "llama3": _LLAMA3,
+    "mistral": _MISTRAL,
+    "gemma": _GEMMA,
+}

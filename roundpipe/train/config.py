@@ -88,6 +88,11 @@ class DataConfig:
     instruction_field: str = _f("instruction", "Field holding the instruction (format: instruction).")
     input_field: str = _f("input", "Field holding the optional input (format: instruction).")
     output_field: str = _f("output", "Field holding the response (format: instruction).")
+    chat_template: Literal["chatml", "qwen", "llama3", "mistral", "gemma"] | None = _f(
+        None,
+        "Chat template by name for a tokenizer without one (a base model's); the tokenizer's own "
+        "template is always used when it has one (format: chat, sharegpt).",
+    )
     messages_field: str | None = _f(
         None,
         "Field holding the conversation. Default: `messages` (format: chat), `conversations` (format: sharegpt).",

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from roundpipe.errors import DataError
-from roundpipe.train.chats import BadChat, openai_messages, record_tools, sharegpt_messages
+from roundpipe.train.chats import NAMED_TEMPLATES, BadChat, openai_messages, record_tools, sharegpt_messages
 from roundpipe.train.config import DataConfig
 from roundpipe.train.data_files import file_type_of, read_records
 
@@ -54,6 +54,7 @@ class DataReport:
         eval_source: where the held-out samples come from (a file, or a share of the train file).
         eval_in_train: held-out samples identical to a training sample (from an eval file, or
             across the files of a ``data.train`` list).
+        notes: other lines for the log (a named chat template left unused).
         mix: per ``data.train`` entry (a list of files), ``"PATH xWEIGHT -> N samples"``.
     """
 
@@ -69,6 +70,7 @@ class DataReport:
     eval_source: str = ""
     eval_in_train: int = 0
     mix: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def skip(self, reason: str, where: str) -> None:
         """Count one record dropped for ``reason``, found at ``where``."""
@@ -92,6 +94,7 @@ class DataReport:
             lines.append(f"skipped {count}: {reason} (e.g. {', '.join(self.examples[reason])})")
         if self.truncated:
             lines.append(f"truncated {self.truncated} to max_length ({self.max_length} tokens)")
+        lines += self.notes
         if self.eval_in_train:
             lines.append(f"warning: {self.eval_in_train} held-out samples also appear in the training data")
         return "\n".join(lines)
@@ -170,15 +173,31 @@ class _Encoder:
                 "the tokenizer has no eos token, which data.add_eos (and packing) needs: set "
                 "data.add_eos: false and data.packing: false, or use a tokenizer with an eos token"
             )
-        if cfg.format in ("chat", "sharegpt") and not getattr(tokenizer, "chat_template", None):
-            raise DataError(
-                f"format: {cfg.format} needs a tokenizer with a chat template, and this one has none: "
-                f"use a tokenizer whose tokenizer_config.json (or chat_template.jinja) has one, or "
-                f"format: instruction"
-            )
+        self.notes: list[str] = []
+        if cfg.format in ("chat", "sharegpt"):
+            self._choose_template(tokenizer)
         self.template_text = str(getattr(tokenizer, "chat_template", "") or "")
         # A packed sample must end with eos: it is what separates it from the next one in a row.
         self.tail = [self.eos] if cfg.add_eos or cfg.packing else []
+
+    def _choose_template(self, tokenizer) -> None:
+        """The tokenizer's own chat template; else the one ``data.chat_template`` names, which the
+        tokenizer then carries (so an export saves the template the model was trained with)."""
+        named = self.cfg.chat_template
+        if getattr(tokenizer, "chat_template", None):
+            if named:
+                self.notes.append(
+                    f"data.chat_template {named} is not used: the tokenizer has its own chat template"
+                )
+            return
+        if not named:
+            raise DataError(
+                f"format: {self.cfg.format} needs a chat template, and this tokenizer has none: set "
+                f"data.chat_template: chatml (or {', '.join(n for n in NAMED_TEMPLATES if n != 'chatml')}) "
+                f"to the format the model should learn, use a tokenizer whose tokenizer_config.json "
+                f"(or chat_template.jinja) has one, or format: instruction"
+            )
+        tokenizer.chat_template = NAMED_TEMPLATES[named]
 
     def encode(self, text: str, special: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"])
@@ -372,7 +391,7 @@ def load_data(cfg: DataConfig, tokenizer, seed: int) -> DataSplits:
             format needs (an eos token, a chat template).
     """
     encoder = _Encoder(cfg, tokenizer)
-    report = DataReport()
+    report = DataReport(notes=list(encoder.notes))
     sources = train_files(cfg)
     mixing = isinstance(cfg.train, list)
     parts = [_samples_from_file(path, cfg, encoder, report) for path, _ in sources]
