@@ -596,3 +596,6 @@ def test_blank_jsonl_lines_are_ignored_and_a_broken_line_is_named_by_file_and_li
     blank_only = tmp_path / "fine.jsonl"
     blank_only.write_text('\n{"text": "one"}\n\n{"text": "two"}\n\n', encoding="utf-8")
     assert len(load_data(cfg(blank_only, format="text"), byte, seed=0).train) == 2
+    windows = tmp_path / "bom.jsonl"  # a BOM and CRLF line ends, as Windows editors save
+    windows.write_bytes(b'\xef\xbb\xbf{"text": "one"}\r\n\r\n{"text": "two"}\r\n')
+    assert len(load_data(cfg(windows, format="text"), byte, seed=0).train) == 2

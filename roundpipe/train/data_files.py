@@ -17,6 +17,7 @@ import csv
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from roundpipe.errors import DataError
@@ -56,12 +57,15 @@ def _json_value(text: str):
         raise ValueError(f"{error.msg} at line {error.lineno}, column {error.colno}") from None
 
 
-def _json_lines(path: str, data: bytes) -> FileRecords:
-    """One JSON object per line; blank lines are no records, and a line that does not parse or is
-    not an object is a ``BadRecord`` naming its line."""
+def _json_lines(path: str, lines: Iterable[bytes]) -> FileRecords:
+    """One JSON object per line (``lines`` split at each ``\\n`` only); blank lines are no records,
+    and a line that does not parse or is not an object is a ``BadRecord`` naming its line."""
     name, found = os.path.basename(path), FileRecords([], [])
     columns: dict[str, None] = {}
-    for number, line in enumerate(data.split(b"\n"), 1):
+    for number, line in enumerate(lines, 1):
+        line = line.removesuffix(b"\n")
+        if number == 1:
+            line = line.removeprefix(b"\xef\xbb\xbf")  # a BOM
         if not line.strip():
             continue
         where, location = f"{name} line {number}", f"{path}:{number}"
@@ -88,7 +92,7 @@ def _json_file(path: str, data: bytes) -> FileRecords:
         try:
             value = _json_value(text)
         except ValueError:
-            return _json_lines(path, data)
+            return _json_lines(path, data.split(b"\n"))
         value = [value]
     else:
         try:
@@ -268,9 +272,11 @@ def read_records(path: str, file_type: str = "auto", text_field: str = "text") -
     if kind != "parquet":
         _check_utf8(path)
     if kind in ("json", "jsonl"):
-        with open(path, "rb") as file:
-            data = file.read().removeprefix(b"\xef\xbb\xbf")  # a BOM
-        found = _json_lines(path, data) if kind == "jsonl" else _json_file(path, data)
+        with open(path, "rb") as file:  # a binary file's lines end at b"\n" only, as JSON Lines' do
+            if kind == "jsonl":
+                found = _json_lines(path, file)
+            else:
+                found = _json_file(path, file.read().removeprefix(b"\xef\xbb\xbf"))
         if not found.records and not found.bad:
             raise DataError(f"{path} holds no records")
         return found
