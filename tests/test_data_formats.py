@@ -379,3 +379,14 @@ def learned_ids(sample):
             runs.append(run)
             run = []
     return runs + ([run] if run else [])
+
+
+def test_an_empty_tool_calls_list_is_no_tool_call(byte, tmp_path):
+    """OpenAI exports write ``"tool_calls": []`` (or null) on plain answers: they train as plain answers."""
+    chat = [CHATS[1][0], {**CHATS[1][1], "tool_calls": []}]
+    nulled = [CHATS[1][0], {**CHATS[1][1], "tool_calls": None}]
+    path = write_jsonl(
+        tmp_path / "e.jsonl", [{"messages": chat}, {"messages": nulled}, {"messages": CHATS[1]}]
+    )
+    splits = load_data(DataConfig(train=path, format="chat"), byte, seed=0)
+    assert len(splits.train) == 3 and splits.train[0] == splits.train[1] == splits.train[2]

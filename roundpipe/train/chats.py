@@ -79,6 +79,8 @@ def openai_messages(value: Any, name: str) -> list[dict]:
         # Readers fill keys other records have with None; a template would render them.
         cleaned = {k: v for k, v in message.items() if v is not None}
         cleaned["content"] = content
+        if not cleaned.get("tool_calls"):  # an empty list: no calls, nothing for the template
+            cleaned.pop("tool_calls", None)
         messages.append(cleaned)
     return messages
 

@@ -47,7 +47,7 @@ class DataReport:
         read: records read from all files (blank lines of a .txt file are not records).
         kept: samples built from them (``train + eval``).
         skipped: records dropped, per reason (e.g. ``"missing field 'output'"``).
-        examples: per skip reason, the first few places (``"train.jsonl record 4"``).
+        examples: per skip reason, the first few places (``"train.jsonl line 4"``).
         truncated: kept samples cut to ``max_length`` (``too_long: truncate``).
         max_length: the ``data.max_length`` the samples were held to.
         train: samples for training (an epoch's, after the files' weights); eval: held-out samples.
