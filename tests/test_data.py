@@ -295,8 +295,14 @@ def test_empty_file_names_the_file(byte, tmp_path, name, content):
 def test_unparseable_json_names_the_file(byte, tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"text": "a"}\n{"text": \n', encoding="utf-8")
-    with pytest.raises(DataError, match="cannot read .*broken.jsonl as jsonl"):
+    with pytest.raises(DataError, match=r"broken\.jsonl:2: not valid JSON \(Expecting value at column 10\)"):
         load_data(cfg(path, format="text"), byte, seed=0)
+    listed = tmp_path / "broken.json"
+    listed.write_text('[{"text": "a"},\n {"text": }]', encoding="utf-8")
+    with pytest.raises(
+        DataError, match=r"broken\.json: not valid JSON \(Expecting value at line 2, column 11\)"
+    ):
+        load_data(cfg(listed, format="text"), byte, seed=0)
 
 
 def test_non_utf8_bytes_name_the_file_and_line(byte, tmp_path):
@@ -323,7 +329,7 @@ def test_record_missing_a_field_is_counted_not_lost(byte, tmp_path):
     assert len(splits.train) == len(ALPACA)
     assert report.skipped == {"missing field 'output'": 2, "empty field 'output'": 1}
     assert report.read == report.kept + sum(report.skipped.values()) == 7
-    assert "skipped 2: missing field 'output' (e.g. a.jsonl record 5, a.jsonl record 6)" in report.summary()
+    assert "skipped 2: missing field 'output' (e.g. a.jsonl line 5, a.jsonl line 6)" in report.summary()
 
 
 def test_every_record_missing_the_field_says_which_and_what_the_file_has(byte, tmp_path):
@@ -340,7 +346,7 @@ def test_too_long_sample_follows_the_policy(byte, tmp_path, policy):
     path = write_jsonl(tmp_path / "t.jsonl", [{"text": "short"}, {"text": "x" * 40}])
     data = cfg(path, format="text", max_length=16, too_long=policy)
     if policy == "error":
-        with pytest.raises(DataError, match="t.jsonl record 2 has 42 tokens.*max_length=16"):
+        with pytest.raises(DataError, match="t.jsonl line 2 has 42 tokens.*max_length=16"):
             load_data(data, byte, seed=0)
         return
     splits = load_data(data, byte, seed=0)
@@ -552,3 +558,48 @@ def test_eval_batches_keep_order_and_the_short_last_batch():
     last = batches[-1]
     assert last["input_ids"][0, : len(samples[6].input_ids)].tolist() == list(samples[6].input_ids)
     assert last["input_ids"].shape[1] == len(samples[6].input_ids)
+
+
+# --- records are read one by one (issue 24) -----------------------------------------------------
+
+
+def test_one_odd_record_does_not_change_how_the_others_are_read(byte, tmp_path):
+    """A record whose content is not text must not retype the column for every other record: the
+    answers stay the strings they are ("16" is not 16), and only the odd record is skipped."""
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": f"{i} + {i}?"},
+                {"role": "assistant", "content": str(2 * i)},
+            ]
+        }
+        for i in range(50)
+    ]
+    odd = {"messages": [{"role": "user", "content": [1, 2]}, {"role": "assistant", "content": "3"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [*chats[:20], odd, *chats[20:]])
+    splits = load_data(cfg(path, format="chat"), byte, seed=0)
+    assert len(splits.train) == 50
+    answers = [byte.decode(s.input_ids[s.prompt_len :], skip_special_tokens=True) for s in splits.train]
+    assert answers == [str(2 * i) for i in range(50)]
+    reason = "malformed message (each needs a string 'role' and 'content')"
+    assert splits.report.skipped == {reason: 1}
+    assert splits.report.examples[reason] == ["c.jsonl line 21"]
+
+
+def test_blank_jsonl_lines_are_ignored_and_a_broken_line_is_named_by_file_and_line(byte, tmp_path):
+    path = tmp_path / "b.jsonl"
+    path.write_text('{"text": "one"}\n\n   \n{"text": \n{"text": "two"}\n[1, 2]\n\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"b\.jsonl:4: not valid JSON.*data\.on_bad_record: skip"):
+        load_data(cfg(path, format="text"), byte, seed=0)
+    splits = load_data(cfg(path, format="text", on_bad_record="skip"), byte, seed=0)
+    assert [byte.decode(s.input_ids, skip_special_tokens=True) for s in splits.train] == ["one", "two"]
+    report = splits.report
+    assert report.skipped == {"not valid JSON": 1, "not a JSON object": 1}
+    assert report.examples == {"not valid JSON": ["b.jsonl line 4"], "not a JSON object": ["b.jsonl line 6"]}
+    assert report.read == 4 == report.kept + sum(report.skipped.values())
+    blank_only = tmp_path / "fine.jsonl"
+    blank_only.write_text('\n{"text": "one"}\n\n{"text": "two"}\n\n', encoding="utf-8")
+    assert len(load_data(cfg(blank_only, format="text"), byte, seed=0).train) == 2
+    windows = tmp_path / "bom.jsonl"  # a BOM and CRLF line ends, as Windows editors save
+    windows.write_bytes(b'\xef\xbb\xbf{"text": "one"}\r\n\r\n{"text": "two"}\r\n')
+    assert len(load_data(cfg(windows, format="text"), byte, seed=0).train) == 2

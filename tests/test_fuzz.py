@@ -367,7 +367,17 @@ messages = st.one_of(
     junk,
     texts,
 )
-FIELDS = ["text", "instruction", "input", "output", "messages", "other"]
+turns = st.lists(  # ShareGPT's {from, value}
+    st.fixed_dictionaries(
+        {
+            "from": st.sampled_from(["human", "gpt", "system", "observation", "function_call", "x"]) | junk,
+            "value": texts | junk,
+        }
+    )
+    | junk,
+    max_size=4,
+)
+FIELDS = ["text", "instruction", "input", "output", "messages", "conversations", "system", "tools", "other"]
 
 
 prose = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12).map(lambda t: t + "ok")
@@ -383,6 +393,11 @@ GOOD = {  # records each format reads, of one shape (a file's columns keep their
             "messages": [*head, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
         }
     ),
+    "sharegpt": st.lists(st.fixed_dictionaries({"from": st.just("human"), "value": prose}), max_size=2).map(
+        lambda head: {
+            "conversations": [*head, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+        }
+    ),
 }
 SPOILS = [None, "", "   ", 7, [], "{input}"]
 
@@ -394,8 +409,8 @@ def records(draw):
         return draw(junk | texts)
     record = {}
     for name in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True)):
-        if name == "messages":
-            value = draw(messages)
+        if name in ("messages", "conversations", "tools"):
+            value = draw(messages | turns)
             record[name] = json.dumps(value) if draw(st.integers(0, 4)) == 0 else value
         else:
             record[name] = draw(texts | junk)
@@ -430,11 +445,23 @@ def _csv(rows: list) -> str:
     return out.getvalue()
 
 
-BROKEN_LINES = ["{", "not json", "", "[1, 2]", '"text"', "null", '{"text": "a"', "}{"]
+BROKEN_LINES = [
+    "{",
+    "not json",
+    "",
+    "   ",
+    "\r",
+    "[1, 2]",
+    '"text"',
+    "null",
+    '{"text": "a"',
+    "}{",
+    "[" * 5000,
+]
 
 data_configs = st.fixed_dictionaries(
     {
-        "format": st.sampled_from(["text", "instruction", "chat"]),
+        "format": st.sampled_from(["text", "instruction", "chat", "sharegpt"]),
         "max_length": st.sampled_from([1, 3, 16, 64, 1024, 1024]),
         "too_long": st.sampled_from(["skip", "truncate", "error"]),
         "add_eos": st.booleans(),
@@ -442,6 +469,7 @@ data_configs = st.fixed_dictionaries(
         "train_on_prompt": st.booleans(),
         "eval_fraction": st.sampled_from([0.0, 0.0, 0.5]),
         "file_type": st.sampled_from(["auto"] * 8 + ["jsonl", "csv", "text"]),
+        "on_bad_record": st.sampled_from(["error", "skip"]),
     }
 )
 
@@ -458,7 +486,7 @@ def data_cases(draw) -> tuple[str, bytes, dict]:
     if ext == ".jsonl":
         lines = [json.dumps(r) for r in rows]
         for at, line in draw(
-            st.lists(st.tuples(st.integers(0, 4), st.sampled_from(BROKEN_LINES)), max_size=1)
+            st.lists(st.tuples(st.integers(0, 4), st.sampled_from(BROKEN_LINES)), max_size=3)
         ):
             lines.insert(at, line)
         text = "\n".join(lines) + draw(st.sampled_from(["\n", "", "\n\n"]))
@@ -475,6 +503,10 @@ def data_cases(draw) -> tuple[str, bytes, dict]:
 DEEP_JSON = '{"text": "hi", "x": ' + "[" * 10_000 + "]" * 10_000 + "}\n"
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 TEXT = {"format": "text"}
+MIXED_CHAT = "".join(
+    json.dumps({"messages": [{"role": "user", "content": c}, {"role": "assistant", "content": "16"}]}) + "\n"
+    for c in ["q", [1, 2], "r"]
+)
 
 
 @fuzz(15)
@@ -489,6 +521,8 @@ TEXT = {"format": "text"}
 @example(
     (".jsonl", (json.dumps({"text": "x" * 20_000}) + "\n").encode(), {"format": "text", "max_length": 3})
 )
+@example((".jsonl", b'{"text": "a"}\n\n{"text": \n\n{"text": "b"}\n', {**TEXT, "on_bad_record": "skip"}))
+@example((".jsonl", MIXED_CHAT.encode(), {"format": "chat"}))  # found: one list content retyped the column
 def test_data_files_load_or_raise_data_error(data_dir, tokenizer, case):
     ext, content, options = case
     path = data_dir / f"train{ext}"
@@ -499,6 +533,8 @@ def test_data_files_load_or_raise_data_error(data_dir, tokenizer, case):
         return
     report = splits.report
     assert report.read == report.kept + sum(report.skipped.values())
+    if ext == ".jsonl" and cfg.file_type in ("auto", "jsonl"):  # every line that is not blank is a record
+        assert report.read == sum(1 for line in content.split(b"\n") if line.strip())
     assert report.kept == len(splits.train) + len(splits.eval) > 0
     for sample in splits.train + splits.eval:
         assert len(sample.input_ids) == len(sample.labels) <= cfg.max_length

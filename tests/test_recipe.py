@@ -226,7 +226,7 @@ def test_an_optimizer_setting_adamw_cannot_take_is_refused_when_the_recipe_loads
 def test_literal_choices_are_listed_with_the_nearest(tmp_path):
     path = write(tmp_path, MINIMAL.replace("t.jsonl\n", "t.jsonl\n  format: txt\n"))
     assert error_of(path) == (
-        f'{path}:5: data.format must be one of text, instruction, chat; got str "txt"; did you mean text?'
+        f'{path}:5: data.format must be one of text, instruction, chat, sharegpt; got str "txt"; did you mean text?'
     )
     message = error_of(write(tmp_path, MINIMAL + "run:\n  dtype: 16\n"))
     assert "run.dtype must be one of fp32, bf16, fp16; got int 16" in message
@@ -373,9 +373,9 @@ def test_the_reference_and_the_epilog_list_every_key():
         for f in dataclasses.fields(group.default_factory()):
             assert f"| `{f.name}` |" in page
             assert f"  {group.name}.{f.name} (" in epilog
-    assert "  data.train (str, required): Training data file" in epilog
+    assert "  data.train (str or list[str or dict], required): Training data file" in epilog
     assert "  run.max_steps (int or null, default null): " in epilog
-    assert "| `format` | text \\| instruction \\| chat | `instruction` |" in page
+    assert "| `format` | text \\| instruction \\| chat \\| sharegpt | `instruction` |" in page
     assert all(len(line) <= 100 for line in epilog.splitlines())
 
 

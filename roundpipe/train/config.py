@@ -65,14 +65,21 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    train: str = _f(REQUIRED, "Training data file: .jsonl, .json, .csv, .parquet or .txt.")
-    eval: str | None = _f(None, "Held-out data file (same formats). Default: split off `eval_fraction`.")
+    train: str | list[str | dict[str, Any]] = _f(
+        REQUIRED,
+        "Training data file (.jsonl, .json, .csv, .parquet or .txt), a dataset directory written by "
+        "`save_to_disk`, or a directory of .parquet / .arrow / .jsonl / .json / .csv files. Several "
+        "mixed by weight: a list of {path, weight} (or plain paths, weight 1); weight 2 repeats each "
+        "sample of that file twice an epoch, 0.5 takes a seeded half of them.",
+    )
+    eval: str | None = _f(None, "Held-out data (same kinds). Default: split off `eval_fraction`.")
     eval_fraction: float = _f(0.0, "Share of the training file held out for evaluation when `eval` is unset.")
-    format: Literal["text", "instruction", "chat"] = _f(
+    format: Literal["text", "instruction", "chat", "sharegpt"] = _f(
         "instruction",
         "text: one `text` field per sample; instruction: `instruction` / `input` / `output` "
-        "(Alpaca style); chat: `messages`, a list of {role, content}, rendered with the "
-        "tokenizer's chat template.",
+        "(Alpaca style); chat: `messages`, a list of {role, content} (OpenAI style, tool calls "
+        "included), rendered with the tokenizer's chat template; sharegpt: `conversations`, a list "
+        "of {from, value} (human, gpt, system, ...), rendered the same way.",
     )
     file_type: Literal["auto", "jsonl", "json", "csv", "parquet", "text"] = _f(
         "auto", "How to read the files; `auto` goes by the extension."
@@ -81,7 +88,15 @@ class DataConfig:
     instruction_field: str = _f("instruction", "Field holding the instruction (format: instruction).")
     input_field: str = _f("input", "Field holding the optional input (format: instruction).")
     output_field: str = _f("output", "Field holding the response (format: instruction).")
-    messages_field: str = _f("messages", "Field holding the conversation (format: chat).")
+    chat_template: Literal["chatml", "qwen", "llama3", "mistral", "gemma"] | None = _f(
+        None,
+        "Chat template by name for a tokenizer without one (a base model's); the tokenizer's own "
+        "template is always used when it has one (format: chat, sharegpt).",
+    )
+    messages_field: str | None = _f(
+        None,
+        "Field holding the conversation. Default: `messages` (format: chat), `conversations` (format: sharegpt).",
+    )
     prompt_template: str = _f(
         "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
         "Prompt of the instruction format; `{instruction}` and `{input}` are filled in.",
@@ -97,6 +112,11 @@ class DataConfig:
     max_length: int = _f(1024, "Longest sample in tokens (after the template).")
     too_long: Literal["skip", "truncate", "error"] = _f(
         "skip", "What to do with a longer sample: skip it (counted and logged), cut it, or stop."
+    )
+    on_bad_record: Literal["error", "skip"] = _f(
+        "error",
+        "A record that cannot be read at all (a JSON Lines line that is not valid JSON or not an "
+        "object): stop naming its file:line, or skip it (counted and named in the report).",
     )
     add_eos: bool = _f(True, "End every sample with the tokenizer's end-of-sequence token.")
     packing: bool = _f(False, "Pack samples into rows of `max_length` tokens; attention stays within each.")
@@ -250,6 +270,7 @@ class TrainConfig:
             )
         if self.data.train == REQUIRED:  # ==, not `is`: a dumped and re-read "<required>" is another str
             raise RecipeError("data.train is required: the path of the training data file")
+        self._check_data_files()
         for key, value in (
             ("run.batch_size", self.run.batch_size),
             ("run.grad_accum", self.run.grad_accum),
@@ -274,6 +295,33 @@ class TrainConfig:
         if self.lora.enabled and self.lora.rank < 1:
             raise RecipeError(f"lora.rank must be at least 1, got {self.lora.rank}")
         check_run_paths(self)  # nothing the run writes may lie outside its run directory
+
+    def _check_data_files(self) -> None:
+        """``data.train`` as a list: each entry a path, or a path and a positive weight."""
+        if not isinstance(self.data.train, list):
+            return
+        if not self.data.train:
+            raise RecipeError("data.train is an empty list: name at least one training data file")
+        if self.data.synthetic is not None:
+            raise RecipeError("data.synthetic writes one data.train file: data.train cannot be a list")
+        for i, entry in enumerate(self.data.train):
+            where = f"data.train[{i}]"
+            if isinstance(entry, str):
+                entry = {"path": entry}
+            unknown = sorted(set(entry) - {"path", "weight"})
+            if unknown:
+                raise RecipeError(f"{where}: unknown key {', '.join(unknown)}; an entry takes path, weight")
+            if not isinstance(entry.get("path"), str) or not entry["path"]:
+                raise RecipeError(
+                    f"{where} needs a path (a data file or directory), e.g. {{path: a.jsonl, weight: 1}}"
+                )
+            weight = entry.get("weight", 1.0)
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, (int, float))
+                or not (math.isfinite(weight) and weight > 0)
+            ):
+                raise RecipeError(f"{where}.weight must be a number > 0, got {weight!r}")
 
     def _check_optim(self) -> None:
         """What ``Pipeline.configure_optimizer`` (``optim.OptimizerConfig``) refuses, refused at load

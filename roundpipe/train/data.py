@@ -9,12 +9,12 @@ batches the pipeline trains on. Users' view of all this: ``docs/data.md``.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass, field
 
 from roundpipe.errors import DataError
+from roundpipe.train.chats import NAMED_TEMPLATES, BadChat, openai_messages, record_tools, sharegpt_messages
 from roundpipe.train.config import DataConfig
 from roundpipe.train.data_files import file_type_of, read_records
 
@@ -47,12 +47,15 @@ class DataReport:
         read: records read from all files (blank lines of a .txt file are not records).
         kept: samples built from them (``train + eval``).
         skipped: records dropped, per reason (e.g. ``"missing field 'output'"``).
-        examples: per skip reason, the first few places (``"train.jsonl record 4"``).
+        examples: per skip reason, the first few places (``"train.jsonl line 4"``).
         truncated: kept samples cut to ``max_length`` (``too_long: truncate``).
         max_length: the ``data.max_length`` the samples were held to.
-        train: samples for training; eval: held-out samples.
+        train: samples for training (an epoch's, after the files' weights); eval: held-out samples.
         eval_source: where the held-out samples come from (a file, or a share of the train file).
-        eval_in_train: held-out samples (from an eval file) identical to a training sample.
+        eval_in_train: held-out samples identical to a training sample (from an eval file, or
+            across the files of a ``data.train`` list).
+        notes: other lines for the log (a named chat template left unused).
+        mix: per ``data.train`` entry (a list of files), ``"PATH xWEIGHT -> N samples"``.
     """
 
     files: dict[str, int] = field(default_factory=dict)
@@ -66,6 +69,8 @@ class DataReport:
     eval: int = 0
     eval_source: str = ""
     eval_in_train: int = 0
+    mix: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def skip(self, reason: str, where: str) -> None:
         """Count one record dropped for ``reason``, found at ``where``."""
@@ -79,14 +84,17 @@ class DataReport:
         sources = ", ".join(f"{n} from {path}" for path, n in self.files.items())
         lines = [
             f"read {self.read} records ({sources})",
-            f"kept {self.kept}: {self.train} for training, {self.eval} held out ({self.eval_source})"
+            f"kept {self.kept}: {self.kept - self.eval} for training, {self.eval} held out ({self.eval_source})"
             if self.eval
             else f"kept {self.kept}, all for training (nothing held out: set data.eval or data.eval_fraction)",
         ]
+        if self.mix:
+            lines.append(f"mixed: {', '.join(self.mix)} ({self.train} training samples an epoch)")
         for reason, count in sorted(self.skipped.items(), key=lambda item: -item[1]):
             lines.append(f"skipped {count}: {reason} (e.g. {', '.join(self.examples[reason])})")
         if self.truncated:
             lines.append(f"truncated {self.truncated} to max_length ({self.max_length} tokens)")
+        lines += self.notes
         if self.eval_in_train:
             lines.append(f"warning: {self.eval_in_train} held-out samples also appear in the training data")
         return "\n".join(lines)
@@ -125,28 +133,24 @@ def _fill(template: str, values: dict[str, str]) -> str:
     return re.sub(r"\{(instruction|input)\}", lambda m: values[m.group(1)], template)
 
 
-def _messages(record: dict, name: str) -> list[dict]:
-    value = record.get(name)
-    if value is None:
+def messages_field(cfg: DataConfig) -> str:
+    """The field holding a conversation: ``data.messages_field``, else ``messages`` for
+    ``format: chat`` and ``conversations`` for ``format: sharegpt``."""
+    if cfg.messages_field:
+        return cfg.messages_field
+    return "conversations" if cfg.format == "sharegpt" else "messages"
+
+
+def _messages(record: dict, cfg: DataConfig) -> list[dict]:
+    name = messages_field(cfg)
+    if record.get(name) is None:
         raise _Skip(f"missing field {name!r}")
-    if isinstance(value, str):  # a CSV cell, or a JSON string holding the list
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError):  # RecursionError: nested too deeply for the parser
-            raise _Skip(f"field {name!r} is not a list of messages") from None
-    if not isinstance(value, list) or not value:
-        raise _Skip(f"field {name!r} is not a list of messages")
-    messages = []
-    for message in value:
-        if (
-            not isinstance(message, dict)
-            or not isinstance(message.get("role"), str)
-            or not isinstance(message.get("content"), str)
-        ):
-            raise _Skip("malformed message (each needs a string 'role' and 'content')")
-        # Readers fill keys other records have with None; a template would render them.
-        messages.append({k: v for k, v in message.items() if v is not None})
-    return messages
+    try:
+        if cfg.format == "sharegpt":
+            return sharegpt_messages(record, name)
+        return openai_messages(record[name], name)
+    except BadChat as bad:
+        raise _Skip(bad.args[0]) from None
 
 
 def _common_prefix(prefix: list[int], full: list[int]) -> int:
@@ -169,13 +173,31 @@ class _Encoder:
                 "the tokenizer has no eos token, which data.add_eos (and packing) needs: set "
                 "data.add_eos: false and data.packing: false, or use a tokenizer with an eos token"
             )
-        if cfg.format == "chat" and not getattr(tokenizer, "chat_template", None):
-            raise DataError(
-                "format: chat needs a tokenizer with a chat template, and this one has none: use a "
-                "tokenizer whose tokenizer_config.json (or chat_template.jinja) has one, or format: instruction"
-            )
+        self.notes: list[str] = []
+        if cfg.format in ("chat", "sharegpt"):
+            self._choose_template(tokenizer)
+        self.template_text = str(getattr(tokenizer, "chat_template", "") or "")
         # A packed sample must end with eos: it is what separates it from the next one in a row.
         self.tail = [self.eos] if cfg.add_eos or cfg.packing else []
+
+    def _choose_template(self, tokenizer) -> None:
+        """The tokenizer's own chat template; else the one ``data.chat_template`` names, which the
+        tokenizer then carries (so an export saves the template the model was trained with)."""
+        named = self.cfg.chat_template
+        if getattr(tokenizer, "chat_template", None):
+            if named:
+                self.notes.append(
+                    f"data.chat_template {named} is not used: the tokenizer has its own chat template"
+                )
+            return
+        if not named:
+            raise DataError(
+                f"format: {self.cfg.format} needs a chat template, and this tokenizer has none: set "
+                f"data.chat_template: chatml (or {', '.join(n for n in NAMED_TEMPLATES if n != 'chatml')}) "
+                f"to the format the model should learn, use a tokenizer whose tokenizer_config.json "
+                f"(or chat_template.jinja) has one, or format: instruction"
+            )
+        tokenizer.chat_template = NAMED_TEMPLATES[named]
 
     def encode(self, text: str, special: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"])
@@ -187,9 +209,9 @@ class _Encoder:
             return ids, list(ids), 0
         if fmt == "instruction":
             return self._instruction(record)
-        if fmt == "chat":
+        if fmt in ("chat", "sharegpt"):
             return self._chat(record)
-        raise DataError(f"unknown data.format {fmt!r}: use text, instruction or chat")
+        raise DataError(f"unknown data.format {fmt!r}: use text, instruction, chat or sharegpt")
 
     def _instruction(self, record: dict) -> tuple[list[int], list[int], int]:
         cfg = self.cfg
@@ -202,30 +224,39 @@ class _Encoder:
         labels = (prompt if cfg.train_on_prompt else [IGNORE] * len(prompt)) + answer
         return prompt + answer, labels, len(prompt)
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: list | None) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
             )
         except Exception as error:
             raise _Skip(f"chat template error: {str(error)[:80]}") from None
         return self.encode(text, False)
 
     def _chat(self, record: dict) -> tuple[list[int], list[int], int]:
-        messages = _messages(record, self.cfg.messages_field)
+        messages = _messages(record, self.cfg)
+        try:
+            tools = record_tools(record)
+        except BadChat as bad:
+            raise _Skip(bad.args[0]) from None
+        # A template that does not read tool calls or definitions would drop them without a word.
+        if tools and "tools" not in self.template_text:
+            raise _Skip("tool definitions, which the chat template does not render")
+        if any("tool_calls" in m for m in messages) and "tool_calls" not in self.template_text:
+            raise _Skip("tool calls, which the chat template does not render")
         turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
         if not turns:
             raise _Skip("no assistant turn")
         messages = messages[: turns[-1] + 1]  # what follows the last answer carries no loss
-        ids = self._render(messages, False)
+        ids = self._render(messages, False, tools)
         # An assistant turn spans from the end of the conversation before it (with the generation
         # prompt, i.e. the assistant header) to the end of the conversation through it. Templates
         # that render a prefix differently inside the whole conversation are handled by keeping
         # only what the prefix and the whole share.
         spans = []
         for i in turns:
-            start = _common_prefix(self._render(messages[:i], True), ids)
-            end = _common_prefix(self._render(messages[: i + 1], False), ids)
+            start = _common_prefix(self._render(messages[:i], True, tools), ids)
+            end = _common_prefix(self._render(messages[: i + 1], False, tools), ids)
             spans.append((start, max(start, end)))
         prompt_len = spans[-1][0]
         if self.tail and self.eos not in ids[prompt_len:]:
@@ -243,6 +274,7 @@ _FIELD_KEYS = {
     "text": ("text_field",),
     "instruction": ("instruction_field", "output_field"),
     "chat": ("messages_field",),
+    "sharegpt": ("messages_field",),
 }
 
 
@@ -254,11 +286,21 @@ def _samples_from_file(path: str, cfg: DataConfig, encoder: _Encoder, report: Da
             f"{path} is a plain-text file (one sample per line), which only data.format: text reads; "
             f"for format {cfg.format} give a .jsonl, .json, .csv or .parquet file"
         )
-    records, columns = read_records(path, kind, cfg.text_field)
-    report.files[path] = len(records)
-    report.read += len(records)
+    found = read_records(path, kind, cfg.text_field)
+    records, columns = found.records, found.columns
+    if found.bad and cfg.on_bad_record == "error":
+        first = found.bad[0]
+        more = f" ({len(found.bad)} such records in the file)" if len(found.bad) > 1 else ""
+        raise DataError(
+            f"{first.location}: {first.reason} ({first.detail}){more}. Fix or delete the record, or "
+            f"set data.on_bad_record: skip to skip such records (each is counted in the data report)"
+        )
+    report.files[path] = len(records) + len(found.bad)
+    report.read += len(records) + len(found.bad)
     report.max_length = cfg.max_length
     skipped_before = dict(report.skipped)
+    for bad in found.bad:
+        report.skip(bad.reason, bad.where)
     samples = []
     for where, record in records:
         try:
@@ -290,7 +332,11 @@ def _samples_from_file(path: str, cfg: DataConfig, encoder: _Encoder, report: Da
         }
         reasons = "; ".join(f"{reason} ({n})" for reason, n in here.items())
         message = f"no usable sample in {path}: every record was skipped: {reasons}."
-        missing = [key for key in _FIELD_KEYS[cfg.format] if f"missing field {getattr(cfg, key)!r}" in here]
+        field_of = {
+            key: messages_field(cfg) if key == "messages_field" else getattr(cfg, key)
+            for key in _FIELD_KEYS[cfg.format]
+        }
+        missing = [key for key, name in field_of.items() if f"missing field {name!r}" in here]
         if missing:
             message += (
                 f" The file has the fields {', '.join(map(repr, columns))}: set "
@@ -345,17 +391,49 @@ def load_data(cfg: DataConfig, tokenizer, seed: int) -> DataSplits:
             format needs (an eos token, a chat template).
     """
     encoder = _Encoder(cfg, tokenizer)
-    report = DataReport()
-    train = _samples_from_file(cfg.train, cfg, encoder, report)
+    report = DataReport(notes=list(encoder.notes))
+    sources = train_files(cfg)
+    mixing = isinstance(cfg.train, list)
+    parts = [_samples_from_file(path, cfg, encoder, report) for path, _ in sources]
+    held_out: list[Sample] = []
     if cfg.eval:
         held_out = _samples_from_file(cfg.eval, cfg, encoder, report)
         report.eval_source = f"from {cfg.eval}"
+    elif cfg.eval_fraction > 0:
+        for i, part in enumerate(parts):  # from each file, before its weight repeats a sample
+            parts[i], held = _hold_out(part, cfg.eval_fraction, seed)
+            held_out += held
+        names = ", ".join(path for path, _ in sources)
+        report.eval_source = f"{cfg.eval_fraction:.0%} of {names}, seed {seed}"
+    train: list[Sample] = []
+    for (path, weight), part in zip(sources, parts):
+        mixed = _weighted(part, weight, f"roundpipe-mix-{seed}-{path}") if mixing else part
+        if mixing:
+            report.mix.append(f"{path} x{weight:g} -> {len(mixed)} samples")
+        train += mixed
+    if not train:
+        raise DataError(
+            f"data.train's weights leave no training sample ({'; '.join(report.mix)}): raise the weights"
+        )
+    if held_out:
         seen = {sample.input_ids for sample in train}
         report.eval_in_train = sum(sample.input_ids in seen for sample in held_out)
-    elif cfg.eval_fraction > 0:
-        train, held_out = _hold_out(train, cfg.eval_fraction, seed)
-        report.eval_source = f"{cfg.eval_fraction:.0%} of {cfg.train}, seed {seed}"
-    else:
-        held_out = []
     report.train, report.eval = len(train), len(held_out)
     return DataSplits(train=train, eval=held_out, report=report)
+
+
+def train_files(cfg: DataConfig) -> list[tuple[str, float]]:
+    """``data.train`` as ``(path, weight)`` pairs: one file of weight 1, or the list's entries."""
+    if isinstance(cfg.train, str):
+        return [(cfg.train, 1.0)]
+    entries = [{"path": e} if isinstance(e, str) else e for e in cfg.train]
+    return [(e["path"], float(e.get("weight", 1.0))) for e in entries]
+
+
+def _weighted(samples: list[Sample], weight: float, seed: str) -> list[Sample]:
+    """``weight`` times the samples: ``int(weight)`` copies of each, then a seeded choice of the
+    remaining fraction of them (each at most once), in file order."""
+    whole = int(weight)
+    extra = round((weight - whole) * len(samples))
+    picks = sorted(random.Random(seed).sample(range(len(samples)), extra))
+    return samples * whole + [samples[i] for i in picks]

@@ -1,38 +1,132 @@
-"""Local data files -> records, offline: the ``datasets`` readers behind the checks they need.
+"""Local data files -> records, offline, each record read on its own.
 
 ``read_records`` reads one file (JSON Lines, JSON, CSV, Parquet or plain text) into
-``(where, fields)`` records, each named by its place in the file (``"data.jsonl record 3"``), so a
-skip or an error can point at it. Before a reader sees the bytes, a file that is not UTF-8 is
-refused naming the line, and so is JSON that Arrow's reader would crash the process on instead of
-raising (nesting thousands deep, null records). What a record becomes is ``data.py``'s business.
+``(where, fields)`` records, each named by its place in the file (``"data.jsonl line 3"``), so a
+skip or an error can point at it. JSON and JSON Lines are parsed here, one record at a time with
+``json.loads``: no schema is inferred across records, so one odd record cannot change how the
+others read (a ``datasets`` reader typed a whole column as JSON and turned ``"16"`` into 16), and a
+line that does not parse is one ``BadRecord`` with its line, not a failed file. CSV (every cell
+text), Parquet and plain text go through ``datasets``' readers. A file that is not UTF-8 is refused
+naming the line. What a record becomes is ``data.py``'s business.
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import json
 import os
-import re
 import tempfile
-
-import numpy as np
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from roundpipe.errors import DataError
 
 _FILE_TYPES = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-# Arrow's JSON reader takes at most 64 levels of nesting (deeper fails), and it crashes the process
-# (a stack overflow, no exception) on some thousands: files nested deeper than this are refused first
-# (``_check_json``, which also refuses the null records that crash it).
-MAX_JSON_DEPTH = 100
-_JSON_STRING = re.compile(rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"')
-_BRACKET_STEP = np.zeros(256, dtype=np.int8)  # byte -> change of the nesting depth
-_BRACKET_STEP[[ord("["), ord("{")]], _BRACKET_STEP[[ord("]"), ord("}")]] = 1, -1
-_NULL_AT_LINE_START = re.compile(rb"^[ \t\r]*null", re.MULTILINE)
-_NULL_FIRST_ITEM = re.compile(rb"\s*\[\s*null")
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    """A record that could not be read at all: ``where`` names it as records are named
+    (``"data.jsonl line 4"``), ``location`` as an editor does (``"data/data.jsonl:4"``), ``reason``
+    is what the report counts it under (``"not valid JSON"``) and ``detail`` what the parser said."""
+
+    where: str
+    location: str
+    reason: str
+    detail: str
+
+
+@dataclass
+class FileRecords:
+    """What ``read_records`` found in one file: ``records`` as ``(where, fields)`` in file order,
+    ``columns`` the fields they have, ``bad`` the records that could not be read."""
+
+    records: list[tuple[str, dict]]
+    columns: list[str]
+    bad: list[BadRecord] = field(default_factory=list)
+
+
+def _json_value(text: str):
+    """``json.loads``, with nesting too deep for the parser as a ValueError like any other."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except json.JSONDecodeError as error:  # its message counts lines and characters from 1 and 0
+        raise ValueError(f"{error.msg} at line {error.lineno}, column {error.colno}") from None
+
+
+def _json_lines(path: str, lines: Iterable[bytes]) -> FileRecords:
+    """One JSON object per line (``lines`` split at each ``\\n`` only); blank lines are no records,
+    and a line that does not parse or is not an object is a ``BadRecord`` naming its line."""
+    name, found = os.path.basename(path), FileRecords([], [])
+    columns: dict[str, None] = {}
+    for number, line in enumerate(lines, 1):
+        line = line.removesuffix(b"\n")
+        if number == 1:
+            line = line.removeprefix(b"\xef\xbb\xbf")  # a BOM
+        if not line.strip():
+            continue
+        where, location = f"{name} line {number}", f"{path}:{number}"
+        try:
+            value = _json_value(line.decode("utf-8"))
+        except ValueError as error:
+            detail = str(error).replace("at line 1, column", "at column")
+            found.bad.append(BadRecord(where, location, "not valid JSON", detail))
+            continue
+        if not isinstance(value, dict):
+            kind = "null" if value is None else type(value).__name__
+            found.bad.append(BadRecord(where, location, "not a JSON object", f"a JSON {kind}"))
+            continue
+        columns.update(dict.fromkeys(value))
+        found.records.append((where, value))
+    found.columns = list(columns)
+    return found
+
+
+def _json_file(path: str, data: bytes) -> FileRecords:
+    """A JSON list of objects, one JSON object, or (when the text is neither) JSON Lines."""
+    text = data.decode("utf-8")
+    if not text.lstrip().startswith("["):
+        try:
+            value = _json_value(text)
+        except ValueError:
+            return _json_lines(path, data.split(b"\n"))
+        value = [value]
+    else:
+        try:
+            value = _json_value(text)
+        except ValueError as error:
+            raise DataError(
+                f"{path}: not valid JSON ({error}). A .json file holds one list of records; fix "
+                f"it there, or write one record per line (.jsonl), where a broken line is skipped "
+                f"with data.on_bad_record: skip"
+            ) from None
+    name, found = os.path.basename(path), FileRecords([], [])
+    columns: dict[str, None] = {}
+    for number, item in enumerate(value, 1):
+        where = f"{name} record {number}"
+        if not isinstance(item, dict):
+            kind = "null" if item is None else type(item).__name__
+            found.bad.append(
+                BadRecord(where, f"{path} record {number}", "not a JSON object", f"a JSON {kind}")
+            )
+            continue
+        columns.update(dict.fromkeys(item))
+        found.records.append((where, item))
+    found.columns = list(columns)
+    return found
+
+
+_DIRECTORY_FILES = (".parquet", ".arrow", ".jsonl", ".json", ".csv")  # what a data directory may hold
 
 
 def file_type_of(path: str, file_type: str) -> str:
-    """``file_type`` itself, or for ``auto`` the type its extension names (DataError if none)."""
+    """``file_type`` itself, ``directory`` for a directory, or for ``auto`` the type its extension
+    names (DataError if none)."""
+    if os.path.isdir(path):
+        return "directory"
     if file_type != "auto":
         return file_type
     ext = os.path.splitext(path)[1].lower()
@@ -70,55 +164,6 @@ def _check_utf8(path: str) -> None:
             carry = data[cut:]
 
 
-def _check_json(path: str) -> None:
-    """Refuse, naming the line, the JSON that Arrow's JSON reader (under ``datasets``) crashes the
-    whole process on instead of raising: values nested thousands deep (a stack overflow), and a
-    record that is ``null`` (a block of JSON Lines that starts with one; a list of objects whose
-    first item is one). Nesting beyond ``MAX_JSON_DEPTH`` is refused, deeper than any reader takes."""
-    depth, lines_before, carry = 0, 0, b""
-    first, null_first, has_object = True, False, False
-    with open(path, "rb") as file:
-        while True:
-            chunk = file.read(1 << 24)
-            if first:
-                chunk = chunk.removeprefix(b"\xef\xbb\xbf")  # a BOM, which the reader drops
-                first, null_first = False, bool(_NULL_FIRST_ITEM.match(chunk))
-            data = carry + chunk
-            # A JSON string never holds a raw newline, so cutting after one never splits a string.
-            cut = len(data) if not chunk else data.rfind(b"\n") + 1
-            # Brackets inside strings do not nest: drop the strings (the newlines stay where they were).
-            part = _JSON_STRING.sub(b'""', data[:cut])
-            steps = _BRACKET_STEP[np.frombuffer(part, dtype=np.uint8)]
-            levels = np.cumsum(steps, dtype=np.int64) + depth  # the depth after each byte
-            if levels.size and levels.max() > MAX_JSON_DEPTH:
-                line = lines_before + part.count(b"\n", 0, int(levels.argmax())) + 1
-                raise DataError(
-                    f"{path} line {line}: the JSON nests more than {MAX_JSON_DEPTH} arrays or objects "
-                    f"deep, which the JSON reader cannot take; flatten the record (a sample needs "
-                    f"at most a list of messages)"
-                )
-            for null in _NULL_AT_LINE_START.finditer(part):
-                at = null.end() - len(b"null")
-                if levels[at] == 0:  # a record of its own, not a value inside one
-                    line = lines_before + part.count(b"\n", 0, at) + 1
-                    raise DataError(
-                        f"{path} line {line}: a record is null, not a JSON object; delete the line "
-                        f'(each record is an object such as {{"text": "..."}})'
-                    )
-            has_object = has_object or b"{" in part
-            if levels.size:
-                depth = int(levels[-1])
-            if not chunk:
-                break
-            lines_before += data[:cut].count(b"\n")
-            carry = data[cut:]
-    if null_first and has_object:
-        raise DataError(
-            f"{path}: the first record of the list is null, not a JSON object; delete it "
-            f'(each record is an object such as {{"text": "..."}})'
-        )
-
-
 @contextlib.contextmanager
 def _quiet_datasets():
     """Silence the datasets library's progress bars and error logs (our DataError says it)."""
@@ -136,21 +181,80 @@ def _quiet_datasets():
             datasets.enable_progress_bars()
 
 
-def read_records(
-    path: str, file_type: str = "auto", text_field: str = "text"
-) -> tuple[list[tuple[str, dict]], list[str]]:
+def _read_directory(path: str, text_field: str) -> FileRecords:
+    """A dataset saved with ``datasets``' ``save_to_disk``, or a directory of data files of one type
+    (``.parquet``, ``.arrow``, ``.jsonl``, ``.json`` or ``.csv``), read in name order."""
+    name = os.path.basename(os.path.normpath(path))
+    if os.path.exists(os.path.join(path, "dataset_dict.json")):
+        splits = sorted(e for e in os.listdir(path) if os.path.isdir(os.path.join(path, e)))
+        raise DataError(
+            f"{path} holds a dataset with the splits {', '.join(splits)} (a DatasetDict saved with "
+            f"save_to_disk): name one split's directory, e.g. {os.path.join(path, splits[0] if splits else 'train')}"
+        )
+    if os.path.exists(os.path.join(path, "state.json")):
+        with _quiet_datasets() as datasets:
+            try:
+                table = datasets.load_from_disk(path)
+                rows, columns = table.to_list(), list(table.column_names)
+            except Exception as error:
+                raise DataError(
+                    f"cannot read {path} as a dataset saved with save_to_disk: {error}"
+                ) from error
+        if not rows:
+            raise DataError(f"{path} holds no records")
+        return FileRecords([(f"{name} record {i}", row) for i, row in enumerate(rows, 1)], columns)
+    files = sorted(
+        e for e in os.listdir(path) if os.path.isfile(os.path.join(path, e)) and not e.startswith(".")
+    )
+    kinds = sorted({os.path.splitext(e)[1].lower() for e in files} & set(_DIRECTORY_FILES))
+    if len(kinds) != 1:
+        found = f"files of the types {', '.join(kinds)}" if kinds else "no data files"
+        raise DataError(
+            f"{path} is a directory with {found}: a data directory is one saved with save_to_disk, or "
+            f"holds files of one type ({', '.join(_DIRECTORY_FILES)}); name a file instead, or "
+            f"move the others out"
+        )
+    merged = FileRecords([], [])
+    columns: dict[str, None] = {}
+    for entry in (e for e in files if e.lower().endswith(kinds[0])):
+        part = os.path.join(path, entry)
+        if kinds[0] == ".arrow":
+            with _quiet_datasets() as datasets:
+                try:
+                    table = datasets.Dataset.from_file(part, in_memory=True)
+                    rows = table.to_list()
+                except Exception as error:
+                    raise DataError(f"cannot read {part} as an Arrow file: {error}") from error
+            found = FileRecords(
+                [(f"{entry} record {i}", r) for i, r in enumerate(rows, 1)], table.column_names
+            )
+        else:
+            found = read_records(part, "auto", text_field)
+        merged.records += found.records
+        merged.bad += found.bad
+        columns.update(dict.fromkeys(found.columns))
+    merged.columns = list(columns)
+    if not merged.records and not merged.bad:
+        raise DataError(f"{path} holds no records")
+    return merged
+
+
+def read_records(path: str, file_type: str = "auto", text_field: str = "text") -> FileRecords:
     """Read a local data file into records, offline.
 
     Args:
         path: the file.
-        file_type: ``auto`` (by extension), ``jsonl``, ``json`` (a list of records, or JSON Lines),
-            ``csv`` (a header row; every column read as text), ``parquet`` or ``text`` (one record
-            per non-blank line, under ``text_field``).
+        file_type: ``auto`` (by extension), ``jsonl``, ``json`` (a list of records, one record, or
+            JSON Lines), ``csv`` (a header row; every column read as text), ``parquet`` or ``text``
+            (one record per non-blank line, under ``text_field``).
         text_field: the field a ``text`` file's lines go into.
 
     Returns:
-        ``(records, columns)``: each record as ``(where, fields)``, ``where`` naming its place
-        (``"data.jsonl record 3"``, ``"notes.txt line 7"``); ``columns`` the fields the file has.
+        ``FileRecords``: each record as ``(where, fields)``, ``where`` naming its place
+        (``"data.jsonl line 3"``, ``"data.json record 3"``, ``"notes.txt line 7"``); the fields the
+        file has; and the records that could not be read (a JSON Lines line that does not parse or
+        is not an object; a list item that is not an object), which the caller counts or refuses.
+        Blank lines are no records.
 
     Raises:
         DataError: the file is missing, empty, not UTF-8, unreadable as ``file_type``, or holds no
@@ -158,6 +262,8 @@ def read_records(
     """
     if not os.path.exists(path):
         raise DataError(f"data file not found: {path} (working directory: {os.getcwd()})")
+    if os.path.isdir(path):
+        return _read_directory(path, text_field)
     if not os.path.isfile(path):
         raise DataError(f"{path} is not a file: name one data file (.jsonl, .json, .csv, .parquet, .txt)")
     kind = file_type_of(path, file_type)
@@ -166,14 +272,19 @@ def read_records(
     if kind != "parquet":
         _check_utf8(path)
     if kind in ("json", "jsonl"):
-        _check_json(path)
+        with open(path, "rb") as file:  # a binary file's lines end at b"\n" only, as JSON Lines' do
+            if kind == "jsonl":
+                found = _json_lines(path, file)
+            else:
+                found = _json_file(path, file.read().removeprefix(b"\xef\xbb\xbf"))
+        if not found.records and not found.bad:
+            raise DataError(f"{path} holds no records")
+        return found
 
     with _quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="roundpipe-data-") as cache:
         # The cache lives only while the file is read: nothing lands in ~/.cache.
         try:
-            if kind in ("json", "jsonl"):
-                table = datasets.Dataset.from_json(path, cache_dir=cache)
-            elif kind == "csv":
+            if kind == "csv":
                 with open(path, newline="", encoding="utf-8") as file:
                     header = next(csv.reader(file), [])
                 strings = datasets.Features({name: datasets.Value("string") for name in header})
@@ -210,4 +321,4 @@ def read_records(
         records = [(f"{name} record {i}", row) for i, row in enumerate(rows, 1)]
     if not records:
         raise DataError(f"{path} holds no records")
-    return records, columns
+    return FileRecords(records, columns)

@@ -20,12 +20,14 @@ BYTE_VOCAB_SIZE = 259
 PAD_ID, BOS_ID, EOS_ID = 256, 257, 258
 
 # Role headers are plain bytes; an assistant turn ends with the eos token, so a model trained on
-# chats learns to stop there, and roundpipe.train.data finds that eos inside the answer.
+# chats learns to stop there, and roundpipe.train.data finds that eos inside the answer. Other turns
+# end with a newline, written as an expression: transformers renders templates with trim_blocks,
+# which drops a literal newline right after a block tag.
 BYTE_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}\n{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
