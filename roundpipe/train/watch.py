@@ -11,6 +11,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +90,11 @@ def _tensorboard_writer(run_dir: Path, wanted: bool | str):
 
 
 class Progress:
-    """A tqdm bar over optimizer steps showing loss, tokens/s, ETA and the workers' idle share;
-    plain lines instead when progress bars are off or the output is not a terminal; nothing at all
-    when ``silent`` (the ranks other than 0 of a data-parallel run)."""
+    """A tqdm bar over optimizer steps showing loss, tokens/s, ETA and the workers' idle share, or
+    none when progress bars are off, the output is not a terminal, or ``silent`` (the ranks other
+    than 0 of a data-parallel run). ``update`` gives the step's line every ``every`` steps (the
+    caller logs it: on the screen where there is no bar, in ``train.log`` always); ``write`` shows
+    any other line above the bar, which it redraws below, so no line is written into the bar."""
 
     def __init__(self, total: int, start: int, enabled: bool, every: int, *, silent: bool = False):
         self.every = every
@@ -104,32 +107,38 @@ class Progress:
             self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
         self.total = total
 
-    def update(self, step: int, loss: float, tokens_per_s: float, idle: float, lr: float) -> None:
-        if self.silent:
-            return
+    @property
+    def has_bar(self) -> bool:
+        return self._bar is not None
+
+    def update(self, step: int, loss: float, tokens_per_s: float, idle: float, lr: float) -> str | None:
+        """Advance to ``step``; its line when it is one to log (every ``every`` steps, and the last)."""
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", idle=f"{idle:.0%}")
-        elif step % self.every == 0 or step == self.total:
-            per_step = (time.monotonic() - self._t0) / max(1, step - self._start)
-            eta = per_step * (self.total - step)
-            print(
-                f"step {step:5d}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  "
-                f"{tokens_per_s:,.0f} tokens/s  workers idle {idle:.0%}  ETA {eta // 60:.0f}:{eta % 60:02.0f}",
-                flush=True,
-            )
+        if self.silent or not (step % self.every == 0 or step == self.total):
+            return None
+        per_step = (time.monotonic() - self._t0) / max(1, step - self._start)
+        eta = per_step * (self.total - step)
+        return (
+            f"step {step:5d}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  "
+            f"{tokens_per_s:,.0f} tokens/s  workers idle {idle:.0%}  ETA {eta // 60:.0f}:{eta % 60:02.0f}"
+        )
 
-    def write(self, text: str) -> None:
+    def write(self, text: str, echo: Callable[[str], Any] = print) -> None:
+        """``echo(text)``, with the bar cleared first and drawn again after it."""
         if self.silent:
             return
-        if self._bar is not None:
-            self._bar.write(text)
-        else:
-            print(text, flush=True)
+        if self._bar is None:
+            echo(text)
+            return
+        with self._bar.external_write_mode():
+            echo(text)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
 
 
 def save_loss_curve(metrics: MetricsLog, path: Path, title: str) -> None:
