@@ -93,3 +93,81 @@ def test_the_forecast_says_how_far_to_trust_it_for_its_backend():
         microbatches=2, lora_rank=None, dtype="fp32", optimizer_mode="sync",
     ).text  # fmt: skip
     assert "predicts" in text and "rough" in text, text
+
+
+# --- Weights & Biases and trackio ------------------------------------------------------------------
+
+
+class _FakeTracker:
+    """A stand-in for the ``wandb`` / ``trackio`` module: records the calls made to it."""
+
+    def __init__(self, name: str):
+        self.__name__ = name
+        self.calls: list[tuple] = []
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        return self
+
+    def log(self, data, step=None):
+        self.calls.append(("log", dict(data), step))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def _metrics_with(tmp_path, monkeypatch, name: str):
+    from roundpipe.train.config import LoggingConfig
+    from roundpipe.train.watch import MetricsLog
+
+    fake = _FakeTracker(name)
+    monkeypatch.setitem(sys.modules, name, fake)
+    config = LoggingConfig(tensorboard=False, **{name: True}, project="p")
+    metrics = MetricsLog(tmp_path, config, run_name="r", settings={"optim": {"lr": 0.1}})
+    metrics.log({"kind": "train", "step": 1, "loss": 2.5, "lr": 0.1, "skipped": True})
+    metrics.log({"kind": "eval", "step": 1, "loss": 2.0})
+    metrics.close()
+    return fake.calls
+
+
+def test_wandb_gets_the_run_its_settings_every_row_and_a_finish(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    calls = _metrics_with(tmp_path, monkeypatch, "wandb")
+    init = calls[0][1]
+    assert init["project"] == "p" and init["name"] == "r" and init["config"] == {"optim": {"lr": 0.1}}
+    assert "mode" not in init  # offline or online is wandb's own setting (WANDB_MODE), not overridden
+    assert Path(init["dir"]).resolve() == tmp_path.resolve()
+    assert calls[1:] == [
+        ("log", {"train/loss": 2.5, "train/lr": 0.1, "train/skipped": True}, 1),
+        ("log", {"eval/loss": 2.0}, 1),
+        ("finish",),
+    ]
+
+
+def test_trackio_gets_the_run_its_settings_every_row_and_a_finish(tmp_path, monkeypatch):
+    calls = _metrics_with(tmp_path, monkeypatch, "trackio")
+    assert calls[0] == ("init", {"project": "p", "name": "r", "config": {"optim": {"lr": 0.1}}})
+    assert calls[1:] == [
+        ("log", {"train/loss": 2.5, "train/lr": 0.1, "train/skipped": True}, 1),
+        ("log", {"eval/loss": 2.0}, 1),
+        ("finish",),
+    ]
+
+
+def test_a_tracker_asked_for_but_not_installed_is_refused_when_the_recipe_loads(tmp_path, monkeypatch):
+    import pytest
+
+    from roundpipe.errors import RecipeError
+    from roundpipe.train import config as config_module
+    from roundpipe.train.recipe import load_recipe
+
+    monkeypatch.setattr(config_module, "package_installed", lambda name: name not in ("wandb", "trackio"))
+    for name in ("wandb", "trackio"):
+        path = tmp_path / "recipe.yaml"
+        path.write_text(f"model:\n  path: /m\ndata:\n  train: t.jsonl\nlogging:\n  {name}: true\n")
+        with pytest.raises(RecipeError) as info:
+            load_recipe(path)
+        assert str(info.value) == (
+            f"{path}:6: logging.{name} is true but {name} is not installed: "
+            f"pip install 'roundpipe[{name}]', or set logging.{name}: false"
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal
@@ -87,18 +88,18 @@ def _two_counts(key: str, value: Any) -> None:
 
 def package_installed(name: str) -> bool:
     """Whether the package ``name`` can be imported (found without importing it)."""
-    return importlib.util.find_spec(name) is not None
+    return name in sys.modules or importlib.util.find_spec(name) is not None
 
 
-def _extra(package: str, extra: str) -> Check:
-    """``true`` needs the optional package (``pip install 'roundpipe[EXTRA]'``); ``auto`` uses it
-    when it is there."""
+def _extra(package: str, extra: str, *, off: str = "auto") -> Check:
+    """``true`` needs the optional package (``pip install 'roundpipe[EXTRA]'``); ``off`` is the
+    value that does without it (``auto`` uses it when it is there)."""
 
     def check(key: str, value: Any) -> None:
         if value is True and not package_installed(package):
             raise RecipeError(
                 f"{key} is true but {package} is not installed: pip install 'roundpipe[{extra}]', "
-                f"or set {key}: auto"
+                f"or set {key}: {off}"
             )
 
     return check
@@ -331,6 +332,23 @@ class LoggingConfig:
         "Write TensorBoard events: true, false, or auto (when installed). true needs the `tensorboard` "
         "extra, checked when the recipe loads.",
         _extra("tensorboard", "tensorboard"),
+    )
+    wandb: bool = _f(
+        False,
+        "Log the metrics to Weights & Biases (the `wandb` extra, checked when the recipe loads), "
+        "with the resolved recipe as the run's config. Online or offline is wandb's own setting "
+        "(`WANDB_MODE=offline`, `wandb offline`); roundpipe does not override it.",
+        _extra("wandb", "wandb", off="false"),
+    )
+    trackio: bool = _f(
+        False,
+        "Log the metrics to trackio (the `trackio` extra, checked when the recipe loads), with the "
+        "resolved recipe as the run's config. trackio keeps them on this machine (`TRACKIO_DIR`); "
+        "roundpipe never asks it to sync to a Space.",
+        _extra("trackio", "trackio", off="false"),
+    )
+    project: str = _f(
+        "roundpipe", "Project name of the wandb and trackio runs (each run is named `run.name`)."
     )
     plots: bool = _f(True, "At the end draw the loss curve and one step's timeline (PNG, Chrome trace).")
 

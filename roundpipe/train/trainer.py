@@ -27,6 +27,7 @@ last periodic one, and ``torchrun --max-restarts`` restarts the ranks from it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import signal
@@ -265,7 +266,14 @@ class Trainer:
 
         cfg, main = self.config, self.ranks.is_main
         loop = _Loop(
-            metrics=MetricsLog(self.run_dir, cfg.logging, resume_step=start if resumed else None, write=main),
+            metrics=MetricsLog(
+                self.run_dir,
+                cfg.logging,
+                resume_step=start if resumed else None,
+                write=main,
+                run_name=cfg.run.name,
+                settings=dataclasses.asdict(cfg),
+            ),
             result=TrainResult(self.run_dir, start),
             stop=_StopFlag(cfg.checkpoint.on_signal, announce=main),
             progress=Progress(

@@ -26,11 +26,19 @@ class MetricsLog:
     touches no file."""
 
     def __init__(
-        self, run_dir: Path, config: LoggingConfig, resume_step: int | None = None, *, write: bool = True
+        self,
+        run_dir: Path,
+        config: LoggingConfig,
+        resume_step: int | None = None,
+        *,
+        write: bool = True,
+        run_name: str = "run",
+        settings: dict[str, Any] | None = None,
     ):
         self.path = run_file(run_dir, "metrics.jsonl")  # refused if a symlink there leads outside
         self.rows: list[dict[str, Any]] = []
         self._file = self._tb = None
+        self._trackers: list[Any] = []  # wandb / trackio runs: init'ed, log(data, step=), finish()
         if not write:
             return
         if resume_step is not None and self.path.exists():
@@ -45,6 +53,7 @@ class MetricsLog:
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
         self._file = self.path.open("a", encoding="utf-8")
         self._tb = _tensorboard_writer(run_dir, config.tensorboard)
+        self._trackers = _trackers(run_dir, config, run_name, settings or {})
 
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -52,10 +61,16 @@ class MetricsLog:
             return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        scalars = {
+            f"{row['kind']}/{key}": value
+            for key, value in row.items()
+            if key not in ("step", "kind") and isinstance(value, (int, float))
+        }
         if self._tb is not None:
-            for key, value in row.items():
-                if key not in ("step", "kind") and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"{row['kind']}/{key}", value, row["step"])
+            for name, value in scalars.items():
+                self._tb.add_scalar(name, value, row["step"])
+        for tracker in self._trackers:
+            tracker.log(scalars, step=row["step"])
 
     def series(self, kind: str, key: str) -> tuple[list[int], list[float]]:
         rows = [r for r in self.rows if r.get("kind") == kind and key in r]
@@ -66,6 +81,27 @@ class MetricsLog:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self._trackers:
+            tracker.finish()
+        self._trackers = []
+
+
+def _trackers(run_dir: Path, config: LoggingConfig, name: str, settings: dict[str, Any]) -> list[Any]:
+    """The wandb and trackio runs ``logging.wandb`` / ``logging.trackio`` ask for (the recipe
+    loader has checked that their packages are installed). Each keeps its own online/offline
+    setting: WANDB_MODE for wandb; trackio stays local unless given a Space, which this never does."""
+    runs = []
+    if config.wandb:
+        import wandb
+
+        run_file(run_dir, "wandb")  # wandb writes there: refused if a symlink leads outside
+        runs.append(wandb.init(project=config.project, name=name, config=settings, dir=str(run_dir)))
+    if config.trackio:
+        import trackio
+
+        trackio.init(project=config.project, name=name, config=settings)
+        runs.append(trackio)  # trackio's log and finish are module functions
+    return runs
 
 
 def _tensorboard_writer(run_dir: Path, wanted: bool | str):
