@@ -100,3 +100,13 @@ def test_a_config_built_in_python_is_checked_the_same(tmp_path):
     cfg = replace(cfg, optim=replace(cfg.optim, lr=1e-4), schedule=replace(cfg.schedule, warmup_steps=-1))
     with pytest.raises(RecipeError, match=r"^schedule.warmup_steps must be at least 0, got -1$"):
         Trainer(cfg)
+
+
+def test_the_table_beside_axolotl_and_llama_factory_names_only_recipe_keys(monkeypatch):
+    from roundpipe.train import recipe_reference
+
+    rows = recipe_reference.comparison_markdown()
+    assert len([r for r in rows if r.startswith("| `")]) == len(recipe_reference.ELSEWHERE)
+    monkeypatch.setattr(recipe_reference, "ELSEWHERE", (("optim.learning_rate", "x", "y"),))
+    with pytest.raises(ValueError, match="optim.learning_rate, which is no recipe key"):
+        recipe_reference.comparison_markdown()
