@@ -1,5 +1,5 @@
-"""Watching a run: a tqdm progress bar, metrics as JSON lines (and TensorBoard when installed), and
-the pictures drawn at the end (the loss curve, one step's timeline as PNG and Chrome trace).
+"""Watching a run: a tqdm progress bar that other lines are written around, metrics as JSON lines
+(and to TensorBoard, Weights & Biases or trackio when asked for), and the pictures drawn at the end (the loss curve, one step's timeline as PNG and Chrome trace).
 
 Caller's thread only. Metrics files are appended line by line and flushed, so a run killed at any
 moment leaves every line it logged readable; a resumed run drops the lines past its checkpoint.
@@ -21,8 +21,9 @@ from roundpipe.train.paths import check_filled_dir, run_file
 
 class MetricsLog:
     """``metrics.jsonl`` in the run directory: one JSON object per logged step or evaluation,
-    with ``step`` and ``kind`` (``train`` / ``eval``); and TensorBoard scalars when asked for.
-    ``write=False`` (the ranks other than 0 of a data-parallel run) keeps the rows in memory and
+    with ``step`` and ``kind`` (``train`` / ``eval``); and its numbers as ``KIND/KEY`` scalars to
+    TensorBoard, wandb and trackio when ``config`` asks for them (``run_name`` and ``settings``, the
+    resolved recipe, name and describe the wandb / trackio run). ``write=False`` (the ranks other than 0 of a data-parallel run) keeps the rows in memory and
     touches no file."""
 
     def __init__(
