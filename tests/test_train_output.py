@@ -171,3 +171,21 @@ def test_a_tracker_asked_for_but_not_installed_is_refused_when_the_recipe_loads(
             f"{path}:6: logging.{name} is true but {name} is not installed: "
             f"pip install 'roundpipe[{name}]', or set logging.{name}: false"
         )
+
+
+def test_a_python_warning_during_the_steps_goes_through_the_run_log(tmp_path, monkeypatch):
+    from roundpipe.train import trainer as trainer_module
+
+    real = trainer_module.lr_at
+
+    def lr_at(*args, **kwargs):
+        warnings.warn("an odd learning rate", UserWarning, stacklevel=1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "lr_at", lr_at)
+    lines: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        Trainer(config_from_dict(_short(tmp_path)), log=lines.append).fit()
+    assert any(line.startswith("warning: UserWarning: an odd learning rate") for line in lines), lines
+    assert "warning: UserWarning: an odd learning rate" in (tmp_path / "run" / LOG_FILE).read_text()

@@ -32,6 +32,7 @@ import math
 import random
 import signal
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,6 +282,9 @@ class Trainer:
             ),
         )
         self._progress = loop.progress
+        caught = warnings.catch_warnings()  # Python warnings of the steps: through self.log too
+        caught.__enter__()
+        warnings.showwarning = self._log_warning
         try:
             if start == 0 and cfg.eval.every is not None and run.splits.eval:
                 self._evaluate_at(run, loop, 0)
@@ -303,6 +307,7 @@ class Trainer:
                 self._log_failure(err, f"the run failed after step {loop.result.steps}")
             raise
         finally:
+            caught.__exit__(None, None, None)
             loop.progress.close()
             self._progress = None
             loop.stop.restore()
@@ -398,6 +403,10 @@ class Trainer:
             is_main=self.ranks.is_main,
         )
         self.log(eval_line(step, loop.result.eval))
+
+    def _log_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        """``warnings.showwarning`` while the steps run: above the bar, and into train.log."""
+        self.log(f"warning: {category.__name__}: {message} ({Path(filename).name}:{lineno})")
 
     def _save_timeline(self, pipe) -> None:
         from roundpipe.train.watch import save_timeline
