@@ -282,9 +282,10 @@ class Trainer:
             ),
         )
         self._progress = loop.progress
-        caught = warnings.catch_warnings()  # Python warnings of the steps: through self.log too
+        caught = warnings.catch_warnings()  # rank 0's Python warnings of the steps: through self.log
         caught.__enter__()
-        warnings.showwarning = self._log_warning
+        if main:  # the other ranks, which log nothing, keep printing theirs to stderr
+            warnings.showwarning = self._log_warning
         try:
             if start == 0 and cfg.eval.every is not None and run.splits.eval:
                 self._evaluate_at(run, loop, 0)
