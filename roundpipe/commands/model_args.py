@@ -1,12 +1,24 @@
 """The model and run options that ``roundpipe simulate`` and ``roundpipe plan`` share.
 
-:func:`add_model_args` declares them on a parser; :func:`model_settings` hands what it parsed to
-every simulation and search.
+:func:`add_model_args` declares them on a parser; :func:`target` reads the model and the server
+they plan for (its host RAM and cores from ``--host-ram`` / ``--host-cores``, this machine's when
+it is the target, else the preset's), refusing an unknown model or hardware once, up front;
+:func:`model_settings` hands the rest to every simulation and search.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from typing import Any
+
+from roundpipe.errors import ConfigError
+
+HOST_HELP = (
+    "Host figures: --host-ram and --host-cores default to this machine's when it is the target (the "
+    "virtual cpu devices of a `cpu` preset, or the value `this`), else to the preset's (a GPU "
+    "server preset assumes a large host, e.g. 512 GiB and 64 cores for rtx3090: give your own)."
+)
 
 
 def add_model_args(ap: argparse.ArgumentParser, *, seq_required: bool = False) -> None:
@@ -37,6 +49,73 @@ def add_model_args(ap: argparse.ArgumentParser, *, seq_required: bool = False) -
     ap.add_argument(
         "--optimizer", default="sync", choices=["sync", "async"], help="exact (sync) or one-step-stale"
     )
+    ap.add_argument(
+        "--host-ram",
+        default=None,
+        metavar="GIB|this",
+        help="host RAM of the server in GiB, or `this` for this machine's (default: this machine's for a "
+        "cpu preset, else the preset's); all model state lives there, so it decides what fits",
+    )
+    ap.add_argument(
+        "--host-cores",
+        default=None,
+        metavar="N|this",
+        help="CPU cores of the server, or `this` (default as --host-ram); shown in the output, not yet "
+        "used by the prediction: the simulator times the CPU optimizer by host memory bandwidth",
+    )
+
+
+def _this_machine() -> tuple[int, int]:
+    """This machine's RAM in bytes and the cores this process may run on."""
+    import psutil  # type: ignore[import-untyped]
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return int(psutil.virtual_memory().total), cores
+
+
+def target(args: argparse.Namespace) -> tuple[str, Any]:
+    """``(model, server)`` for the simulator: the model name, checked to be one the presets or a
+    config.json describe, and the ``Server`` of ``--hardware`` with the host's RAM and cores (see
+    ``HOST_HELP``). ConfigError, once, for an unknown model or hardware or a bad host figure."""
+    from roundpipe.presets import GIB, load_hardware, load_model_config
+
+    load_model_config(args.model)  # an unknown model is one error here, not one per candidate
+    server = load_hardware(args.hardware)
+    here = server.gpu.name == "cpu"  # virtual cpu devices run on this machine
+    overrides: dict[str, Any] = {}
+    for flag, value, key in (
+        ("--host-ram", args.host_ram, "host_memory_bytes"),
+        ("--host-cores", args.host_cores, "cpu_cores"),
+    ):
+        if value is None and not here:
+            continue
+        if value is None or value == "this":
+            ram, cores = _this_machine()
+            overrides[key] = ram if key == "host_memory_bytes" else cores
+            continue
+        try:
+            number = float(value) if key == "host_memory_bytes" else int(value)
+        except ValueError:
+            number = -1
+        if not number > 0:
+            what = "a number of GiB" if key == "host_memory_bytes" else "a whole number of cores"
+            raise ConfigError(f"{flag} takes {what} > 0 or `this`, got {value!r}")
+        overrides[key] = int(number * GIB) if key == "host_memory_bytes" else number
+    return args.model, load_hardware(args.hardware, **overrides)
+
+
+def host_fields(server: Any) -> dict[str, Any]:
+    """The host figures a plan was made for, for ``--json``."""
+    return {"host_memory_bytes": server.host_memory_bytes, "cpu_cores": server.cpu_cores}
+
+
+def host_text(server: Any) -> str:
+    ram = (
+        "RAM not modelled"
+        if server.host_memory_bytes is None
+        else f"{server.host_memory_bytes / 2**30:.0f} GiB RAM"
+    )
+    return f"host {ram}, {server.cpu_cores} cores"
 
 
 def model_settings(args: argparse.Namespace) -> dict:

@@ -24,7 +24,14 @@ import math
 import sys
 from typing import cast
 
-from roundpipe.commands.model_args import add_model_args, model_settings
+from roundpipe.commands.model_args import (
+    HOST_HELP,
+    add_model_args,
+    host_fields,
+    host_text,
+    model_settings,
+    target,
+)
 from roundpipe.errors import ConfigError, RoundpipeError
 from roundpipe.sim.report import GIB, dumps, result_table
 from roundpipe.sim.result import SimResult
@@ -32,7 +39,9 @@ from roundpipe.sim.tune import DEFAULT_TIME_BUDGET_S
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="roundpipe plan", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="roundpipe plan", description=__doc__.split("\n\n")[0], epilog=HOST_HELP
+    )
     add_model_args(ap)
     ap.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits instead")
     ap.add_argument("--policies", default=None, help="comma-separated policies to search (default: all)")
@@ -68,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         from roundpipe.sim.network import check_nodes, load_network
         from roundpipe.sim.tune import format_ranked, max_seq_len, tune
 
+        model, server = target(args)
         check_nodes(args.nodes)
         network = load_network(args.network, args.allreduce)
         check_sharding(args.optimizer_sharding)
@@ -79,15 +89,17 @@ def main(argv: list[str] | None = None) -> None:
                 )
             settings["global_batch"] = local_batch(args.global_batch, args.nodes)
         if args.max_seq_len:
-            n, res = max_seq_len(args.model, args.hardware, **model_settings(args))
+            n, res = max_seq_len(model, server, **model_settings(args))
             if args.json:
                 out = {"model": args.model, "hardware": args.hardware, "max_seq_len": n}
+                out.update(host_fields(server))
                 out.update(res.to_dict() if res is not None else {"fits": False})
                 out["max_seq_len"] = n
                 print(dumps(out))
             else:
                 print(
-                    f"{args.model} on {args.hardware}: the longest sequence that fits is {n} tokens (roundpipe)"
+                    f"{args.model} on {args.hardware} ({host_text(server)}): the longest sequence that "
+                    f"fits is {n} tokens (roundpipe)"
                 )
                 if res is not None:
                     print(result_table(res))
@@ -96,15 +108,15 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("give --seq-len N (or --max-seq-len to find the longest that fits)")
         policies = [p.strip() for p in args.policies.split(",")] if args.policies else None
         result = tune(
-            args.model,
-            args.hardware,
+            model,
+            server,
             seq_len=args.seq_len,
             optimizer=args.optimizer,
             policies=policies,
             time_budget_s=args.time_budget,
             **settings,
         )
-        multi = _multinode(args, result.best, settings, network) if args.nodes > 1 else None
+        multi = _multinode(args, server, result.best, settings, network) if args.nodes > 1 else None
     except (RoundpipeError, ValueError) as err:
         print(f"roundpipe plan: error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -112,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     best_result = cast(SimResult, best.result)  # the tuner simulates every candidate
     if args.json:
         out = {"model": args.model, "hardware": args.hardware, "seq_len": args.seq_len}
+        out.update(host_fields(server))
         out.update(best_result.to_dict())
         out.update(best.summary())
         out["alternatives"] = [c.summary() for c in result.ranked[1:]]
@@ -129,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         else f"batch {settings['global_batch']} per node ({args.global_batch} over {args.nodes} nodes)"
     )
     print(
-        f"best plan for {args.model} on {args.hardware}, seq {args.seq_len}, {batch}, {tuned}: "
+        f"best plan for {args.model} on {args.hardware} ({host_text(server)}), seq {args.seq_len}, {batch}, {tuned}: "
         f"{best.policy} with {best.num_microbatches} microbatches, {best.stages[0]} forward / {best.stages[1]} backward "
         f"stages, {best.head_shards} head shard(s)"
     )
@@ -144,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         print(multinode_table(multi))
 
 
-def _multinode(args, best, settings: dict, network) -> dict:
+def _multinode(args, server, best, settings: dict, network) -> dict:
     """The multi-node prediction of the tuner's ``best`` candidate (re-simulated with its timeline),
     as a dict (``MultiNodePrediction.to_dict`` plus the lifting network and the bottleneck line)."""
     from roundpipe.sim.data_parallel import bottleneck_line, lifting_network, predict_prepared
@@ -156,7 +169,7 @@ def _multinode(args, best, settings: dict, network) -> dict:
             f"no plan fits one node, so there is nothing to run on {args.nodes}: {best.result.reason}"
         )
     scenario = Scenario(
-        args.model, args.hardware, best.policy, seq_len=args.seq_len, microbatches=best.num_microbatches,
+        args.model, server, best.policy, seq_len=args.seq_len, microbatches=best.num_microbatches,
         partitions=best.bounds, head_shards=best.head_shards, round_size=best.round_size,
         optimizer=args.optimizer, **settings,
     )  # fmt: skip

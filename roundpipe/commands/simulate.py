@@ -16,7 +16,14 @@ import argparse
 import json
 import sys
 
-from roundpipe.commands.model_args import add_model_args, model_settings
+from roundpipe.commands.model_args import (
+    HOST_HELP,
+    add_model_args,
+    host_fields,
+    host_text,
+    model_settings,
+    target,
+)
 from roundpipe.errors import ConfigError, RoundpipeError
 from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY
 from roundpipe.sim.options import SimOptions
@@ -49,7 +56,9 @@ def _stages(text: str | None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="roundpipe simulate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="roundpipe simulate", description=__doc__.split("\n\n")[0], epilog=HOST_HELP
+    )
     add_model_args(ap, seq_required=True)
     ap.add_argument("--policy", default=PROVISIONAL_POLICY, choices=list(POLICIES))
     ap.add_argument(
@@ -77,10 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from roundpipe.sim.scenario import Scenario, run_scenario
 
+        model, server = target(args)
         shards = args.head_shards if args.head_shards == "auto" else int(args.head_shards)
         scenario = Scenario(
-            model=args.model,
-            hardware=args.hardware,
+            model=model,
+            hardware=server,
             policy=args.policy,
             seq_len=args.seq_len,
             microbatches=args.microbatches,
@@ -113,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             "global_batch": args.global_batch,
             "lora_rank": args.lora_rank,
             "label_fraction": args.label_fraction,
+            **host_fields(server),
             **result.to_dict(),
         }
         print(dumps(out))
@@ -123,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
 def _title(s, r) -> str:
     tune = "full" if s.lora_rank is None else f"LoRA r={s.lora_rank}"
     return (
-        f"{s.model_name} on {r.num_devices} devices of {s.hardware if isinstance(s.hardware, str) else s.hardware.name}, "
+        f"{s.model_name} on {r.num_devices} devices of {s.hardware if isinstance(s.hardware, str) else s.hardware.name} "
+        f"({host_text(s.hardware) if not isinstance(s.hardware, str) else 'preset host'}), "
         f"{s.policy}, seq {s.seq_len}, batch {s.global_batch}, {tune}, {s.dtype}"
     )
 

@@ -72,12 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     if result.interrupted:
         sys.exit(130)
-    if not trainer.ranks.is_main:
-        return
-    summary = f"done: {result.steps} steps in {result.elapsed_s:.0f} s"
-    if result.eval:
-        summary += "; held-out " + ", ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
-    print(summary)
+    # The trainer printed (and wrote to train.log) the `done:` line.
 
 
 def _rank_tag() -> str:

@@ -3,16 +3,21 @@
 Each group is one key of the recipe (``model:``, ``lora:``, ``data:``, ...), each field one key
 under it. A field's ``help`` metadata is its documentation: ``roundpipe train --help`` and
 ``docs/recipes.md`` are generated from it (``roundpipe.train.recipe``), so the two cannot drift.
-Fields whose default is ``REQUIRED`` must be given. Loading, type checks and the errors that name
-the file and line live in ``roundpipe.train.recipe``; the checks here are the ones that need more
-than one field. The ``run:`` keys that set a ``roundpipe.RunConfig`` setting (``run.policy``,
+Fields whose default is ``REQUIRED`` must be given. A field's ``check`` metadata is its own rule
+(a range, an optional package it needs); ``TrainConfig.check`` runs those and the rules between
+fields. Loading, type checks and the errors that name the file and line live in
+``roundpipe.train.recipe``, which runs each key's rule as it reads the key, so a whole recipe is
+checked before anything is loaded. The ``run:`` keys that set a ``roundpipe.RunConfig`` setting (``run.policy``,
 ``run.dtype``, ...) are not written here: ``RunSection`` reads them off their declarations in
 ``roundpipe/config.py``, help and check included.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal
 
@@ -22,11 +27,89 @@ from roundpipe.train.paths import check_run_paths
 
 REQUIRED: Any = "<required>"  # the default of a field a recipe must set
 
+# A key's own rule: ``check(dotted_key, value)`` raises RecipeError("{dotted_key} must ...").
+Check = Callable[[str, Any], None]
 
-def _f(default, help: str, **kw):
+
+def _f(default, help: str, check: Check | None = None, **kw):
+    metadata = {"help": help, "check": check}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda d=default: type(d)(d), metadata=metadata, **kw)
+    return field(default=default, metadata=metadata, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The rules of single keys (the loader runs each where the key is given, naming its line)
+
+
+def _at_least(low: int, *, null: bool = False) -> Check:
+    def check(key: str, value: Any) -> None:
+        if value is None and null:
+            return
+        if value < low:
+            raise RecipeError(f"{key} must be at least {low}{' or null' if null else ''}, got {value}")
+
+    return check
+
+
+def _finite(low: float, *, strict: bool, note: str = "", null: bool = False) -> Check:
+    """A finite number > ``low`` (``strict``) or >= it; ``null`` allowed when ``null``; ``note``
+    is added to the message (what 0 or null means)."""
+
+    def check(key: str, value: Any) -> None:
+        if value is None and null:
+            return
+        if not (math.isfinite(value) and (value > low if strict else value >= low)):
+            bound = f"{'>' if strict else '>='} {low:g}"
+            raise RecipeError(f"{key} must be a finite number {bound}{note}, got {value}")
+
+    return check
+
+
+def _share(*, one: bool) -> Check:
+    """A number in [0, 1) (or [0, 1] with ``one``)."""
+
+    def check(key: str, value: Any) -> None:
+        if not (0.0 <= value <= 1.0 if one else 0.0 <= value < 1.0):
+            raise RecipeError(f"{key} must be in [0, 1{']' if one else ')'}, got {value}")
+
+    return check
+
+
+def _betas(key: str, value: Any) -> None:
+    if len(value) != 2 or not all(math.isfinite(b) and 0.0 <= b < 1.0 for b in value):
+        raise RecipeError(f"{key} must be two numbers in [0, 1), e.g. [0.9, 0.999], got {value}")
+
+
+def _two_counts(key: str, value: Any) -> None:
+    if len(value) != 2 or not all(c >= 1 for c in value):
+        raise RecipeError(f"{key} must be two counts >= 1 [train, eval], got {value}")
+
+
+def package_installed(name: str) -> bool:
+    """Whether the package ``name`` can be imported (found without importing it)."""
+    return name in sys.modules or importlib.util.find_spec(name) is not None
+
+
+def _extra(package: str, extra: str, *, off: str = "auto") -> Check:
+    """``true`` needs the optional package (``pip install 'roundpipe[EXTRA]'``); ``off`` is the
+    value that does without it (``auto`` uses it when it is there)."""
+
+    def check(key: str, value: Any) -> None:
+        if value is True and not package_installed(package):
+            raise RecipeError(
+                f"{key} is true but {package} is not installed: pip install 'roundpipe[{extra}]', "
+                f"or set {key}: {off}"
+            )
+
+    return check
+
+
+def _refuse(key: str, message: str) -> RecipeError:
+    """A refusal of a rule between keys; ``key`` is the one to change (the loader names its line)."""
+    err = RecipeError(message)
+    err.key = key  # type: ignore[attr-defined]
+    return err
 
 
 @dataclass
@@ -55,9 +138,9 @@ class ModelConfig:
 @dataclass
 class LoraConfig:
     enabled: bool = _f(False, "Train LoRA adapters (through peft) instead of every weight.")
-    rank: int = _f(16, "LoRA rank r.")
-    alpha: float = _f(32.0, "LoRA alpha (the update is scaled by alpha / rank).")
-    dropout: float = _f(0.0, "Dropout on the LoRA input.")
+    rank: int = _f(16, "LoRA rank r.", _at_least(1))
+    alpha: float = _f(32.0, "LoRA alpha (the update is scaled by alpha / rank).", _finite(0, strict=True))
+    dropout: float = _f(0.0, "Dropout on the LoRA input.", _share(one=False))
     target_modules: list[str] | str = _f(
         "all-linear", "Module names to adapt (e.g. [q_proj, v_proj]), or `all-linear`."
     )
@@ -73,7 +156,9 @@ class DataConfig:
         "sample of that file twice an epoch, 0.5 takes a seeded half of them.",
     )
     eval: str | None = _f(None, "Held-out data (same kinds). Default: split off `eval_fraction`.")
-    eval_fraction: float = _f(0.0, "Share of the training file held out for evaluation when `eval` is unset.")
+    eval_fraction: float = _f(
+        0.0, "Share of the training file held out for evaluation when `eval` is unset.", _share(one=False)
+    )
     format: Literal["text", "instruction", "chat", "sharegpt"] = _f(
         "instruction",
         "text: one `text` field per sample; instruction: `instruction` / `input` / `output` "
@@ -109,7 +194,7 @@ class DataConfig:
         False,
         "Also compute the loss on prompt tokens (default: only on the response, where the format has one).",
     )
-    max_length: int = _f(1024, "Longest sample in tokens (after the template).")
+    max_length: int = _f(1024, "Longest sample in tokens (after the template).", _at_least(1))
     too_long: Literal["skip", "truncate", "error"] = _f(
         "skip", "What to do with a longer sample: skip it (counted and logged), cut it, or stop."
     )
@@ -129,7 +214,7 @@ class DataConfig:
         "never occur in the training file). Both files must lie inside the run directory.",
     )
     synthetic_samples: list[int] = _f(
-        [20000, 500], "Training and held-out samples the synthetic task writes."
+        [20000, 500], "Training and held-out samples the synthetic task writes.", _two_counts
     )
 
 
@@ -147,10 +232,16 @@ class _RunLoop:
         "Where checkpoints, metrics, plots and exports go. Default: runs/NAME. The run writes nowhere "
         "else: a symlink in it that leads outside is refused.",
     )
-    batch_size: int = _f(8, "Sequences per forward/backward (one micro-step).")
-    grad_accum: int = _f(1, "Micro-steps per optimizer step (effective batch = batch_size x grad_accum).")
-    max_steps: int | None = _f(None, "Optimizer steps to run. Default: `epochs` over the training data.")
-    epochs: float = _f(1.0, "Passes over the training data when `max_steps` is unset.")
+    batch_size: int = _f(8, "Sequences per forward/backward (one micro-step).", _at_least(1))
+    grad_accum: int = _f(
+        1, "Micro-steps per optimizer step (effective batch = batch_size x grad_accum).", _at_least(1)
+    )
+    max_steps: int | None = _f(
+        None, "Optimizer steps to run. Default: `epochs` over the training data.", _at_least(1, null=True)
+    )
+    epochs: float = _f(
+        1.0, "Passes over the training data when `max_steps` is unset.", _finite(0, strict=True)
+    )
     host_ram_check: bool = _f(True, "Refuse to start when the run needs more host RAM than is available.")
     options: dict[str, Any] = _f(
         {}, "Further `roundpipe.RunConfig` fields (e.g. {head_shards: 4, partition: [2, 3, 3]})."
@@ -179,46 +270,65 @@ RunSection = _run_section()
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(1e-4, "Peak learning rate (AdamW).")
+    lr: float = _f(1e-4, "Peak learning rate (AdamW).", _finite(0, strict=False))
     weight_decay: float = _f(
         0.0,
         "Decoupled weight decay (torch.optim.AdamW's), on every trainable parameter, norms and biases "
         "included; a parameter that got no gradient in a step is not decayed in it.",
+        _finite(0, strict=False, note=" (0: no decay)"),
     )
-    betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
-    eps: float = _f(1e-8, "AdamW epsilon.")
-    max_grad_norm: float | None = _f(1.0, "Clip the global gradient norm to this (null: no clipping).")
+    betas: list[float] = _f([0.9, 0.999], "AdamW betas.", _betas)
+    eps: float = _f(1e-8, "AdamW epsilon.", _finite(0, strict=True))
+    max_grad_norm: float | None = _f(
+        1.0,
+        "Clip the global gradient norm to this (null: no clipping).",
+        _finite(0, strict=True, note=", or null not to clip", null=True),
+    )
 
 
 @dataclass
 class ScheduleConfig:
     kind: Literal["constant", "linear", "cosine"] = _f("cosine", "Learning-rate shape after warm-up.")
-    warmup_steps: int = _f(0, "Steps of linear warm-up from 0 to `optim.lr`.")
-    min_lr_ratio: float = _f(0.0, "Final learning rate as a share of `optim.lr` (linear, cosine).")
+    warmup_steps: int = _f(0, "Steps of linear warm-up from 0 to `optim.lr`.", _at_least(0))
+    min_lr_ratio: float = _f(
+        0.0, "Final learning rate as a share of `optim.lr` (linear, cosine).", _share(one=True)
+    )
 
 
 @dataclass
 class EvalConfig:
-    every: int | None = _f(None, "Evaluate every N optimizer steps (and at the end). null: only at the end.")
-    batch_size: int | None = _f(None, "Sequences per evaluation batch. Default: `run.batch_size`.")
-    max_samples: int | None = _f(None, "Evaluate on at most this many held-out samples.")
+    every: int | None = _f(
+        None,
+        "Evaluate every N optimizer steps (and at the end). null: only at the end.",
+        _at_least(1, null=True),
+    )
+    batch_size: int | None = _f(
+        None, "Sequences per evaluation batch. Default: `run.batch_size`.", _at_least(1, null=True)
+    )
+    max_samples: int | None = _f(
+        None, "Evaluate on at most this many held-out samples.", _at_least(1, null=True)
+    )
     exact_match: bool = _f(
         False,
         "Also report exact match: the greedy answer equals the reference response (instruction and "
         "chat formats).",
     )
     show_samples: int = _f(
-        0, "At the end, print this many held-out prompts with the model's answer and the reference."
+        0,
+        "At the end, print this many held-out prompts with the model's answer and the reference.",
+        _at_least(0),
     )
-    max_new_tokens: int = _f(64, "Longest generated answer when showing samples.")
+    max_new_tokens: int = _f(64, "Longest generated answer when showing samples.", _at_least(1))
 
 
 @dataclass
 class CheckpointConfig:
     every: int | None = _f(
-        None, "Write a checkpoint every N optimizer steps (null: only at the end and on a signal)."
+        None,
+        "Write a checkpoint every N optimizer steps (null: only at the end and on a signal).",
+        _at_least(1, null=True),
     )
-    keep_last: int = _f(2, "Keep this many newest checkpoints; older ones are deleted.")
+    keep_last: int = _f(2, "Keep this many newest checkpoints; older ones are deleted.", _at_least(1))
     on_signal: bool = _f(True, "On SIGINT / SIGTERM finish the current step, write a checkpoint and stop.")
     at_end: bool = _f(True, "Write a checkpoint when the run completes.")
     on_error: bool = _f(
@@ -235,10 +345,30 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    every: int = _f(1, "Log metrics every N optimizer steps.")
+    every: int = _f(1, "Log metrics every N optimizer steps.", _at_least(1))
     progress: bool = _f(True, "Show a tqdm progress bar (loss, tokens/s, ETA, worker idle share).")
     tensorboard: bool | Literal["auto"] = _f(
-        "auto", "Write TensorBoard events: true, false, or auto (when installed)."
+        "auto",
+        "Write TensorBoard events: true, false, or auto (when installed). true needs the `tensorboard` "
+        "extra, checked when the recipe loads.",
+        _extra("tensorboard", "tensorboard"),
+    )
+    wandb: bool = _f(
+        False,
+        "Log the metrics to Weights & Biases (the `wandb` extra, checked when the recipe loads), "
+        "with the resolved recipe as the run's config. Online or offline is wandb's own setting "
+        "(`WANDB_MODE=offline`, `wandb offline`); roundpipe does not override it.",
+        _extra("wandb", "wandb", off="false"),
+    )
+    trackio: bool = _f(
+        False,
+        "Log the metrics to trackio (the `trackio` extra, checked when the recipe loads), with the "
+        "resolved recipe as the run's config. trackio keeps them on this machine (`TRACKIO_DIR`); "
+        "roundpipe never asks it to sync to a Space.",
+        _extra("trackio", "trackio", off="false"),
+    )
+    project: str = _f(
+        "roundpipe", "Project name of the wandb and trackio runs (each run is named `run.name`)."
     )
     plots: bool = _f(True, "At the end draw the loss curve and one step's timeline (PNG, Chrome trace).")
 
@@ -262,8 +392,15 @@ class TrainConfig:
     )
 
     def check(self) -> None:
-        """Rules that span fields (types, required keys and each run setting's own check, as
-        ``RunConfig`` declares it, are checked by the recipe loader)."""
+        """Every key's own rule (its ``check`` metadata), then the rules between keys. The recipe
+        loader runs the first as it reads each key, naming the key's line; a refusal of the second
+        carries ``.key``, the key to change, whose line the loader names."""
+        for group in fields(self):
+            section = getattr(self, group.name)
+            for f in fields(section):
+                check = f.metadata.get("check")
+                if check is not None:
+                    check(f"{group.name}.{f.name}", getattr(section, f.name))
         if (self.model.path is None) == (self.model.config is None):
             raise RecipeError(
                 "set exactly one of model.path (a HF directory) and model.config (config numbers)"
@@ -271,49 +408,42 @@ class TrainConfig:
         if self.data.train == REQUIRED:  # ==, not `is`: a dumped and re-read "<required>" is another str
             raise RecipeError("data.train is required: the path of the training data file")
         self._check_data_files()
-        for key, value in (
-            ("run.batch_size", self.run.batch_size),
-            ("run.grad_accum", self.run.grad_accum),
-            ("data.max_length", self.data.max_length),
-            ("checkpoint.keep_last", self.checkpoint.keep_last),
-            ("logging.every", self.logging.every),
-        ):
-            if value < 1:
-                raise RecipeError(f"{key} must be at least 1, got {value}")
-        for key, value in (
-            ("run.max_steps", self.run.max_steps),
-            ("eval.every", self.eval.every),
-            ("checkpoint.every", self.checkpoint.every),
-        ):
-            if value is not None and value < 1:
-                raise RecipeError(f"{key} must be at least 1 or null, got {value}")
-        if not 0.0 <= self.data.eval_fraction < 1.0:
-            raise RecipeError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
-        if self.run.epochs <= 0:
-            raise RecipeError(f"run.epochs must be positive, got {self.run.epochs}")
-        self._check_optim()
-        if self.lora.enabled and self.lora.rank < 1:
-            raise RecipeError(f"lora.rank must be at least 1, got {self.lora.rank}")
+        if self.checkpoint.export in ("adapter", "both") and not self.lora.enabled:
+            raise _refuse(
+                "checkpoint.export",
+                f"checkpoint.export: {self.checkpoint.export} needs lora.enabled: true (a full fine-tune "
+                "has no adapter); export: merged, or enable LoRA",
+            )
+        if self.data.synthetic is not None and self.data.eval is None:
+            raise _refuse(
+                "data.synthetic", "data.synthetic writes a held-out file too: set data.eval to its path"
+            )
         check_run_paths(self)  # nothing the run writes may lie outside its run directory
 
     def _check_data_files(self) -> None:
-        """``data.train`` as a list: each entry a path, or a path and a positive weight."""
+        """``data.train`` as a list: each entry a path, or a path and a positive weight (a refusal
+        names data.train's line)."""
         if not isinstance(self.data.train, list):
             return
         if not self.data.train:
-            raise RecipeError("data.train is an empty list: name at least one training data file")
+            raise _refuse("data.train", "data.train is an empty list: name at least one training data file")
         if self.data.synthetic is not None:
-            raise RecipeError("data.synthetic writes one data.train file: data.train cannot be a list")
+            raise _refuse(
+                "data.train", "data.synthetic writes one data.train file: data.train cannot be a list"
+            )
         for i, entry in enumerate(self.data.train):
             where = f"data.train[{i}]"
             if isinstance(entry, str):
                 entry = {"path": entry}
             unknown = sorted(set(entry) - {"path", "weight"})
             if unknown:
-                raise RecipeError(f"{where}: unknown key {', '.join(unknown)}; an entry takes path, weight")
+                raise _refuse(
+                    "data.train", f"{where}: unknown key {', '.join(unknown)}; an entry takes path, weight"
+                )
             if not isinstance(entry.get("path"), str) or not entry["path"]:
-                raise RecipeError(
-                    f"{where} needs a path (a data file or directory), e.g. {{path: a.jsonl, weight: 1}}"
+                raise _refuse(
+                    "data.train",
+                    f"{where} needs a path (a data file or directory), e.g. {{path: a.jsonl, weight: 1}}",
                 )
             weight = entry.get("weight", 1.0)
             if (
@@ -321,28 +451,7 @@ class TrainConfig:
                 or not isinstance(weight, (int, float))
                 or not (math.isfinite(weight) and weight > 0)
             ):
-                raise RecipeError(f"{where}.weight must be a number > 0, got {weight!r}")
-
-    def _check_optim(self) -> None:
-        """What ``Pipeline.configure_optimizer`` (``optim.OptimizerConfig``) refuses, refused at load
-        (this module does not import torch, so the rule is spelled out here; the loader has
-        already refused NaN)."""
-        o = self.optim
-        finite = math.isfinite
-        if not (finite(o.lr) and o.lr >= 0):
-            raise RecipeError(f"optim.lr must be a finite number >= 0, got {o.lr}")
-        if not (finite(o.weight_decay) and o.weight_decay >= 0):
-            raise RecipeError(
-                f"optim.weight_decay must be a finite number >= 0 (0: no decay), got {o.weight_decay}"
-            )
-        if len(o.betas) != 2 or not all(finite(b) and 0.0 <= b < 1.0 for b in o.betas):
-            raise RecipeError(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.999], got {o.betas}")
-        if not (finite(o.eps) and o.eps > 0):
-            raise RecipeError(f"optim.eps must be a finite number > 0, got {o.eps}")
-        if o.max_grad_norm is not None and not (finite(o.max_grad_norm) and o.max_grad_norm > 0):
-            raise RecipeError(
-                f"optim.max_grad_norm must be a finite number > 0, or null not to clip, got {o.max_grad_norm}"
-            )
+                raise _refuse("data.train", f"{where}.weight must be a number > 0, got {weight!r}")
 
     @property
     def output_dir(self) -> str:

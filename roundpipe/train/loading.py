@@ -30,6 +30,7 @@ import math
 import os
 import re
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -410,7 +411,15 @@ def _add_lora(model: nn.Module, lora_cfg: LoraConfig) -> nn.Module:
         target_modules=lora_cfg.target_modules,
         task_type="CAUSAL_LM",
     )
-    return peft.get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads `model.is_gradient_checkpointing`, which transformers 5 deprecated for
+        # `is_activation_checkpointing` (same value) with a FutureWarning on every run; the call is
+        # peft's, and older transformers, without the new name, do not warn.
+        if hasattr(type(model), "is_activation_checkpointing"):
+            warnings.filterwarnings(
+                "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
+        return peft.get_peft_model(model, config)
 
 
 def _materialize_lora(model: nn.Module, seed: int) -> None:

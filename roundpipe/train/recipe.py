@@ -69,6 +69,7 @@ def _build(given: dict[str, dict[str, Given]], source: str) -> TrainConfig:
             except Mismatch:
                 raise _type_error(f"{group}.{key}", tp, g) from None
             _check_number(values[key], f"{group}.{key}", g)
+            _check_key(f, values[key], f"{group}.{key}", g)
             if group == "run":
                 _check_run_setting(key, values[key], g)
         groups[group] = cls(**values)
@@ -78,9 +79,22 @@ def _build(given: dict[str, dict[str, Given]], source: str) -> TrainConfig:
     cfg = TrainConfig(**groups)
     try:
         cfg.check()
-    except RecipeError as exc:
-        raise RecipeError(f"{source}: {exc}") from None
+    except RecipeError as exc:  # a rule between keys: the line of the key to change, where given
+        group, _, key = getattr(exc, "key", "").partition(".")
+        at = given.get(group, {}).get(key)
+        raise RecipeError(f"{at.where if at is not None else source}: {exc}") from None
     return cfg
+
+
+def _check_key(f: dataclasses.Field, value: Any, dotted: str, given: Given) -> None:
+    """The key's own rule (``config.py`` declares it beside the key), refused naming where it was given."""
+    check = f.metadata.get("check")
+    if check is None:
+        return
+    try:
+        check(dotted, value)
+    except RecipeError as exc:
+        raise RecipeError(f"{given.where}: {exc}") from None
 
 
 def _check_run_options(options: dict[str, Any], where: str) -> None:

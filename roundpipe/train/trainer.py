@@ -27,10 +27,12 @@ last periodic one, and ``torchrun --max-restarts`` restarts the ranks from it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import signal
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,13 +131,18 @@ class Trainer:
         self._print = log
         self.run_dir = Path(config.output_dir)
         self.ranks = Ranks()  # read from the environment when the run starts
+        self._progress = None  # the progress bar, while the steps run: lines are written around it
 
-    def log(self, line: str) -> None:
-        """Print ``line`` and append it to the run's log file (``train.log``, once the run dir exists).
-        Rank 0's job: other ranks stay silent."""
+    def log(self, line: str, *, screen: bool = True) -> None:
+        """Print ``line`` (above the progress bar, if one is drawn; not at all without ``screen``)
+        and append it to the run's log file (``train.log``, once the run dir exists). Every line
+        of the run goes through here. Rank 0's job: other ranks stay silent."""
         if not self.ranks.is_main:
             return
-        self._print(line)
+        if screen and self._progress is not None:
+            self._progress.write(line, self._print)
+        elif screen:
+            self._print(line)
         if self.run_dir.is_dir():
             self._log_file(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}")
 
@@ -147,6 +154,7 @@ class Trainer:
         t_start = time.perf_counter()
         checkpoints, resume_from = self._start_run()
         tokenizer, splits, batches, total_steps = self._read_data()
+        self._warn_warmup(total_steps)
         model, weights = model_for_run(self.config, tokenizer, self.log)
         self._check_packing(model)
         pipe_config = run_config_for(self.config, model, self.ranks, self.log)
@@ -160,7 +168,20 @@ class Trainer:
             loop = self._train(run, start, resumed=resume_from is not None)
             self._finish(run, loop)
         loop.result.elapsed_s = time.perf_counter() - t_start
+        if not loop.result.interrupted:
+            self.log(_done_line(loop.result))
         return loop.result
+
+    def _warn_warmup(self, total_steps: int) -> None:
+        """A warm-up longer than the run never reaches ``optim.lr``: say so before it starts."""
+        warmup = self.config.schedule.warmup_steps
+        if warmup > total_steps:
+            peak = lr_at(total_steps - 1, total_steps, self.config.optim.lr, self.config.schedule)
+            self.log(
+                f"warning: schedule.warmup_steps is {warmup}, more than the run's {total_steps} steps: "
+                f"the learning rate rises to {peak:.2e} only, never to optim.lr {self.config.optim.lr:.2e}; "
+                "lower schedule.warmup_steps"
+            )
 
     # ------------------------------------------------------------------ setup
     def _start_run(self) -> tuple[RunCheckpoints, Path | None]:
@@ -256,13 +277,25 @@ class Trainer:
 
         cfg, main = self.config, self.ranks.is_main
         loop = _Loop(
-            metrics=MetricsLog(self.run_dir, cfg.logging, resume_step=start if resumed else None, write=main),
+            metrics=MetricsLog(
+                self.run_dir,
+                cfg.logging,
+                resume_step=start if resumed else None,
+                write=main,
+                run_name=cfg.run.name,
+                settings=dataclasses.asdict(cfg),
+            ),
             result=TrainResult(self.run_dir, start),
             stop=_StopFlag(cfg.checkpoint.on_signal, announce=main),
             progress=Progress(
                 run.total_steps, start, cfg.logging.progress, cfg.logging.every, silent=not main
             ),
         )
+        self._progress = loop.progress
+        caught = warnings.catch_warnings()  # rank 0's Python warnings of the steps: through self.log
+        caught.__enter__()
+        if main:  # the other ranks, which log nothing, keep printing theirs to stderr
+            warnings.showwarning = self._log_warning
         try:
             if start == 0 and cfg.eval.every is not None and run.splits.eval:
                 self._evaluate_at(run, loop, 0)
@@ -285,7 +318,9 @@ class Trainer:
                 self._log_failure(err, f"the run failed after step {loop.result.steps}")
             raise
         finally:
+            caught.__exit__(None, None, None)
             loop.progress.close()
+            self._progress = None
             loop.stop.restore()
             loop.metrics.close()
         return loop
@@ -297,7 +332,9 @@ class Trainer:
         loop.metrics.log(row)
         result.train_losses.append(row["loss"])
         result.steps = step + 1
-        loop.progress.update(step + 1, row["loss"], row["tokens_per_s"], row["idle"], row["lr"])
+        line = loop.progress.update(step + 1, row["loss"], row["tokens_per_s"], row["idle"], row["lr"])
+        if line is not None:  # the bar shows the step; train.log gets its line
+            self.log(line, screen=not loop.progress.has_bar)
         last = step + 1 == run.total_steps
         # A signal may reach the ranks on either side of a step: every rank stops after
         # the step at which any rank saw it, so all write the same checkpoint.
@@ -374,7 +411,11 @@ class Trainer:
             cfg=self.config,
             is_main=self.ranks.is_main,
         )
-        loop.progress.write(eval_line(step, loop.result.eval))
+        self.log(eval_line(step, loop.result.eval))
+
+    def _log_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        """``warnings.showwarning`` while the steps run: above the bar, and into train.log."""
+        self.log(f"warning: {category.__name__}: {message} ({Path(filename).name}:{lineno})")
 
     def _save_timeline(self, pipe) -> None:
         from roundpipe.train.watch import save_timeline
@@ -442,6 +483,13 @@ class Trainer:
     def _log_file(self, text: str) -> None:
         with contextlib.suppress(OSError), open(self.run_dir / LOG_FILE, "a", encoding="utf-8") as f:
             f.write(text if text.endswith("\n") else text + "\n")
+
+
+def _done_line(result: TrainResult) -> str:
+    line = f"done: {result.steps} steps in {result.elapsed_s:.0f} s"
+    if result.eval:
+        line += "; held-out " + ", ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
+    return line
 
 
 def _plan_line(plan) -> str:

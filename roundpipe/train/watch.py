@@ -1,5 +1,5 @@
-"""Watching a run: a tqdm progress bar, metrics as JSON lines (and TensorBoard when installed), and
-the pictures drawn at the end (the loss curve, one step's timeline as PNG and Chrome trace).
+"""Watching a run: a tqdm progress bar that other lines are written around, metrics as JSON lines
+(and to TensorBoard, Weights & Biases or trackio when asked for), and the pictures drawn at the end (the loss curve, one step's timeline as PNG and Chrome trace).
 
 Caller's thread only. Metrics files are appended line by line and flushed, so a run killed at any
 moment leaves every line it logged readable; a resumed run drops the lines past its checkpoint.
@@ -11,6 +11,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +21,25 @@ from roundpipe.train.paths import check_filled_dir, run_file
 
 class MetricsLog:
     """``metrics.jsonl`` in the run directory: one JSON object per logged step or evaluation,
-    with ``step`` and ``kind`` (``train`` / ``eval``); and TensorBoard scalars when asked for.
-    ``write=False`` (the ranks other than 0 of a data-parallel run) keeps the rows in memory and
+    with ``step`` and ``kind`` (``train`` / ``eval``); and its numbers as ``KIND/KEY`` scalars to
+    TensorBoard, wandb and trackio when ``config`` asks for them (``run_name`` and ``settings``, the
+    resolved recipe, name and describe the wandb / trackio run). ``write=False`` (the ranks other than 0 of a data-parallel run) keeps the rows in memory and
     touches no file."""
 
     def __init__(
-        self, run_dir: Path, config: LoggingConfig, resume_step: int | None = None, *, write: bool = True
+        self,
+        run_dir: Path,
+        config: LoggingConfig,
+        resume_step: int | None = None,
+        *,
+        write: bool = True,
+        run_name: str = "run",
+        settings: dict[str, Any] | None = None,
     ):
         self.path = run_file(run_dir, "metrics.jsonl")  # refused if a symlink there leads outside
         self.rows: list[dict[str, Any]] = []
         self._file = self._tb = None
+        self._trackers: list[Any] = []  # wandb / trackio runs: init'ed, log(data, step=), finish()
         if not write:
             return
         if resume_step is not None and self.path.exists():
@@ -44,6 +54,7 @@ class MetricsLog:
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
         self._file = self.path.open("a", encoding="utf-8")
         self._tb = _tensorboard_writer(run_dir, config.tensorboard)
+        self._trackers = _trackers(run_dir, config, run_name, settings or {})
 
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -51,10 +62,16 @@ class MetricsLog:
             return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        scalars = {
+            f"{row['kind']}/{key}": value
+            for key, value in row.items()
+            if key not in ("step", "kind") and isinstance(value, (int, float))
+        }
         if self._tb is not None:
-            for key, value in row.items():
-                if key not in ("step", "kind") and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"{row['kind']}/{key}", value, row["step"])
+            for name, value in scalars.items():
+                self._tb.add_scalar(name, value, row["step"])
+        for tracker in self._trackers:
+            tracker.log(scalars, step=row["step"])
 
     def series(self, kind: str, key: str) -> tuple[list[int], list[float]]:
         rows = [r for r in self.rows if r.get("kind") == kind and key in r]
@@ -65,6 +82,27 @@ class MetricsLog:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self._trackers:
+            tracker.finish()
+        self._trackers = []
+
+
+def _trackers(run_dir: Path, config: LoggingConfig, name: str, settings: dict[str, Any]) -> list[Any]:
+    """The wandb and trackio runs ``logging.wandb`` / ``logging.trackio`` ask for (the recipe
+    loader has checked that their packages are installed). Each keeps its own online/offline
+    setting: WANDB_MODE for wandb; trackio stays local unless given a Space, which this never does."""
+    runs = []
+    if config.wandb:
+        import wandb
+
+        run_file(run_dir, "wandb")  # wandb writes there: refused if a symlink leads outside
+        runs.append(wandb.init(project=config.project, name=name, config=settings, dir=str(run_dir)))
+    if config.trackio:
+        import trackio
+
+        trackio.init(project=config.project, name=name, config=settings)
+        runs.append(trackio)  # trackio's log and finish are module functions
+    return runs
 
 
 def _tensorboard_writer(run_dir: Path, wanted: bool | str):
@@ -89,9 +127,11 @@ def _tensorboard_writer(run_dir: Path, wanted: bool | str):
 
 
 class Progress:
-    """A tqdm bar over optimizer steps showing loss, tokens/s, ETA and the workers' idle share;
-    plain lines instead when progress bars are off or the output is not a terminal; nothing at all
-    when ``silent`` (the ranks other than 0 of a data-parallel run)."""
+    """A tqdm bar over optimizer steps showing loss, tokens/s, ETA and the workers' idle share, or
+    none when progress bars are off, the output is not a terminal, or ``silent`` (the ranks other
+    than 0 of a data-parallel run). ``update`` gives the step's line every ``every`` steps (the
+    caller logs it: on the screen where there is no bar, in ``train.log`` always); ``write`` shows
+    any other line above the bar, which it redraws below, so no line is written into the bar."""
 
     def __init__(self, total: int, start: int, enabled: bool, every: int, *, silent: bool = False):
         self.every = every
@@ -104,32 +144,38 @@ class Progress:
             self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
         self.total = total
 
-    def update(self, step: int, loss: float, tokens_per_s: float, idle: float, lr: float) -> None:
-        if self.silent:
-            return
+    @property
+    def has_bar(self) -> bool:
+        return self._bar is not None
+
+    def update(self, step: int, loss: float, tokens_per_s: float, idle: float, lr: float) -> str | None:
+        """Advance to ``step``; its line when it is one to log (every ``every`` steps, and the last)."""
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", idle=f"{idle:.0%}")
-        elif step % self.every == 0 or step == self.total:
-            per_step = (time.monotonic() - self._t0) / max(1, step - self._start)
-            eta = per_step * (self.total - step)
-            print(
-                f"step {step:5d}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  "
-                f"{tokens_per_s:,.0f} tokens/s  workers idle {idle:.0%}  ETA {eta // 60:.0f}:{eta % 60:02.0f}",
-                flush=True,
-            )
+        if self.silent or not (step % self.every == 0 or step == self.total):
+            return None
+        per_step = (time.monotonic() - self._t0) / max(1, step - self._start)
+        eta = per_step * (self.total - step)
+        return (
+            f"step {step:5d}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  "
+            f"{tokens_per_s:,.0f} tokens/s  workers idle {idle:.0%}  ETA {eta // 60:.0f}:{eta % 60:02.0f}"
+        )
 
-    def write(self, text: str) -> None:
+    def write(self, text: str, echo: Callable[[str], Any] = print) -> None:
+        """``echo(text)``, with the bar cleared first and drawn again after it."""
         if self.silent:
             return
-        if self._bar is not None:
-            self._bar.write(text)
-        else:
-            print(text, flush=True)
+        if self._bar is None:
+            echo(text)
+            return
+        with self._bar.external_write_mode():
+            echo(text)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
 
 
 def save_loss_curve(metrics: MetricsLog, path: Path, title: str) -> None:
