@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_train import _quiet, _recipe
 
-from roundpipe.errors import ConfigError
+from roundpipe.errors import CheckpointError, ConfigError
 from roundpipe.train.checkpoint import CheckpointManager
 from roundpipe.train.recipe import config_from_dict
 from roundpipe.train.trainer import Trainer
@@ -57,3 +57,27 @@ def test_overwrite_clears_the_old_runs_outputs_and_says_what_it_removed(tmp_path
 def test_overwrite_and_resume_together_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="overwrite"):
         Trainer(config_from_dict(_short(tmp_path)), resume="auto", overwrite=True)
+
+
+def test_resume_auto_refuses_a_newest_checkpoint_without_its_manifest_and_names_the_older_one(tmp_path):
+    Trainer(config_from_dict(_short(tmp_path)), log=_quiet).fit()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step-00000002" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"step-00000002.*--resume \S*step-00000001"):
+        Trainer(config_from_dict(_short(tmp_path)), resume="auto", log=_quiet).fit()
+    assert (checkpoints / "step-00000001" / "manifest.json").is_file()
+
+
+def _save(manager: CheckpointManager, step: int) -> Path:
+    return manager.save(step, {"w": torch.full((4,), float(step))})
+
+
+def test_keep_last_counts_only_good_checkpoints_and_never_deletes_one_for_a_damaged_one(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    _save(manager, 1)
+    damaged = _save(manager, 3)
+    with open(damaged / "tensors.safetensors", "r+b") as f:
+        f.truncate(8)
+    _save(manager, 2)  # resumed from step 1 by hand, as the error for step 3 says
+    assert [p.name for p in manager.list()] == ["step-00000001", "step-00000002", "step-00000003"]
+    manager.verify(tmp_path / "step-00000001")  # still whole: one of the two good ones kept
