@@ -37,6 +37,7 @@ from roundpipe.errors import RecipeError
 RUN_DIR_ENTRIES = (
     "config.yaml",
     "train.log",
+    "plan.json",
     "metrics.jsonl",
     "tensorboard",
     "loss.png",

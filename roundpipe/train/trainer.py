@@ -47,7 +47,13 @@ from roundpipe.train.evaluation import eval_line, evaluate, show_samples
 from roundpipe.train.lr_schedule import lr_at
 from roundpipe.train.ranks import Ranks
 from roundpipe.train.run_checkpoints import RunCheckpoints
-from roundpipe.train.run_setup import check_joined, model_for_run, run_config_for, write_synthetic
+from roundpipe.train.run_setup import (
+    check_joined,
+    model_for_run,
+    record_plan,
+    run_config_for,
+    write_synthetic,
+)
 
 LOG_FILE = "train.log"  # in the run directory: every line the run printed, and a failure's traceback
 
@@ -296,6 +302,8 @@ class Trainer:
                     raise
                 if step == start:  # what runs from now on, and why (an "auto" choice is made by now)
                     self.log(_plan_line(run.pipe.plan))
+                    if main:
+                        record_plan(self.run_dir, run.pipe, resumed=resumed, log=self.log)
                 if self._after_step(run, loop, step, row):
                     break
         except Exception as err:  # outside a step too (a checkpoint write, an evaluation)
