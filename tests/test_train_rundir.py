@@ -81,3 +81,100 @@ def test_keep_last_counts_only_good_checkpoints_and_never_deletes_one_for_a_dama
     _save(manager, 2)  # resumed from step 1 by hand, as the error for step 3 says
     assert [p.name for p in manager.list()] == ["step-00000001", "step-00000002", "step-00000003"]
     manager.verify(tmp_path / "step-00000001")  # still whole: one of the two good ones kept
+
+
+def test_a_microbatch_count_chosen_from_timing_is_recorded_and_the_run_says_it_may_differ(tmp_path):
+    lines: list[str] = []
+    Trainer(config_from_dict(_short(tmp_path, num_microbatches="auto")), log=lines.append).fit()
+    record = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert "num_microbatches" in record["chosen_from_timing"]
+    m = record["num_microbatches"]
+    assert record["repeat_with"] == {"run.num_microbatches": m}
+    warning = next(line for line in lines if "may differ" in line)
+    assert f"run.num_microbatches: {m}" in warning
+
+
+def test_every_recipe_names_what_changes_its_numbers_so_two_runs_repeat():
+    """A microbatch count chosen from timing (num_microbatches: auto) changes the losses from one
+    run to the next; the shipped recipes give theirs."""
+    from test_train import ROOT
+
+    from roundpipe.train.recipe import load_recipe
+
+    for path in sorted((ROOT / "recipes").glob("*.yaml")):
+        cfg = load_recipe(path, [] if path.name == "demo.yaml" else ["model.path=/some/model"])
+        assert cfg.run.num_microbatches != "auto", path.name
+
+
+def _chats(path: Path, count: int) -> Path:
+    words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(count):
+            ask = " ".join(words[(i + k) % len(words)] for k in range(1 + i % 4))
+            chat = [{"role": "user", "content": f"reverse: {ask}"}]
+            chat.append({"role": "assistant", "content": " ".join(reversed(ask.split()))})
+            f.write(json.dumps({"messages": chat}) + "\n")
+    return path
+
+
+def _shrunk_chat_sft(tmp: Path, name: str) -> list[str]:
+    """recipes/chat-sft.yaml as it ships, on a tiny model, two devices and a few steps."""
+    tiny = _recipe(tmp)["model"]["config"]
+    return [
+        "model.path=null",
+        "model.tokenizer=byte",
+        f"model.config={json.dumps(tiny)}",
+        f"data.train={_chats(tmp / 'chats.jsonl', 200)}",
+        "data.max_length=64",
+        "run.devices=cpu:2",
+        f"run.output_dir={tmp / name}",
+        "run.max_steps=3",
+        "logging.progress=false",
+        "logging.plots=false",
+        "logging.tensorboard=false",
+    ]
+
+
+@pytest.mark.slow
+def test_two_runs_of_the_chat_sft_recipe_give_identical_losses(tmp_path):
+    from test_train import ROOT
+
+    from roundpipe.train.recipe import load_recipe
+
+    losses = []
+    for name in ("a", "b"):
+        cfg = load_recipe(ROOT / "recipes" / "chat-sft.yaml", _shrunk_chat_sft(tmp_path, name))
+        Trainer(cfg, log=_quiet).fit()
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses.append([(r["kind"], r["step"], r["loss"]) for r in rows])
+    assert len([r for r in losses[0] if r[0] == "train"]) == 3
+    assert losses[0] == losses[1]  # exactly equal floats
+
+
+def test_a_held_out_batch_smaller_than_the_microbatch_count_runs_with_fewer_microbatches(tmp_path):
+    recipe = _recipe(
+        tmp_path,
+        run={"batch_size": 16, "num_microbatches": 16, "max_steps": 1, "grad_accum": 1},
+        data={"synthetic_samples": [64, 10]},
+        eval={"every": 1},
+        checkpoint={"every": None, "at_end": False},
+    )
+    result = Trainer(config_from_dict(recipe), log=_quiet).fit()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1]
+    assert result.eval["loss"] > 0
+
+
+def test_an_error_in_a_held_out_batch_says_it_was_the_evaluation(tmp_path, monkeypatch):
+    from roundpipe.errors import InputError
+    from roundpipe.runtime.pipeline import Pipeline
+
+    def refuse(self, input_ids, **_):
+        raise InputError(f"a batch of {len(input_ids)} samples is refused")
+
+    monkeypatch.setattr(Pipeline, "evaluate", refuse)
+    recipe = _short(tmp_path)
+    with pytest.raises(
+        InputError, match=r"^held-out evaluation at step 0, batch 1 of 1 \(4 samples\).*: a batch"
+    ):
+        Trainer(config_from_dict(recipe), log=_quiet).fit()
