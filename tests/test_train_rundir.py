@@ -178,3 +178,23 @@ def test_an_error_in_a_held_out_batch_says_it_was_the_evaluation(tmp_path, monke
         InputError, match=r"^held-out evaluation at step 0, batch 1 of 1 \(4 samples\).*: a batch"
     ):
         Trainer(config_from_dict(recipe), log=_quiet).fit()
+
+
+def test_the_train_command_refuses_a_used_run_directory_with_exit_code_2_and_offers_overwrite(
+    tmp_path, capsys
+):
+    from roundpipe.commands.train import main
+    from roundpipe.train.recipe import dump_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(dump_recipe(config_from_dict(_short(tmp_path))))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')
+    with pytest.raises(SystemExit) as stop:
+        main([str(recipe)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "holds a run (metrics.jsonl)" in err and "--overwrite" in err
+    with pytest.raises(SystemExit) as stop:
+        main([str(recipe), "--overwrite", "--resume", "auto"])
+    assert stop.value.code == 2
