@@ -198,3 +198,34 @@ def test_the_train_command_refuses_a_used_run_directory_with_exit_code_2_and_off
     with pytest.raises(SystemExit) as stop:
         main([str(recipe), "--overwrite", "--resume", "auto"])
     assert stop.value.code == 2
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_the_count_auto_chose_and_says_when_it_differs_from_plan_json(tmp_path):
+    recipe = _short(tmp_path, num_microbatches="auto", max_steps=3)
+    whole = Trainer(config_from_dict(recipe), log=_quiet).fit()
+    record = tmp_path / "run" / "plan.json"
+    first = json.loads(record.read_text())
+    lines: list[str] = []
+    step_1 = tmp_path / "run" / "checkpoints" / "step-00000001"
+    resumed = Trainer(config_from_dict(recipe), resume=str(step_1), log=lines.append).fit()
+    assert resumed.train_losses == whole.train_losses[1:]  # the checkpoint's profile: the same count
+    assert not any("differ" in line for line in lines)
+    assert json.loads(record.read_text()) == first  # the first run's record stays
+    record.write_text(json.dumps({**first, "num_microbatches": 999}))
+    lines.clear()
+    Trainer(config_from_dict(recipe), resume=str(step_1), log=lines.append).fit()
+    assert any("the first run into 999" in line for line in lines)
+
+
+def test_an_error_in_the_exact_match_says_it_was_the_evaluation(tmp_path, monkeypatch):
+    import roundpipe.train.evaluation as evaluation
+
+    def fail(*_):
+        raise ValueError("no answer")
+
+    monkeypatch.setattr(evaluation, "exact_match", fail)
+    recipe = _short(tmp_path)
+    recipe["eval"]["exact_match"] = True
+    with pytest.raises(ValueError, match=r"^held-out exact match at step 0 \(eval.exact_match\): no answer"):
+        Trainer(config_from_dict(recipe), log=_quiet).fit()

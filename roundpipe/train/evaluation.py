@@ -46,7 +46,11 @@ def evaluate(pipe, model, samples, tokenizer, step: int, metrics, *, cfg: TrainC
     if cfg.eval.exact_match:
         pipe.export_to(model)  # on every rank (as every pipeline call), the answers on rank 0 only
         if is_main:
-            row["exact_match"] = exact_match(model, batches, samples)
+            try:
+                row["exact_match"] = exact_match(model, batches, samples)
+            except Exception as err:
+                _in_evaluation(err, f"held-out exact match at step {step} (eval.exact_match)")
+                raise
     metrics.log(row)
     return {k: v for k, v in row.items() if k not in ("kind", "step")}
 
