@@ -13,7 +13,7 @@ $(STAMP): setup.cfg constraints.txt pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m roundpipe.cli train recipes/demo.yaml
+	$(PY) -m roundpipe.cli train recipes/demo.yaml --overwrite
 
 test: $(STAMP)
 	# Two processes, one per core; then the tests that compare wall-clock times, alone, so that

@@ -324,7 +324,7 @@ TRAIN_ARGS=(--set "run.devices=$D2" --set run.max_steps=20 --set eval.every=10 -
     --set "data.train=${TMPDIR:-/tmp}/roundpipe-gpu-check-train/data/train.jsonl" --set "data.eval=${TMPDIR:-/tmp}/roundpipe-gpu-check-train/data/eval.jsonl"
     --set "data.synthetic_samples=[2000,64]" --set logging.progress=false)
 if "$PY" -c 'import datasets' 2>/dev/null; then
-    run_step train 40 "$PY" -m roundpipe.cli train recipes/demo.yaml "${TRAIN_ARGS[@]}"
+    run_step train 40 "$PY" -m roundpipe.cli train recipes/demo.yaml --overwrite "${TRAIN_ARGS[@]}"
 else
     note SKIP train "this python has no datasets (the training product reads data with it)"
 fi

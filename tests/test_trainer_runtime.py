@@ -179,3 +179,18 @@ def test_an_async_update_under_way_keeps_its_learning_rate(monkeypatch):
     want, got = run(change_lr_early=False), run(change_lr_early=True)
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_an_evaluation_batch_smaller_than_the_microbatch_count_runs_with_fewer_microbatches():
+    """A held-out set's short last batch: fewer microbatches (one per sample), the plain loss; a
+    training batch that short is still refused."""
+    model = make_model("llama")
+    short = make_batch(batch=2, seed=4)
+    with torch.no_grad():
+        want = model(**short, use_cache=False).loss.item()
+    with roundpipe.wrap(
+        copy.deepcopy(model), roundpipe.RunConfig(devices="cpu:2", num_microbatches=4)
+    ) as pipe:
+        assert pipe.evaluate(**short).loss == pytest.approx(want, rel=1e-5)
+        with pytest.raises(roundpipe.InputError, match="num_microbatches=4 is larger than the batch"):
+            pipe.forward_backward(**short)

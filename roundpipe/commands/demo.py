@@ -3,7 +3,8 @@
 A small Qwen3-shaped model built from config numbers learns to reverse strings of letters; the
 data is generated into the run directory with a held-out set it never trains on, and the run ends
 with the held-out exact match, a few greedy answers next to the references, and the saved model.
-The same as ``roundpipe train recipes/demo.yaml``; extra arguments are passed on (``--set ...``).
+The same as ``roundpipe train recipes/demo.yaml --overwrite``: each demo starts afresh in
+``runs/demo`` unless ``--resume`` is given; extra arguments are passed on (``--set ...``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not RECIPE.exists():
         raise SystemExit(f"{RECIPE} is missing: run the demo from a roundpipe checkout")
-    train([str(RECIPE), *argv])
+    fresh = [] if {"--resume", "--overwrite"} & {a.split("=")[0] for a in argv} else ["--overwrite"]
+    train([str(RECIPE), *fresh, *argv])
 
 
 if __name__ == "__main__":

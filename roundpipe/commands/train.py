@@ -1,4 +1,4 @@
-"""``roundpipe train RECIPE.yaml [--set group.key=value ...] [--resume auto|PATH]``.
+"""``roundpipe train RECIPE.yaml [--set group.key=value ...] [--resume auto|PATH | --overwrite]``.
 
 Reads the recipe (``roundpipe.train.recipe``), runs ``Trainer.fit`` and exits 0 when the run
 completed, 130 when a signal stopped it after writing a checkpoint, 2 on a recipe, data or setting
@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar="auto|PATH",
         help="continue from the newest checkpoint of the run (auto: start afresh if there is none) or from PATH",
     )
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="the run directory holds an earlier run: remove its outputs (checkpoints/, export/, "
+        "metrics.jsonl, train.log, config.yaml, plots, tensorboard/) and start afresh there; "
+        "without it (or --resume) such a run directory is refused",
+    )
     args = ap.parse_args(argv)
     from roundpipe.errors import ConfigError, DeviceMemoryError, HostMemoryError, InputError
 
@@ -54,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
 
         faults.from_environment()  # ROUNDPIPE_FAULTS: only the reliability tests set it
         config = load_recipe(args.recipe, args.overrides)
-        trainer = Trainer(config, resume=args.resume)
+        trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite)
         result = trainer.fit()
     except (ConfigError, InputError, HostMemoryError, DeviceMemoryError) as err:  # say what to change
         print(f"{prog}: error: {err}", file=sys.stderr, flush=True)

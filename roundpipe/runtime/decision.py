@@ -9,7 +9,7 @@ fastest candidates.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from roundpipe.runtime.store import ParameterStore
 from roundpipe.schedule import Partition, TaskKind
@@ -26,6 +26,22 @@ class Decision:
     num_microbatches: int | None  # None: "auto" before any batch was seen (only in reports)
     why: dict[str, str] = field(default_factory=dict)
     choice: object = None  # roundpipe.sim.choice.Choice
+
+
+def for_short_batch(decision: Decision, batch: int, num_devices: int) -> Decision:
+    """``decision`` for an evaluation batch of ``batch`` samples: with fewer samples than its
+    microbatch count, the most microbatches the policy takes, at most one per sample (a held-out
+    set's last, short batch). A training batch keeps its count (``split_batch`` refuses it)."""
+    from roundpipe.schedule.policies import POLICIES
+
+    m, spec = decision.num_microbatches, POLICIES.get(decision.policy)
+    if m is None or m <= batch or spec is None:
+        return decision
+    fits = [k for k in range(batch, 0, -1) if spec.accepts_microbatches(k, num_devices)]
+    if not fits:
+        return decision
+    why = f"{fits[0]}: an evaluation batch of {batch} samples, fewer than the {m} a training batch runs"
+    return replace(decision, num_microbatches=fits[0], why={**decision.why, "num_microbatches": why})
 
 
 @dataclass(frozen=True)

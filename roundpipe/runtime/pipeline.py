@@ -30,7 +30,7 @@ from roundpipe.models.random_draws import layers_that_draw
 from roundpipe.models.verify import verify_model
 from roundpipe.optim import LayerwiseAdamW, OptimizerConfig
 from roundpipe.runtime.data_parallel import DataParallelSteps
-from roundpipe.runtime.decision import RuntimePlan
+from roundpipe.runtime.decision import RuntimePlan, for_short_batch
 from roundpipe.runtime.exchange import Exchange
 from roundpipe.runtime.executor import Executor
 from roundpipe.runtime.hostqueue import HostQueue
@@ -264,8 +264,12 @@ class Pipeline:
         return self._evaluate(input_ids, labels, attention_mask, position_ids)
 
     def _evaluate(self, input_ids, labels, attention_mask, position_ids, ranks_step=None) -> StepOutput:
-        microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
-        plan = self._planner.flow_plan(self._planner.decide(*input_ids.shape))
+        # A held-out set's short last batch runs with fewer microbatches (at most one per sample).
+        planner = self._planner
+        decision = for_short_batch(planner.decide(*input_ids.shape), len(input_ids), planner.num_devices)
+        count = decision.num_microbatches
+        microbatches, total = self._split(input_ids, labels, attention_mask, position_ids, count)
+        plan = self._planner.flow_plan(decision)
         step = self._run(microbatches, total, plan, eager=False)
         self.store.zero_grads()
         if ranks_step is not None:
@@ -515,10 +519,10 @@ class Pipeline:
             self.close()
 
     # ----------------------------------------------------------------- internals
-    def _split(self, input_ids, labels, attention_mask, position_ids):
+    def _split(self, input_ids, labels, attention_mask, position_ids, given: int | None = None):
         def count(batch: int) -> int:  # called once input_ids is known to be [batch, seq]
             # a decision for a batch has its count (None only in a report before any batch)
-            return cast(int, self._planner.decide(batch, input_ids.shape[1]).num_microbatches)
+            return given or cast(int, self._planner.decide(batch, input_ids.shape[1]).num_microbatches)
 
         return split_batch(
             input_ids,

@@ -331,8 +331,11 @@ class CheckpointManager:
             entry for entry in self.root.iterdir() if entry.name.startswith((TMP_PREFIX, REPLACED_PREFIX))
         ]
         complete = self.list()
-        newest = set(complete[-self.keep_last :]) | {keep}
-        for old in complete:
+        # A damaged checkpoint (a file missing or of another size) counts for nothing and is left
+        # for the user to look at: keep_last good ones stay, and the only good one is never deleted.
+        good = [c for c in complete if c == keep or self._sizes_match(c)]
+        newest = set(good[-self.keep_last :]) | {keep}
+        for old in good:
             if old not in newest:
                 # Rename first so a crash mid-delete leaves a .tmp-* leftover, never a half checkpoint.
                 dying = self.root / f"{TMP_PREFIX}deleting-{old.name}-{secrets.token_hex(4)}"
@@ -349,6 +352,15 @@ class CheckpointManager:
                 warnings.warn(
                     f"could not delete {entry} (left by an older or crashed save): {e}", stacklevel=3
                 )
+
+    @staticmethod
+    def _sizes_match(path: Path) -> bool:
+        """The cheap check (names, presence, sizes; no hashing) that ``path`` is whole."""
+        try:
+            verify_checkpoint(path, hash_files=False)
+        except CheckpointError:
+            return False
+        return True
 
     def _restore_replaced(self) -> None:
         if not self.root.is_dir():
@@ -421,7 +433,7 @@ class CheckpointManager:
                 manifest; a checkpoints folder rather than one checkpoint).
         """
         if resume == "auto":
-            return self.latest()
+            return self._newest_whole()
         path = Path(resume).expanduser()
         if not path.exists() and not path.is_absolute() and (self.root / path).exists():
             path = self.root / path
@@ -443,6 +455,41 @@ class CheckpointManager:
                 f"(its write never finished, or it is another kind of directory); {older_hint(path)}"
             )
         return path
+
+    def _newest_whole(self) -> Path | None:
+        """``--resume auto``: the checkpoint of the highest step, None when there is none. When
+        that one is damaged (no manifest, a file missing or of another size) it is an error naming
+        it and the newest whole one before it: an older checkpoint is never taken silently."""
+        if not self.root.is_dir():
+            return None
+        found = sorted(
+            (step, entry)
+            for entry in self.root.iterdir()
+            if (step := checkpoint_step(entry)) is not None and entry.is_dir()
+        )
+        if not found:
+            return None
+        newest = found[-1][1]
+        try:
+            verify_checkpoint(newest, hash_files=False)
+        except CheckpointError as err:
+            whole = [entry for _, entry in reversed(found[:-1]) if self._sizes_match(entry)]
+            then = (
+                f"resume from the newest whole one with --resume {whole[0]}"
+                if whole
+                else f"no older whole checkpoint exists in {self.root}: start afresh with --overwrite"
+            )
+            reason = (
+                f"it has no {MANIFEST} (removed, or lost with the disk)"
+                if not (newest / MANIFEST).exists()
+                else str(err).split(": the checkpoint is damaged")[0]
+            )
+            raise CheckpointError(
+                f"--resume auto: the newest checkpoint {newest} is damaged: {reason}. roundpipe does "
+                f"not fall back to an older one by itself: {then} (a later save of step "
+                f"{checkpoint_step(newest)} replaces the damaged one), or repair {newest}"
+            ) from err
+        return newest
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Held-out evaluation during a run: the loss, exact match, and a few greedy answers to read.
 
 ``evaluate`` runs the held-out samples through the pipeline (``Pipeline.evaluate``, in order, in
-batches no smaller than the microbatch count) and logs one ``eval`` row; with
+batches of ``eval.batch_size``; a short one runs with fewer microbatches) and logs one ``eval``
+row; an error in a held-out batch names the evaluation and the batch; with
 ``eval.exact_match`` it also exports the weights into the model and measures on rank 0 the share
 of answers a greedy decoder gets right (``exact_match``). ``show_samples`` prints a few greedy
 answers at the end of a run.
@@ -18,7 +19,8 @@ from roundpipe.train.config import TrainConfig
 
 
 def eval_chunks(samples, size: int, pad_id: int) -> list[dict]:
-    """Held-out samples in order, as batches no smaller than the microbatch count."""
+    """Held-out samples in order, as about equal batches of at most ``size`` samples (all of them
+    when there are fewer)."""
     count = max(1, math.ceil(len(samples) / size))
     bounds = [round(i * len(samples) / count) for i in range(count + 1)]
     return [batch for a, b in zip(bounds, bounds[1:]) for batch in eval_batches(samples[a:b], b - a, pad_id)]
@@ -31,17 +33,35 @@ def evaluate(pipe, model, samples, tokenizer, step: int, metrics, *, cfg: TrainC
     samples = samples[: cfg.eval.max_samples] if cfg.eval.max_samples else samples
     batches = eval_chunks(samples, cfg.eval.batch_size or cfg.run.batch_size, tokenizer.pad_token_id)
     loss_sum, tokens = 0.0, 0
-    for b in batches:
-        out = pipe.evaluate(b["input_ids"], labels=b["labels"], attention_mask=b["attention_mask"])
+    for index, b in enumerate(batches):
+        try:
+            out = pipe.evaluate(b["input_ids"], labels=b["labels"], attention_mask=b["attention_mask"])
+        except Exception as err:
+            where = f"held-out evaluation at step {step}, batch {index + 1} of {len(batches)}"
+            _in_evaluation(err, f"{where} ({len(b['input_ids'])} samples)")
+            raise
         loss_sum += out.loss * out.num_tokens
         tokens += out.num_tokens
     row = {"kind": "eval", "step": step, "loss": loss_sum / tokens}
     if cfg.eval.exact_match:
         pipe.export_to(model)  # on every rank (as every pipeline call), the answers on rank 0 only
         if is_main:
-            row["exact_match"] = exact_match(model, batches, samples)
+            try:
+                row["exact_match"] = exact_match(model, batches, samples)
+            except Exception as err:
+                _in_evaluation(err, f"held-out exact match at step {step} (eval.exact_match)")
+                raise
     metrics.log(row)
     return {k: v for k, v in row.items() if k not in ("kind", "step")}
+
+
+def _in_evaluation(err: Exception, where: str) -> None:
+    """Put ``where`` (the evaluation and its batch) in front of ``err``'s message: a failure
+    there says it was not a training step. Every roundpipe error keeps its message in ``args[0]``."""
+    if err.args and isinstance(err.args[0], str):
+        err.args = (f"{where}: {err.args[0]}", *err.args[1:])
+    elif hasattr(err, "add_note"):  # Python 3.11+
+        err.add_note(where)
 
 
 def eval_line(step: int, ev: dict) -> str:

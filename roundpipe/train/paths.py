@@ -37,8 +37,10 @@ from roundpipe.errors import RecipeError
 RUN_DIR_ENTRIES = (
     "config.yaml",
     "train.log",
+    "plan.json",
     "metrics.jsonl",
     "tensorboard",
+    "wandb",
     "loss.png",
     "timeline.png",
     "timeline.trace.json",
@@ -49,7 +51,7 @@ RUN_DIR_ENTRIES = (
 )
 # Directories whose file names are chosen by another library (tensorboard, save_pretrained): their
 # existing entries are checked one by one before the run writes into them.
-FILLED_BY_OTHERS = ("tensorboard", "export/adapter", "export/merged")
+FILLED_BY_OTHERS = ("tensorboard", "wandb", "export/adapter", "export/merged")
 
 _NOT_IN_A_NAME = ("/", "\\", ":", "\0")  # ':' makes a Windows drive (C:x), '\0' ends a C string
 _LINK_HINT = (
@@ -141,6 +143,43 @@ def inside_run_dir(
 def run_file(run_dir: str | os.PathLike, name: str) -> Path:
     """``run_dir / name`` for one of roundpipe's own names, refused when a symlink there leads out."""
     return inside_run_dir(run_dir, Path(run_dir) / name, "run.output_dir", value=run_dir)
+
+
+def previous_run(run_dir: str | os.PathLike) -> list[str]:
+    """What an earlier run left in ``run_dir`` that a new run would mix with its own: a non-empty
+    ``metrics.jsonl``, a checkpoint, an export (empty when there is none). A run that failed before
+    its first step leaves only ``config.yaml`` and ``train.log``: starting again there is fine."""
+    run_dir = Path(run_dir)
+    found = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append("metrics.jsonl")
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        found.append("checkpoints/")
+    if (run_dir / "export").exists():
+        found.append("export/")
+    return found
+
+
+def clear_run(run_dir: str | os.PathLike) -> list[str]:
+    """Remove every output of an earlier run from ``run_dir`` (the names of ``RUN_DIR_ENTRIES`` at
+    its top level: a symlink is removed, never followed); other files (data files the recipe
+    reads) stay. Returns the names removed."""
+    import shutil
+
+    removed = []
+    for name in RUN_DIR_ENTRIES:
+        if "/" in name:
+            continue  # inside a top-level entry, which goes as a whole
+        path = run_file(run_dir, name)
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+            removed.append(name)
+        elif path.is_dir():
+            shutil.rmtree(path)
+            removed.append(name + "/")
+    return removed
 
 
 def check_run_dir(run_dir: str | os.PathLike) -> None:

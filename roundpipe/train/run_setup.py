@@ -4,11 +4,13 @@ The synthetic task's data files (``write_synthetic``), the model (``model_for_ru
 directory or a config, LoRA applied), and the ``RunConfig`` the Pipeline runs under
 (``run_config_for``: ``run:``'s settings, the devices each rank takes, the host RAM check on every
 node, and the simulator's forecast in the log); ``check_joined`` confirms the pipeline joined the
-ranks the environment names. ``log`` is rank 0's log line (``Trainer.log``).
+ranks the environment names; after the first step, ``record_plan`` writes the plan the run chose
+into ``plan.json``. ``log`` is rank 0's log line (``Trainer.log``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -155,4 +157,54 @@ def check_joined(pipe, ranks: Ranks) -> None:
         raise DataParallelError(
             f"this process is rank {ranks.rank} of {ranks.world_size} but the pipeline {got}",
             rank=ranks.rank,
+        )
+
+
+PLAN_FILE = "plan.json"  # in the run directory: the plan the first step ran, and what timing chose
+
+
+def record_plan(run_dir, pipe, *, resumed: bool, log) -> None:
+    """After the first step a ``fit`` runs (rank 0): the plan into ``plan.json``, and when the
+    microbatch count was chosen from this machine's timing (``num_microbatches: auto``) a line that
+    says another run may choose otherwise, and how to pin it.
+
+    The count is the one automatic choice that changes the numbers (how each batch is split, so the
+    order the gradients add up in); the policy and partitions that ``auto`` chooses change only the
+    speed (the planner keeps to plans that run every backward stage on one device). A resumed run
+    makes the same choice from the profile its checkpoint carries; its ``plan.json`` stays the first
+    run's, and a different count is logged."""
+    import json
+
+    from roundpipe.train.paths import run_file
+
+    config, plan = pipe.config, pipe.plan
+    timed = (
+        []
+        if config.schedule is not None
+        else [part for part in ("policy", "partition", "num_microbatches") if getattr(config, part) == "auto"]
+    )
+    path = run_file(run_dir, PLAN_FILE)
+    if resumed and path.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            first = json.loads(path.read_text(encoding="utf-8")).get("num_microbatches")
+            if first != plan.num_microbatches:
+                log(
+                    f"plan: this run splits each batch into {plan.num_microbatches} microbatches, "
+                    f"the first run into {first} ({PLAN_FILE}): its losses differ from an uninterrupted run's"
+                )
+        return
+    record = {
+        **json.loads(plan.to_json()),
+        "chosen_from_timing": timed,
+        "repeat_with": (
+            {"run.num_microbatches": plan.num_microbatches} if "num_microbatches" in timed else {}
+        ),
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    if "num_microbatches" in timed:
+        log(
+            f"plan: num_microbatches auto chose {plan.num_microbatches} from this machine's timing; "
+            "another run may differ (another count, so other losses from step 1 on); to repeat "
+            f"this run bit for bit give run.num_microbatches: {plan.num_microbatches} "
+            f"(recorded in {run_dir}/{PLAN_FILE})"
         )

@@ -49,7 +49,13 @@ from roundpipe.train.evaluation import eval_line, evaluate, show_samples
 from roundpipe.train.lr_schedule import lr_at
 from roundpipe.train.ranks import Ranks
 from roundpipe.train.run_checkpoints import RunCheckpoints
-from roundpipe.train.run_setup import check_joined, model_for_run, run_config_for, write_synthetic
+from roundpipe.train.run_setup import (
+    check_joined,
+    model_for_run,
+    record_plan,
+    run_config_for,
+    write_synthetic,
+)
 
 LOG_FILE = "train.log"  # in the run directory: every line the run printed, and a failure's traceback
 
@@ -121,13 +127,21 @@ class _StopFlag:
 
 class Trainer:
     """Runs one ``TrainConfig``. ``resume``: ``"auto"`` (the newest checkpoint of the run, if any)
-    or a checkpoint directory. ``log``: where lines of text go (default ``print``; on rank 0 only
-    under torchrun)."""
+    or a checkpoint directory. ``overwrite``: the run directory may hold an earlier run, whose
+    outputs (``paths.RUN_DIR_ENTRIES``) are removed first; without it or ``resume`` a run directory
+    that holds a run (metrics, a checkpoint, an export) is refused. ``log``: where lines of text go
+    (default ``print``; on rank 0 only under torchrun)."""
 
-    def __init__(self, config: TrainConfig, *, resume: str | None = None, log=print):
+    def __init__(self, config: TrainConfig, *, resume: str | None = None, overwrite: bool = False, log=print):
         config.check()
+        if resume and overwrite:
+            raise ConfigError(
+                f"--resume {resume} continues the run in {config.output_dir}; --overwrite removes it: "
+                "give one of them"
+            )
         self.config = config
         self.resume = resume
+        self.overwrite = overwrite
         self._print = log
         self.run_dir = Path(config.output_dir)
         self.ranks = Ranks()  # read from the environment when the run starts
@@ -198,8 +212,9 @@ class Trainer:
         )
 
         def open_run_dir() -> Path | None:  # rank 0's: the others wait for it, and fail with it
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             check_run_paths(cfg)  # again, now that the run starts: no symlink in run_dir leads outside
+            self._claim_run_dir()
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_recipe(cfg), encoding="utf-8")
             write_synthetic(cfg, self.log)
             return manager.resolve(self.resume) if self.resume else None
@@ -214,6 +229,25 @@ class Trainer:
                 + (f"; torchrun restart {ranks.restart}" if ranks.restart else "")
             )
         return RunCheckpoints(manager, cfg, ranks, self.log), resume_from
+
+    def _claim_run_dir(self) -> None:
+        """A fresh run (no ``resume``) starts in a run directory that holds no earlier run, or, with
+        ``overwrite``, one whose earlier outputs it removes first (and says which)."""
+        from roundpipe.train.paths import clear_run, previous_run
+
+        if self.resume:
+            return
+        found = previous_run(self.run_dir)
+        if not found:
+            return
+        if not self.overwrite:
+            raise ConfigError(
+                f"{self.run_dir} holds a run ({', '.join(found)}): continue it with --resume auto, "
+                "start afresh there with --overwrite (removes its checkpoints, metrics, logs, plots "
+                "and exports), or set run.output_dir (or run.name) to another directory"
+            )
+        removed = clear_run(self.run_dir)
+        self.log(f"overwrite: removed the earlier run's {', '.join(removed)} from {self.run_dir}")
 
     def _read_data(self) -> tuple[Any, DataSplits, Batches, int]:
         """The tokenizer, the samples, the training batches and the number of steps to run."""
@@ -311,6 +345,8 @@ class Trainer:
                     raise
                 if step == start:  # what runs from now on, and why (an "auto" choice is made by now)
                     self.log(_plan_line(run.pipe.plan))
+                    if main:
+                        record_plan(self.run_dir, run.pipe, resumed=resumed, log=self.log)
                 if self._after_step(run, loop, step, row):
                     break
         except Exception as err:  # outside a step too (a checkpoint write, an evaluation)
