@@ -37,10 +37,6 @@ import argparse
 import copy
 import inspect
 import json
-import os
-import platform
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,6 +46,7 @@ for _path in (REPO, REPO / "tests", REPO / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+import _coverage  # noqa: E402  (what the three coverage walks share)
 import model_coverage as coverage  # noqa: E402  (the batch, the exactness rule, the dropout zeroing)
 
 TESTERS = REPO / "benchmarks" / "data" / "family_testers.json"
@@ -317,22 +314,9 @@ def one_family(model_type: str) -> dict:
 
 def run_isolated(model_type: str, timeout: float) -> dict:
     """``--one model_type`` in a fresh interpreter of its own session (a timeout kills it all)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", model_type]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    return _coverage.run_one(
+        Path(__file__).resolve(), "--one", model_type, RESULT_MARK, timeout, "model_type"
     )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return {"model_type": model_type, "outcome": "failed", "detail": f"timed out after {timeout:g} s"}
-    for line in reversed(out.splitlines()):
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK) :])
-    last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), "no output")
-    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
-    return {"model_type": model_type, "outcome": "failed", "detail": f"crashed ({how}): {last[:200]}"}
 
 
 def walk(names: list[str], timeout: float) -> list[dict]:
@@ -342,30 +326,18 @@ def walk(names: list[str], timeout: float) -> list[dict]:
         row = run_isolated(name, timeout)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
-        detail = f": {row['detail']}" if row.get("detail") else ""
-        print(
-            f"[{i}/{len(names)}] {name:<18} {row['outcome']}{detail[:160]} ({row['seconds']} s)", flush=True
-        )
+        _coverage.progress(i, len(names), name, row, 18, limit=160)
     return rows
 
 
 def counts(rows: list[dict]) -> dict[str, int]:
-    return {kind: sum(r["outcome"] == kind for r in rows) for kind in OUTCOMES}
+    return _coverage.counts(rows, OUTCOMES)
 
 
 def write_json(path: Path, rows: list[dict], command: str, timeout: float) -> None:
-    import peft
-    import torch
-    import transformers
-
     payload = {
         "command": command,
-        "versions": {
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-            "peft": peft.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": _coverage.versions("transformers", "torch", "peft"),
         "settings": {
             "steps": STEPS,
             "batch": f"{coverage.BATCH} x {coverage.SEQ} tokens, first sequence left-padded by {coverage.LEFT_PAD}",
@@ -403,7 +375,7 @@ def section(rows: list[dict], command: str) -> str:
             r["outcome"],
             r.get("detail", ""),
         ]
-        lines.append("| " + " | ".join(coverage._cell(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(_coverage.cell(c) for c in cells) + " |")
     lines += ["", "| outcome | families |", "|---|---|"]
     lines += [f"| {kind} | {n} |" for kind, n in counts(rows).items()]
     lines += ["", HOW.strip(), "", "```", command, "```", ""]
@@ -458,13 +430,12 @@ def main() -> None:
             ap.error(f"no tester config recorded for: {', '.join(unknown)}")
     command = "python benchmarks/family_tester_coverage.py" + "".join(f" {a}" for a in sys.argv[1:])
     rows = walk(names, args.timeout)
-    out = args.out or RESULTS / ("family_testers_only.json" if args.only else "family_testers.json")
-    write_json(out, rows, command, args.timeout)
-    docs = args.docs if args.docs is not None else (None if args.only else DOCS)
-    if docs is not None:
-        write_docs(docs, rows, command)
-    print(" ".join(f"{kind}: {n}," for kind, n in counts(rows).items()).rstrip(","))
-    print(f"wrote {out}" + (f" and {docs}" if docs is not None else ""))
+    _coverage.finish(
+        rows, command, only=bool(args.only), update=False, out=args.out, docs=args.docs,
+        results=RESULTS, stem="family_testers", key="model_type", list_key="families", default_docs=DOCS,
+        write_json=lambda path, rows, command: write_json(path, rows, command, args.timeout),
+        write_docs=write_docs, outcomes=OUTCOMES,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,11 +27,7 @@ import argparse
 import contextlib
 import copy
 import json
-import os
-import platform
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,9 +36,11 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 DOCS = REPO / "docs" / "models.md"
 # tests/support/reference.py holds the plain-PyTorch baselines and the pipeline loop the test suite uses.
-for _path in (REPO, REPO / "tests"):
+for _path in (REPO, REPO / "tests", REPO / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
+
+import _coverage  # noqa: E402  (what the three coverage walks share)
 
 STEPS = 3
 BATCH, SEQ, LEFT_PAD = 2, 16, 3
@@ -408,22 +406,9 @@ def _one_line(exc: BaseException, limit: int = 200) -> str:
 def run_isolated(model_type: str, timeout: float) -> dict:
     """Run ``--one model_type`` in a fresh interpreter (its own session, so a timeout kills it and
     everything it started) and read back its result line."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", model_type]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    return _coverage.run_one(
+        Path(__file__).resolve(), "--one", model_type, RESULT_MARK, timeout, "model_type"
     )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return {"model_type": model_type, "outcome": "failed", "detail": f"timed out after {timeout:g} s"}
-    for line in reversed(out.splitlines()):
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK) :])
-    last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), "no output")
-    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
-    return {"model_type": model_type, "outcome": "failed", "detail": f"crashed ({how}): {last[:200]}"}
 
 
 def walk(names: list[str], timeout: float) -> list[dict]:
@@ -435,30 +420,18 @@ def walk(names: list[str], timeout: float) -> list[dict]:
         row.setdefault("class", classes.get(name, "?"))
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
-        detail = f": {row['detail']}" if row.get("detail") else ""
-        print(
-            f"[{i}/{len(names)}] {name:<28} {row['outcome']}{detail[:150]} ({row['seconds']} s)", flush=True
-        )
+        _coverage.progress(i, len(names), name, row, 28)
     return rows
 
 
 def counts(rows: list[dict]) -> dict[str, int]:
-    return {kind: sum(r["outcome"] == kind for r in rows) for kind in OUTCOMES}
+    return _coverage.counts(rows, OUTCOMES)
 
 
 def write_json(path: Path, rows: list[dict], command: str, timeout: float) -> None:
-    import peft
-    import torch
-    import transformers
-
     payload = {
         "command": command,
-        "versions": {
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-            "peft": peft.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": _coverage.versions("transformers", "torch", "peft"),
         "settings": {
             "steps": STEPS,
             "batch": f"{BATCH} x {SEQ} tokens, first sequence left-padded by {LEFT_PAD}",
@@ -495,7 +468,7 @@ def write_docs(path: Path, rows: list[dict], command: str) -> None:
             r["outcome"],
             r.get("detail", ""),
         ]
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(_coverage.cell(c) for c in cells) + " |")
     lines += ["", "## Counts", "", "| outcome | families |", "|---|---|"]
     lines += [f"| {kind} | {n} |" for kind, n in counts(rows).items()]
     routed = [r for r in rows if "router" in r]
@@ -515,7 +488,9 @@ def write_docs(path: Path, rows: list[dict], command: str) -> None:
         ]
         lines += [
             "| "
-            + " | ".join(_cell(c) for c in (r["model_type"], r["router"]["kind"], r["router"]["detail"]))
+            + " | ".join(
+                _coverage.cell(c) for c in (r["model_type"], r["router"]["kind"], r["router"]["detail"])
+            )
             + " |"
             for r in routed
         ]
@@ -546,10 +521,6 @@ def _kept_sections(path: Path) -> list[str]:
         tester = text[text.index(TESTER_SECTION) :].split(DOCS_BEGIN, 1)[0]
         kept += [tester.rstrip("\n"), ""]
     return kept
-
-
-def _cell(value) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")
 
 
 PROOFS = """
@@ -664,20 +635,12 @@ def main() -> None:
             ap.error(f"not causal-LM model types of this transformers: {', '.join(unknown)}")
     command = "python benchmarks/model_coverage.py" + "".join(f" {a}" for a in sys.argv[1:])
     rows = walk(names, args.timeout)
-    if args.update:  # the full walk's rows, with these families measured again
-        full = RESULTS / "model_coverage.json"
-        previous = json.loads(full.read_text())
-        fresh = {r["model_type"]: r for r in rows}
-        rows = [fresh.get(r["model_type"], r) for r in previous["families"]]
-        command = f"{previous['command']}; then {command}"
-    whole = not args.only or args.update
-    out = args.out or RESULTS / ("model_coverage.json" if whole else "model_coverage_only.json")
-    write_json(out, rows, command, args.timeout)
-    docs = args.docs if args.docs is not None else (DOCS if whole else None)
-    if docs is not None:
-        write_docs(docs, rows, command)
-    print(" ".join(f"{kind}: {n}," for kind, n in counts(rows).items()).rstrip(","))
-    print(f"wrote {out}" + (f" and {docs}" if docs is not None else ""))
+    _coverage.finish(
+        rows, command, only=bool(args.only), update=args.update, out=args.out, docs=args.docs,
+        results=RESULTS, stem="model_coverage", key="model_type", list_key="families", default_docs=DOCS,
+        write_json=lambda path, rows, command: write_json(path, rows, command, args.timeout),
+        write_docs=write_docs, outcomes=OUTCOMES,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
