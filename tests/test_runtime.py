@@ -335,3 +335,31 @@ def test_a_stalled_step_becomes_a_watchdog_error_naming_what_each_worker_waits_f
         assert "compute issuing F1.0" in msg  # the stalled task (layers.0 is stage 1), on cpu:1
         assert "waiting for act[2]" in msg  # and the worker that depends on it says so
         assert _fb(pipe, batch).loss > 0  # and the pipeline recovers
+
+
+def test_the_watchdogs_progress_poll_queries_each_finished_task_once():
+    """The watchdog polls every 2 ms: a poll that queried every compute event of the step would
+    cost the host time quadratic in its tasks (about 1.6k tasks per step on 8 GPUs). Compute events
+    happen in issue order (one compute stream), so each poll starts where the last one stopped."""
+
+    class Event:
+        def __init__(self, done):
+            self.done, self.queries = done, 0
+
+        def query(self):
+            self.queries += 1
+            return self.done
+
+    with roundpipe.wrap(
+        make_model("llama"), roundpipe.RunConfig(devices="cpu:1", num_microbatches=2)
+    ) as pipe:
+        worker = pipe.workers[0]
+        events = [Event(True) for _ in range(40)] + [Event(False) for _ in range(10)]
+        worker._computed = events
+        for _ in range(20):
+            assert worker.progress() == 40
+        events[40].done = True
+        assert worker.progress() == 41
+        assert sum(e.queries for e in events) <= 40 + 21 + 2  # each finished one once, the next per poll
+        worker._computed = [Event(True)]  # a new step's list starts from its first event
+        assert worker.progress() == 1

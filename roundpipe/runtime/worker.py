@@ -68,10 +68,23 @@ class Worker:
         self.status = "idle"
         self.tasks_done = 0
         self._computed: list = []  # compute-done event of each issued task, in issue order
+        # (the list progress() last read, how many of its events had happened): one compute
+        # stream, so they happen in issue order; written by the watchdog's thread only.
+        self._seen: tuple[list, int] = (self._computed, 0)
 
     def progress(self) -> int:
-        """Tasks whose compute the device has finished (the watchdog's measure of GPU progress)."""
-        return sum(1 for ev in self._computed if ev.query())
+        """Tasks whose compute the device has finished (the watchdog's measure of GPU progress).
+        Queries from the first event not yet seen to happen: the watchdog polls every few
+        milliseconds, so querying every event of the step each time would cost the host time
+        quadratic in the step's tasks."""
+        computed = self._computed  # the step's list (a new step starts a new one)
+        seen, done = self._seen
+        if seen is not computed:
+            done = 0
+        while done < len(computed) and computed[done].query():
+            done += 1
+        self._seen = (computed, done)
+        return done
 
     def reset(self) -> None:
         """Forget all device state after a failed step (the backend has been drained and reset).
