@@ -277,3 +277,24 @@ def test_copy_byte_counts_are_exact_when_copy_streams_count_at_once():
         sys.setswitchinterval(interval)
         backend.close()
     assert dev.bytes_in == dev.bytes_out == 2 * 50_000 * 12
+
+
+def test_the_cuda_events_a_host_waits_on_block_instead_of_spinning(monkeypatch):
+    """cudaEventSynchronize on an event made with default flags busy-waits: every host thread that
+    waits (workers, the host queue) would burn a core the CPU optimizer needs."""
+    from roundpipe.backend import cuda
+
+    made = []
+
+    class Recorded:
+        def __init__(self, **flags):
+            made.append(flags)
+
+        def record(self, stream):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Recorded)
+    stream = cuda.CudaStream.__new__(cuda.CudaStream)  # no GPU here: only what record_event reads
+    stream.stream, stream._error = object(), None
+    stream.record_event()
+    assert made == [{"blocking": True}]

@@ -76,7 +76,10 @@ class CudaStream(Stream):
             self.device.backend.report(e)
 
     def record_event(self) -> CudaEvent:
-        ev = torch.cuda.Event()
+        # blocking: a host thread that synchronizes on it sleeps until the GPU gets there. A default
+        # event's cudaEventSynchronize spins, and up to nine threads (workers, host queue, copy
+        # lanes) waiting so burn the cores the CPU optimizer needs.
+        ev = torch.cuda.Event(blocking=True)
         ev.record(self.stream)
         return CudaEvent(ev, self._error)
 
