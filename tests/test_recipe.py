@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
+from support.recipe_files import error_of, write
 
 from roundpipe.errors import RecipeError
 from roundpipe.train.config import REQUIRED, TrainConfig
@@ -48,18 +48,6 @@ schedule:
 logging:
   tensorboard: false
 """
-
-
-def write(tmp_path: Path, text: str, name: str = "recipe.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(text), encoding="utf-8")
-    return path
-
-
-def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
-    with pytest.raises(RecipeError) as info:
-        load_recipe(path, overrides)
-    return str(info.value)
 
 
 MINIMAL = "model:\n  path: /m\ndata:\n  train: t.jsonl\n"

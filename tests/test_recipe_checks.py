@@ -4,28 +4,14 @@ asks for, and the rules between keys, each refusal naming the key and where it w
 
 from __future__ import annotations
 
-import textwrap
-from pathlib import Path
-
 import pytest
+from support.recipe_files import error_of, write
 
 from roundpipe.errors import RecipeError
 from roundpipe.train import config as config_module
 from roundpipe.train.recipe import config_from_dict, load_recipe
 
 MINIMAL = "model:\n  path: /m\ndata:\n  train: t.jsonl\n"  # lines 1-4; a group added after starts at 5
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "recipe.yaml"
-    path.write_text(textwrap.dedent(text), encoding="utf-8")
-    return path
-
-
-def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
-    with pytest.raises(RecipeError) as info:
-        load_recipe(path, overrides)
-    return str(info.value)
 
 
 @pytest.mark.parametrize(
