@@ -24,6 +24,8 @@ from support.tiny_models import make_batch, make_model
 import roundpipe
 from roundpipe.errors import ConfigError, ScheduleError
 from roundpipe.schedule import Partition, ScheduleTable, build_table
+from roundpipe.schedule.deps import TASK_KINDS
+from roundpipe.schedule.flow import FUSED
 
 torch.set_num_threads(1)
 
@@ -295,8 +297,17 @@ def test_stats_and_timeline_describe_the_last_step():
         assert 0 < d["busy_s"] <= stats["step_s"]
         assert d["busy_s"] + d["idle_s"] == pytest.approx(stats["step_s"])
         assert d["bytes_to_device"] > 0 and d["bytes_to_host"] > 0
-    compute = [s for s in timeline.spans if s.lane == "compute" and s.kind in ("F", "B", "FB")]
-    assert len(compute) == sum(len(f) for f in flows)
+    # One compute span per task with layers to run (a fused last F and B is one task): which plan
+    # the automatic choice takes (GPipe, Hanayo and Chimera have tasks with no layers to run)
+    # depends on the measured times.
+    compute = [s.name for s in timeline.spans if s.lane == "compute" and s.kind in (*TASK_KINDS, FUSED)]
+    issued = [
+        f"{f.task}" + (f"+{f.fused_with}" if f.fused_with else "")
+        for row in flows
+        for f in row
+        if len(f.layers)
+    ]
+    assert sorted(compute) == sorted(issued)
     assert all(s.end >= s.start >= 0 for s in timeline.spans)
     assert {s.lane for s in timeline.spans} >= {"compute", "h2d", "d2h", "host"}
 
