@@ -146,6 +146,11 @@ class StreamProtocolError(RoundpipeError, RuntimeError):
     """
 
 
+class VirtualDataError(RoundpipeError, RuntimeError):
+    """A virtual run (``devices="virtual:..."``, shapes without data) reached an operation that needs
+    a tensor's values and that the virtual server does not model; the message names it."""
+
+
 class RecipeError(ConfigError):
     """A training recipe (YAML or ``--set``) is invalid: an unknown key, a wrong type, a missing
     required field. The message names the key, the file and the line, and the nearest valid key."""

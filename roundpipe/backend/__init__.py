@@ -1,7 +1,9 @@
-"""Backends: ``cpu`` virtual devices (tests, anywhere) and ``cuda`` (real GPUs).
+"""Backends: ``cpu`` virtual devices (tests, anywhere), ``cuda`` (real GPUs) and ``virtual`` (a GPU
+server modelled at full size: no data, modelled time and memory; ``virtual.py``).
 
 Device specs: ``"auto"`` (all GPUs, else ``"cpu:2"``), ``"cpu:N"``, ``"cuda"`` (all GPUs),
-``"cuda:0,1"`` (those GPUs), ``"cuda:0x2"`` (two workers sharing GPU 0).
+``"cuda:0,1"`` (those GPUs), ``"cuda:0x2"`` (two workers sharing GPU 0), ``"virtual:8xrtx4090"``
+(any hardware spec of ``roundpipe.presets.load_hardware``: ``virtual:rtx4090``, ``virtual:2xh200``).
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ from dataclasses import dataclass
 from roundpipe.backend.base import Backend, Device, DeviceMemory, Event, MemoryLedger, Stream, tensor_bytes
 from roundpipe.errors import DeviceSpecError
 
-_SPEC_HELP = "use 'auto', 'cpu:N', 'cuda', 'cuda:0,1' or 'cuda:0x2' (two workers on GPU 0)"
+_SPEC_HELP = (
+    "use 'auto', 'cpu:N', 'cuda', 'cuda:0,1', 'cuda:0x2' (two workers on GPU 0) or 'virtual:8xrtx4090' "
+    "(a modelled server)"
+)
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    kind: str  # "cpu" | "cuda"
+    kind: str  # "cpu" | "cuda" | "virtual"
     count: int  # cpu: number of virtual devices
     gpus: tuple[int, ...] = ()  # cuda: GPU indices (empty = all)
     workers_per_gpu: int = 1
+    hardware: str = ""  # virtual: the hardware spec (``presets.load_hardware``)
 
 
 def _cuda_count() -> int:
@@ -44,6 +50,16 @@ def parse_device_spec(spec: str) -> DeviceSpec:
         if n < 1:
             raise DeviceSpecError(f"device spec {spec!r} asks for {n} cpu devices; use at least 'cpu:1'")
         return DeviceSpec("cpu", n)
+    if s.startswith("virtual:"):
+        from roundpipe.errors import ConfigError
+        from roundpipe.presets import load_hardware
+
+        hardware = s[len("virtual:") :]
+        try:
+            server = load_hardware(hardware)
+        except ConfigError as e:
+            raise DeviceSpecError(f"device spec {spec!r}: {e}") from None
+        return DeviceSpec("virtual", server.num_gpus, hardware=hardware)
     m = re.fullmatch(r"cuda(?::(\d+(?:,\d+)*))?(?:x(\d+))?", s)
     if not m:
         raise DeviceSpecError(f"malformed device spec {spec!r}; {_SPEC_HELP}")
@@ -76,6 +92,10 @@ def make_backend(
         from roundpipe.backend.cpu import CpuBackend
 
         return CpuBackend(ds.count, capacity, sanitize)
+    if ds.kind == "virtual":
+        from roundpipe.backend.virtual import VirtualBackend
+
+        return VirtualBackend(ds.hardware, sanitize, capacity)
     from roundpipe.backend.cuda import CudaBackend
 
     return CudaBackend(list(ds.gpus), ds.workers_per_gpu, capacity)

@@ -21,7 +21,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -33,6 +33,24 @@ from roundpipe.errors import DeviceOutOfMemory
 STREAM_NAMES = ("compute", "h2d", "h2d_weights", "d2h", "d2h_grads")
 # Lower number = more urgent, as in CUDA.
 STREAM_PRIORITIES = {"compute": 0, "h2d": -1, "h2d_weights": 0, "d2h": -1, "d2h_grads": 0}
+
+
+class TaskWork(NamedTuple):
+    """What a compute closure runs, for a backend that models its duration instead of measuring
+    it (the virtual server, ``backend/virtual.py``): the task's flow (``layers_fwd``,
+    ``layers_bwd``, ``first_forward``, ``fused_with``: ``runtime/plan.TaskFlow``) and its
+    microbatch's shape. Other backends ignore it."""
+
+    flow: Any
+    rows: int
+    seq_len: int
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """What identifies ``t``'s storage while it lives (shared by its views): its address, or for a
+    tensor without one (meta: the virtual server's host tensors; empty) the storage itself."""
+    s = t.untyped_storage()
+    return s.data_ptr() or s._cdata
 
 
 def host_seed(seed: int) -> int:
@@ -152,13 +170,18 @@ class Stream(ABC):
 
     @abstractmethod
     def submit(
-        self, fn: Callable[[], None], label: tuple[str, str] | None = None, name: str | None = None
+        self,
+        fn: Callable[[], None],
+        label: tuple[str, str] | None = None,
+        name: str | None = None,
+        work: TaskWork | None = None,
     ) -> None:
         """Run ``fn`` after everything submitted to this stream before it.
 
         ``label`` = ``(name, kind)`` (e.g. ``("F3.1", "F")``) records the work's start and end on
         this stream's lane of the device timeline while the backend is recording. ``name`` (default:
         the label's) names the work in the cpu backend's protocol errors and the tensors it makes.
+        ``work``: what a compute task runs, for the virtual server's time model (``TaskWork``).
         """
 
     @abstractmethod
@@ -320,6 +343,16 @@ class Backend(ABC):
     # None where the backend cannot count them (CUDA: ``torch.cuda.set_sync_debug_mode`` reports
     # them).
     host_syncs = None
+    # Where the run's host tensors live: the CPU; the virtual server's are meta (shapes, no data).
+    host_device = torch.device("cpu")
+
+    def attach(self, model_config: dict, settings: dict) -> None:  # noqa: B027 (optional hook)
+        """The wrapped model's config and the run's cost settings, for a backend that models the
+        time of its layers (the virtual server); others ignore them."""
+
+    def host_work(self) -> AbstractContextManager:
+        """What the host thread runs its jobs under (the virtual server times their meta work)."""
+        return nullcontext()
 
     def start_recording(self) -> None:
         """Begin a timeline: spans of labelled work are kept from now on (times from now)."""

@@ -22,7 +22,6 @@ import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -33,15 +32,16 @@ from roundpipe.backend.base import (
     STREAM_PRIORITIES,
     Backend,
     Device,
-    DeviceMemory,
     Event,
     Stream,
+    TaskWork,
     as_device_error,
     host_seed,
 )
 from roundpipe.backend.cpu_allocator import AllocatorRules, CachingAllocator
 from roundpipe.backend.cpu_clock import IssueMode, host_allocation, task_generator
 from roundpipe.backend.cpu_host_syncs import HostSyncs, call_site
+from roundpipe.backend.cpu_memory import PINNED, AllocatorMemory
 from roundpipe.backend.sanitizer import Sanitizer
 from roundpipe.errors import StreamProtocolError
 from roundpipe.testing import faults
@@ -124,7 +124,7 @@ _RECORD, _WAIT, _BEGIN, _END, _POISON, _SLEEP, _RESET, _STOP = range(8)
 class CpuStream(Stream):
     def __init__(self, device: CpuDevice, name: str, priority: int):
         super().__init__(device, name, priority)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = self.new_queue()
         self._error: BaseException | None = None  # issue side: a closure failed (skip later ones)
         self._failed: BaseException | None = None  # stream side: a kernel or a wait failed
         self.clock: dict[CpuStream, int] = {}  # vector clock of issued closures ordered before now
@@ -136,17 +136,25 @@ class CpuStream(Stream):
         )
         self._thread.start()
 
+    def new_queue(self) -> queue.SimpleQueue:
+        """The queue the stream's thread takes its work from."""
+        return queue.SimpleQueue()
+
     # ------------------------------------------------------------------ issue side (any thread)
     def submit(
-        self, fn: Callable[[], None], label: tuple[str, str] | None = None, name: str | None = None
+        self,
+        fn: Callable[[], None],
+        label: tuple[str, str] | None = None,
+        name: str | None = None,
+        work: TaskWork | None = None,
     ) -> None:
         if self._error is not None:
             return  # a poisoned stream runs nothing more until reset, as on CUDA
         name = name or (label[0] if label else "unnamed work")
         backend = self.device.backend
         self.clock[self] = self.clock.get(self, 0) + 1
-        if label is not None:
-            self._queue.put((_BEGIN, label))
+        if label is not None or work is not None:
+            self._queue.put((_BEGIN, label, self.modelled_seconds(work)))
         self.issuing = (name, time.perf_counter())
         waited = self.device.waited_s
         try:
@@ -164,6 +172,22 @@ class CpuStream(Stream):
             self.issuing = None
         if label is not None:
             self._queue.put((_END, label, max(0.0, issued_s)))
+
+    def modelled_seconds(self, work: TaskWork | None) -> float:
+        """How long the stream's device takes for ``work`` beyond its kernels: nothing here (the
+        kernels run for real); the virtual server's streams take it from the cost model."""
+        return 0.0
+
+    def begin_modelled(self, seconds: float) -> float:
+        """The stream's thread: modelled work of ``seconds`` starts; returns when (now, here)."""
+        return time.perf_counter()
+
+    def waited_since(self, since: float) -> None:
+        """The stream's thread has waited for another stream's event since ``since``."""
+
+    def settle(self) -> None:
+        """The stream's thread: before an event fires or a span ends, let the device's modelled time
+        pass (nothing to wait for here: kernels run for real)."""
 
     def enqueue(self, kernel: Callable[[], None]) -> None:
         """Queue work the stream's thread runs in order (the issue mode's kernels)."""
@@ -229,13 +253,18 @@ class CpuStream(Stream):
                 continue
             op = item[0]
             if op == _RECORD:
+                self.settle()
                 item[1].fire(self._failed)
             elif op == _BEGIN:
                 if device.closed:
                     device.wait_open()
-                begun = (item[1][0], time.perf_counter())
+                if item[1] is None:  # modelled work without a span
+                    self.begin_modelled(item[2])
+                    continue
+                begun = (item[1][0], self.begin_modelled(item[2]))
                 self.current = (f"running {begun[0]}", begun[1])
             elif op == _END:
+                self.settle()
                 label = item[1]
                 if begun is not None and begun[0] == label[0]:
                     if self.name == "compute":
@@ -259,6 +288,7 @@ class CpuStream(Stream):
                             self._failed = item[1].error
                     except Aborted as e:
                         self._failed = e
+                    self.waited_since(self.current[1])
                     self.current = None
             elif op == _POISON:
                 if self._failed is None:
@@ -292,86 +322,12 @@ STOP_TIMEOUT_S = 10.0  # how long close waits for a stream's running kernel to r
 ALLOCATING_STREAMS = 1  # the streams whose closures allocate device memory: compute alone
 
 
-class PinnedBytes:
-    """Host bytes the cpu backend has handed out as page-locked (what CUDA would pin: ``pin``, a
-    download buffer, a ``register_host``-ed block) that are still alive, process-wide.
-
-    Measured, not kept by hand: a pinned tensor counts until it is garbage (a weak reference's
-    finalizer), a registered block until ``unregister_host``. ``alive`` after every pipeline is
-    closed is what a leak would leave (``tests/test_faults.py``).
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._tracked = 0
-        self._registered: dict[int, int] = {}  # data_ptr -> bytes
-
-    @property
-    def alive(self) -> int:
-        with self._lock:
-            return self._tracked + sum(self._registered.values())
-
-    def track(self, t: torch.Tensor) -> None:
-        n = t.numel() * t.element_size()
-        with self._lock:
-            self._tracked += n
-        weakref.finalize(t, self._untrack, n)
-
-    def _untrack(self, n: int) -> None:
-        with self._lock:
-            self._tracked -= n
-
-    def register(self, t: torch.Tensor) -> None:
-        with self._lock:
-            self._registered[t.data_ptr()] = t.numel() * t.element_size()
-
-    def unregister(self, t: torch.Tensor) -> None:
-        with self._lock:
-            self._registered.pop(t.data_ptr(), None)
-
-
-PINNED = PinnedBytes()
-
-
-class AllocatorMemory(DeviceMemory):
-    """A virtual device's memory as CUDA reports it: allocated (``in_use``, ``peak``) and reserved
-    bytes of its caching allocator (``cpu_allocator.py``)."""
-
-    measured = True
-
-    def __init__(self, allocator: CachingAllocator):
-        self.allocator = allocator
-
-    @property
-    def capacity(self) -> int | None:
-        return self.allocator.capacity
-
-    @property
-    def in_use(self) -> int:
-        return self.allocator.allocated
-
-    @property
-    def peak(self) -> int:
-        return self.allocator.peak_allocated
-
-    @property
-    def reserved(self) -> int:
-        return self.allocator.reserved
-
-    @property
-    def reserved_peak(self) -> int:
-        return self.allocator.peak_reserved
-
-    def stats(self) -> dict:
-        return self.allocator.stats()
-
-    def reset_peak(self) -> None:
-        self.allocator.reset_peaks()
-
-
 class CpuDevice(Device):
+    stream_class: type[CpuStream] = CpuStream
+    prefix = "cpu"
+
     def __init__(self, backend: CpuBackend, index: int, capacity: int | None, rules: AllocatorRules | None):
-        name = f"cpu:{index}"
+        name = f"{self.prefix}:{index}"
         super().__init__(backend, index, name, torch.device("cpu"), backend.sanitizer)
         self.allocator = CachingAllocator(
             self,
@@ -389,7 +345,7 @@ class CpuDevice(Device):
         self._gate = threading.Condition()
         self.closed = 0  # closures being issued now (worker threads of this device)
         self.waited_s = 0.0  # seconds closures of this device spent waiting with the gate open
-        self.streams = {n: CpuStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
+        self.streams = {n: self.stream_class(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
 
     @contextmanager
     def issuing(self):
@@ -472,6 +428,7 @@ class CpuBackend(Backend):
     """``cpu:N``: N virtual devices, each with its own stream threads, allocator and memory ledger."""
 
     name = "cpu"
+    device_class: type[CpuDevice] = CpuDevice
 
     def __init__(
         self,
@@ -489,7 +446,7 @@ class CpuBackend(Backend):
         self.known = threading.local()  # per thread: what it has seen run (``known_clock``)
         self.sanitizer = Sanitizer(checking=bool(sanitize), blocks=self.blocks)
         self.host_syncs = HostSyncs()
-        self.devices = [CpuDevice(self, i, capacity, rules) for i in range(num_devices)]
+        self.devices = [self.device_class(self, i, capacity, rules) for i in range(num_devices)]
 
     def completed_clock(self, event) -> dict | None:
         """The vector clock of what is known to have run when ``event`` has happened (None: what the

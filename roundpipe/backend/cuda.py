@@ -24,6 +24,7 @@ from roundpipe.backend.base import (
     DeviceMemory,
     Event,
     Stream,
+    TaskWork,
     as_device_error,
     host_seed,
 )
@@ -54,7 +55,11 @@ class CudaStream(Stream):
         self._error: BaseException | None = None
 
     def submit(
-        self, fn: Callable[[], None], label: tuple[str, str] | None = None, name: str | None = None
+        self,
+        fn: Callable[[], None],
+        label: tuple[str, str] | None = None,
+        name: str | None = None,
+        work: TaskWork | None = None,
     ) -> None:
         if self._error is not None:
             return

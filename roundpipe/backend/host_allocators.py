@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from roundpipe.backend.base import Backend, tensor_bytes
+from roundpipe.backend.base import Backend, storage_key, tensor_bytes
 from roundpipe.backend.host_arena import (
     ALIGNMENT,
     BLOCK_BYTES,
@@ -118,12 +118,12 @@ class ArenaAllocator(HostAllocator):
         )
         block = arena.blocks[0]
         with self._lock:
-            self.buffers[block.data_ptr()] = arena
+            self.buffers[storage_key(block)] = arena
         return block
 
     def free_buffer(self, t: torch.Tensor) -> None:
         with self._lock:
-            arena = self.buffers.pop(t.data_ptr(), None)
+            arena = self.buffers.pop(storage_key(t), None)
         if arena is not None:
             arena.close()
 
@@ -154,7 +154,7 @@ class _PerTensorAllocator(HostAllocator):
         self.dynamic: dict[int, torch.Tensor] = {}  # data_ptr -> pool buffer
 
     def _make(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(tuple(shape), dtype=dtype)
+        return torch.empty(tuple(shape), dtype=dtype, device=self.backend.host_device)
 
     def tensors(self, specs: Sequence[Spec]) -> list[torch.Tensor]:
         out = [self._make(shape, dtype) for shape, dtype in specs]
@@ -166,12 +166,12 @@ class _PerTensorAllocator(HostAllocator):
     def buffer(self, nbytes: int) -> torch.Tensor:
         t = self._make((align_up(nbytes, self.alignment),), torch.uint8)
         with self._lock:
-            self.dynamic[t.data_ptr()] = t
+            self.dynamic[storage_key(t)] = t
         return t
 
     def free_buffer(self, t: torch.Tensor) -> None:
         with self._lock:
-            self.dynamic.pop(t.data_ptr(), None)
+            self.dynamic.pop(storage_key(t), None)
 
     def _reserved(self, ts: list[torch.Tensor]) -> int:
         return sum(tensor_bytes(t) for t in ts)
@@ -212,7 +212,7 @@ class PinnedAllocator(_PerTensorAllocator):
         self.reserved_source = "torch.cuda.host_memory_stats" if self._probe else "power-of-two model"
 
     def _make(self, shape, dtype) -> torch.Tensor:
-        t = torch.empty(tuple(shape), dtype=dtype)
+        t = torch.empty(tuple(shape), dtype=dtype, device=self.backend.host_device)
         return t if t.numel() == 0 else self.backend.pin(t)
 
     def tensors(self, specs: Sequence[Spec]) -> list[torch.Tensor]:

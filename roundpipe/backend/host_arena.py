@@ -103,14 +103,16 @@ class HostArena:
             raise
         self.blocks = blocks  # uint8, one per block, each starting ``alignment`` aligned
         self.tensors: list[torch.Tensor] = [
-            torch.empty(tuple(shape), dtype=dtype) if p is None else carve(blocks[p[0]], p[1], shape, dtype)
+            torch.empty(tuple(shape), dtype=dtype, device=backend.host_device)
+            if p is None
+            else carve(blocks[p[0]], p[1], shape, dtype)
             for (shape, dtype), p in zip(specs, places)
         ]
 
     def _new_block(self, backend: Backend, size: int) -> torch.Tensor:
         # The CPU allocator aligns to 64 bytes; a larger alignment over-allocates and shifts.
         extra = max(0, self.alignment - 64)
-        raw = torch.empty(size + extra, dtype=torch.uint8)
+        raw = torch.empty(size + extra, dtype=torch.uint8, device=backend.host_device)
         shift = (-raw.data_ptr()) % self.alignment
         backend.register_host(raw)
         self._raw.append(raw)

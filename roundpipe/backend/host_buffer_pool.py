@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from roundpipe.backend.base import Event, tensor_bytes
+from roundpipe.backend.base import Event, storage_key, tensor_bytes
 from roundpipe.backend.host_allocators import HostAllocator
 from roundpipe.backend.host_arena import ALIGNMENT, align_up, carve, spec_bytes
 from roundpipe.errors import StreamProtocolError
@@ -45,7 +45,7 @@ class _Buffer:
 
     def __init__(self, tensor: torch.Tensor, size: int):
         self.tensor, self.size = tensor, size
-        self.key = tensor.untyped_storage().data_ptr()  # what the tensors carved from it share
+        self.key = storage_key(tensor)  # what the tensors carved from it share
         self.nbytes = 0  # bytes handed out (0: free)
         self.event: Event | None = None  # released before this happened (a copy may still run)
         self.accesses: list = []  # (stream, clock) of the device copies into or out of it (cpu backend)
@@ -92,7 +92,7 @@ class HostBufferPool:
         shape = tuple(shape)
         n = spec_bytes(shape, dtype)
         if n == 0:
-            return torch.empty(shape, dtype=dtype)
+            return torch.empty(shape, dtype=dtype, device=self.allocator.backend.host_device)
         size = size_class(n, self.allocator.alignment)
         with self._lock:
             if self._closed:
@@ -203,7 +203,7 @@ class HostBufferPool:
         with self._lock:
             if self._closed:
                 return
-            buf = self._live.get(t.untyped_storage().data_ptr())
+            buf = self._live.get(storage_key(t))
             if buf is None or buf.nbytes != n or t.data_ptr() != buf.tensor.data_ptr():
                 raise ValueError(
                     "release() of a tensor this pool did not hand out (or already released): pass the "

@@ -131,16 +131,13 @@ class LayerwiseAdamW:
                 groups.setdefault(e.owner, []).append(e.key)
         self.groups = groups  # owner layer -> entry keys
         self.optimizers = {
-            layer: torch.optim.AdamW(
-                [master_of(store.entries[k]) for k in keys],
-                lr=config.lr,
-                betas=config.betas,
-                eps=config.eps,
-                weight_decay=config.weight_decay,
-                fused=True,
-            )
-            for layer, keys in groups.items()
+            layer: self._adamw([master_of(store.entries[k]) for k in keys]) for layer, keys in groups.items()
         }
+
+    def _adamw(self, params: list) -> torch.optim.AdamW:
+        c = self.config
+        kind = MetaFusedAdamW if any(p.is_meta for p in params) else torch.optim.AdamW
+        return kind(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, fused=True)
 
     def step_group(self, layer: int, grad_factor: float = 1.0, publish_to: int | None = None) -> None:
         """Step the parameters owned by ``layer`` with their accumulated gradients times ``grad_factor``.
@@ -179,9 +176,10 @@ class LayerwiseAdamW:
         return total
 
     def grads_finite(self, groups=None) -> bool:
-        """Whether the gradients of ``groups`` (default: all) are finite."""
+        """Whether the gradients of ``groups`` (default: all) are finite (a virtual run's meta
+        gradients, without values, are modelled as finite: docs/virtual.md)."""
         return all(
-            bool(torch.isfinite(grad_of(self.store.entries[k])).all())
+            _all_true(torch.isfinite(grad_of(self.store.entries[k])))
             for layer in (self.groups if groups is None else groups)
             for k in self.groups[layer]
         )
@@ -222,3 +220,43 @@ class LayerwiseAdamW:
 def clip_factor(total_norm: float, max_norm: float) -> float:
     """``torch.nn.utils.clip_grad_norm_``'s coefficient: max_norm / (norm + 1e-6), at most 1."""
     return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def _all_true(t: torch.Tensor) -> bool:
+    return True if t.is_meta else bool(t.all())
+
+
+class MetaFusedAdamW(torch.optim.AdamW):
+    """The fused AdamW kernel on a virtual run's meta masters (shapes, no data: docs/virtual.md):
+    ``torch.optim.AdamW(fused=True)`` refuses the meta device, yet the kernel itself runs there, so
+    the virtual server's host work is the same one pass over master, gradient and moments as on a
+    real host. Same state as ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq``)."""
+
+    def __init__(self, params, **kwargs):
+        kwargs.pop("fused", None)
+        super().__init__(params, foreach=False, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params, grads, avgs, sqs, steps = [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                params.append(p)
+                grads.append(p.grad)
+                avgs.append(state["exp_avg"])
+                sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            if params:
+                beta1, beta2 = group["betas"]
+                torch._foreach_add_(steps, 1)
+                torch._fused_adamw_(
+                    params, grads, avgs, sqs, [], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+                    weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+                )  # fmt: skip

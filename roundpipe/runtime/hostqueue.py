@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -19,7 +20,10 @@ _STOP = object()
 
 
 class HostQueue:
-    def __init__(self, name: str = "roundpipe-host"):
+    def __init__(
+        self, name: str = "roundpipe-host", context: Callable[[], AbstractContextManager] = nullcontext
+    ):
+        self._context = context  # what each job runs under (``Backend.host_work``)
         self._queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self._idle = threading.Condition()
@@ -66,7 +70,8 @@ class HostQueue:
                 if self.error is None:
                     if event is not None:
                         event.synchronize()
-                    fn()
+                    with self._context():
+                        fn()
             except BaseException as e:  # carried to the caller by drain()
                 self.error = e
             finally:

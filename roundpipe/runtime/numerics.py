@@ -67,12 +67,20 @@ class TaskChecks:
         return packed
 
     def found(self, host_flags: torch.Tensor, names: list[str]) -> list[NonFinite]:
-        """Host thread: the checked values that were not finite."""
+        """Host thread: the checked values that were not finite. A virtual run's flags have no
+        values (meta): modelled as every value finite (docs/virtual.md)."""
+        if host_flags.is_meta:
+            return []
         bad = (~host_flags).nonzero().flatten().tolist()
         return [
             NonFinite(what, i, names[i], self.microbatch, self.device, param)
             for what, i, param in (self.meta[j] for j in bad)
         ]
+
+
+def host_float(t: torch.Tensor) -> float:
+    """A host scalar's value; NaN for a virtual run's (meta: no value, docs/virtual.md)."""
+    return float("nan") if t.is_meta else float(t)
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from roundpipe.models.parametrized import layers_that_parametrize
 from roundpipe.models.random_draws import layers_that_draw
 from roundpipe.models.verify import verify_model
 from roundpipe.optim import LayerwiseAdamW, OptimizerConfig
+from roundpipe.runtime.cost_settings import cost_settings
 from roundpipe.runtime.data_parallel import DataParallelSteps
 from roundpipe.runtime.decision import RuntimePlan, for_short_batch
 from roundpipe.runtime.exchange import Exchange
@@ -75,6 +76,11 @@ class Pipeline:
         self.backend = make_backend(self.config.devices, self.config.device_capacity, self.config.sanitize)
         if self.config.fp16_accumulation:
             self.backend.use_fp16_accumulation()
+        self.backend.attach(*cost_settings(model, self.config))
+        if weights is None and self.backend.host_device.type == "meta":
+            from roundpipe.backend.virtual import ShapesOnly
+
+            weights = ShapesOnly()  # a virtual run: shapes, no data
         names = [layer.name for layer in self.adapter.layers]
         try:
             self.store = ParameterStore(
@@ -103,7 +109,7 @@ class Pipeline:
                 weight_cache_bytes=self.config.weight_cache_bytes or (capacity // 2 if capacity else None),
             )
             self.workers = [Worker(setup, d) for d in self.backend.devices]
-            self._hostq = HostQueue()
+            self._hostq = HostQueue(context=self.backend.host_work)
         except BaseException:
             self.backend.close()
             raise

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from roundpipe.models.base import MicrobatchInputs
 from roundpipe.runtime.exchange import Exchange, Slot
 from roundpipe.runtime.hostqueue import HostQueue
-from roundpipe.runtime.numerics import NonFinite, TaskChecks
+from roundpipe.runtime.numerics import NonFinite, TaskChecks, host_float
 from roundpipe.runtime.optimizer_steps import OptimizerSteps
 from roundpipe.runtime.plan import FlowPlan
 from roundpipe.runtime.router_totals import RouterTotals
@@ -95,7 +95,7 @@ class StepRun:
         self._hostq.submit(lambda: self._add_loss(host_loss), event)
 
     def _add_loss(self, host_loss: Slot) -> None:
-        self.loss_sum += float(host_loss.value)
+        self.loss_sum += host_float(host_loss.value)
         self._updates.store.host.pool.release(host_loss.value)  # the host thread was its last reader
 
     def on_checks(self, checks: TaskChecks, host_flags: Slot, event) -> None:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from roundpipe.backend import Backend, tensor_bytes
+from roundpipe.backend.base import storage_key
 from roundpipe.backend.host_memory import HostMemory
 from roundpipe.errors import CheckpointError, ConfigError
 from roundpipe.models.base import ModelAdapter
@@ -142,6 +143,7 @@ class ParameterStore:
                     f"accelerate.init_empty_weights(), which leaves buffers real, not torch.device('meta')"
                 )
         self.host = HostMemory(backend, host_memory)
+        self.host_device = backend.host_device  # meta on the virtual server
         self.entries: list[Entry] = []
         self.bindings: list[list[Binding]] = []  # per layer
         by_id: dict[int, Entry] = {}
@@ -223,7 +225,9 @@ class ParameterStore:
             return e, ["load"]
         if self.dtype == torch.float32 and not self.double_buffer:
             return e, ["load_master"]
-        master = torch.empty(t.shape, dtype=torch.float32)  # pageable: never uploaded
+        master = torch.empty(
+            t.shape, dtype=torch.float32, device=self.host_device
+        )  # pageable: never uploaded
         with torch.no_grad():
             self._read(source, master)
         e.master = nn.Parameter(master)
@@ -352,7 +356,7 @@ class ParameterStore:
             e = self.entries[k]
             targets = e.buffers if into is None else [e.buffers[into % len(e.buffers)]]
             for buf in targets:
-                if buf.data_ptr() != e.master.data_ptr():
+                if storage_key(buf) != storage_key(e.master):
                     buf.copy_(e.master.data)
 
     def set_read_buffer(self, index: int) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from roundpipe.backend import Device
+from roundpipe.backend.base import TaskWork
 from roundpipe.runtime.compute import TaskCompute, TaskSlots
 from roundpipe.runtime.exchange import Slot
 from roundpipe.runtime.gradients import GradientAccumulators
@@ -204,7 +205,8 @@ class Worker:
             self.compute.run(step, flow, residents, inputs.value, ctx.value, slots, self._say)
 
         kind = FUSED if flow.fused_with else t.kind
-        streams["compute"].submit(compute, (label, kind))
+        rows, seq_len = step.microbatches[mb].input_ids.shape
+        streams["compute"].submit(compute, (label, kind), work=TaskWork(flow, rows, seq_len))
         computed = streams["compute"].record_event()
         self._computed.append(computed)
         streams["d2h"].wait_event(computed)

@@ -22,11 +22,11 @@ from collections import defaultdict
 
 from roundpipe.partition.memory import task_bytes
 from roundpipe.schedule.deps import TaskKind
-from roundpipe.schedule.flow import FUSED, StageWork, device_flows
+from roundpipe.schedule.flow import StageWork, device_flows
 from roundpipe.schedule.table import ScheduleTable, Task
 from roundpipe.sim.options import SimOptions
 from roundpipe.sim.variability import TaskNoise
-from roundpipe.sim.workload import Workload
+from roundpipe.sim.workload import Workload, work_seconds
 
 # Copy priorities (lower first): activations a compute needs, weights, weight gradients, saved inputs.
 P_ACT, P_WEIGHT, P_WGRAD, P_STASH = 0, 1, 2, 3
@@ -293,20 +293,9 @@ class Operations:
                 ops[-1].last_of_iter = True
 
     def _duration(self, op: StageWork) -> float:
-        ly, wf = self.w.layers, self.w.w_fraction
-        fwd = sum(ly[i].fwd_s for i in op.fwd_layers)
-        if op.kind == TaskKind.F:
-            return fwd
-        if op.kind == FUSED:
-            share = (1 - wf) if op.split else 1.0
-            return fwd + sum(ly[i].fwd_s + ly[i].bwd_s * share for i in op.bwd_layers)
-        recompute = sum(ly[i].fwd_s for i in op.bwd_layers if ly[i].recompute or op.first_forward)
-        back = sum(ly[i].bwd_s for i in op.bwd_layers)
-        if op.kind == TaskKind.B:
-            return recompute + back
-        if op.kind == TaskKind.I:
-            return recompute + back * (1 - wf)
-        return back * wf
+        return work_seconds(
+            self.w, op.kind, op.fwd_layers, op.bwd_layers, first_forward=op.first_forward, split=op.split
+        )
 
     def _work_bytes(self, op: StageWork) -> tuple[int, int]:
         """(working set while ``op`` computes, bytes an I leaves on the device for its W)."""

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from roundpipe.errors import ConfigError
 from roundpipe.partition.cost import LayerCost, layer_times, model_totals
 from roundpipe.presets import GPU, Server
-from roundpipe.schedule.deps import TaskKey
-from roundpipe.schedule.flow import FlowOp, device_flows, layers_of
+from roundpipe.schedule.deps import TaskKey, TaskKind
+from roundpipe.schedule.flow import FUSED, FlowOp, device_flows, layers_of
 from roundpipe.schedule.table import ScheduleTable
 
 DEFAULT_W_FRACTION = 0.5  # share of a layer's backward that is weight gradient (I/W split)
@@ -126,6 +126,44 @@ def workload_from_costs(
         dtype=costs[0].dtype if costs else "bf16",
         context_s=float(context_s),
     )
+
+
+def work_seconds(
+    w: Workload,
+    kind: str,
+    fwd_layers: range,
+    bwd_layers: range,
+    *,
+    first_forward: bool = False,
+    split: bool = False,
+) -> float:
+    """Seconds one operation computes (one microbatch of ``w``'s shape): F runs its forward layers;
+    B re-runs the forward of the layers that recompute (all of them when no forward ran them:
+    ``first_forward``) and backpropagates; a fused F+B runs the head forward once with autograd;
+    I and W split the backward by ``w.w_fraction`` (``split``: a fused F + I). The one rule the
+    simulator and the virtual server (``backend/virtual.py``) time operations by."""
+    ly, wf = w.layers, w.w_fraction
+    fwd = sum(ly[i].fwd_s for i in fwd_layers)
+    if kind == TaskKind.F:
+        return fwd
+    if kind == FUSED:
+        share = (1 - wf) if split else 1.0
+        return fwd + sum(ly[i].fwd_s + ly[i].bwd_s * share for i in bwd_layers)
+    recompute = sum(ly[i].fwd_s for i in bwd_layers if ly[i].recompute or first_forward)
+    back = sum(ly[i].bwd_s for i in bwd_layers)
+    if kind == TaskKind.B:
+        return recompute + back
+    if kind == TaskKind.I:
+        return recompute + back * (1 - wf)
+    return back * wf
+
+
+def flow_seconds(w: Workload, flow) -> float:
+    """``work_seconds`` of a runtime task (``runtime/plan.TaskFlow``: its task, the B it is fused
+    with, its layers; a fused op's ``first_forward`` only says that its layers run forward there)."""
+    if flow.fused_with is not None:
+        return work_seconds(w, FUSED, flow.layers_fwd, flow.layers_bwd)
+    return work_seconds(w, flow.task.kind, flow.layers_fwd, flow.layers_bwd, first_forward=flow.first_forward)
 
 
 def uniform_workload(

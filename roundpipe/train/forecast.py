@@ -111,6 +111,8 @@ def simulator_hardware(devices) -> tuple[str, str]:
     note on how it was chosen."""
     if devices.kind == "cpu":
         return f"{devices.count}xcpu", "virtual cpu devices"
+    if devices.kind == "virtual":
+        return devices.hardware, "the virtual server's preset"
     gpus = len(devices.gpus) if devices.gpus else torch.cuda.device_count()
     n = gpus * devices.workers_per_gpu
     gpu = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""

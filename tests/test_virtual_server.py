@@ -1,0 +1,114 @@
+"""The virtual server (``devices="virtual:..."``): the real runtime at full model size, with no data,
+modelled time and the caching-allocator model at the preset's capacity (roundpipe/backend/virtual.py).
+
+A small preset (Llama-3.1-8B's layer shapes, two decoder layers, 2x RTX 4090) runs real steps; its
+modelled figures are held against the simulator's for the same plan: compute seconds per device and
+bytes copied each way agree within 1% (the same cost rule, ``sim.workload.work_seconds``, and the
+same copies); each device's allocated peak within ``MEMORY_TOLERANCE`` of the simulator's; zero
+host syncs. The wall-clock step, which adds the runtime's host time, is compared in a timing test.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+import roundpipe
+from roundpipe.backend import parse_device_spec
+from roundpipe.errors import DeviceSpecError, VirtualDataError
+from roundpipe.presets import load_model_config
+from roundpipe.sim.options import SimOptions
+from roundpipe.sim.simulator import simulate
+
+torch.set_num_threads(1)
+
+# The runtime's allocated peak against the simulator's memory model, per device. Measured: 0.85x on
+# the first device, 1.37x on the one that runs the head (docs/virtual.md says where the gap is).
+MEMORY_TOLERANCE = (0.6, 1.5)
+ROWS, SEQ, MICROBATCHES = 4, 4096, 2
+
+
+def _meta_llama(layers: int = 2):
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(load_model_config("llama3.1-8b"))
+    config["num_hidden_layers"] = layers
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+
+
+@pytest.fixture(scope="module")
+def virtual_run():
+    pipe = roundpipe.wrap(
+        _meta_llama(),
+        roundpipe.RunConfig(
+            devices="virtual:2xrtx4090",
+            dtype="fp16",
+            policy="roundpipe",
+            partition=(2, 2),
+            num_microbatches=MICROBATCHES,
+        ),  # fmt: skip
+    )
+    pipe.configure_optimizer(lr=1e-4)
+    ids = torch.randint(0, 1000, (ROWS, SEQ))
+    steps = []
+    for _ in range(2):
+        syncs = pipe.backend.host_syncs.count
+        before, t0 = pipe.backend.modelled(), time.perf_counter()
+        out = pipe.forward_backward(ids, ids)
+        pipe.step()
+        wall = time.perf_counter() - t0
+        steps.append((before, pipe.backend.modelled(), wall, pipe.backend.host_syncs.count - syncs, out))
+    workload = pipe.backend.costs._workload(ROWS // MICROBATCHES, SEQ)
+    sim = simulate(pipe.last_plan.table, workload, pipe.backend.server, SimOptions(optimizer="sync"))
+    yield pipe, steps, sim
+    pipe.close()
+
+
+def test_device_specs_name_a_hardware_preset():
+    spec = parse_device_spec("virtual:8xrtx4090")
+    assert (spec.kind, spec.count, spec.hardware) == ("virtual", 8, "8xrtx4090")
+    assert parse_device_spec("virtual:h200").count == 1
+    with pytest.raises(DeviceSpecError, match="virtual:8xnosuchgpu"):
+        parse_device_spec("virtual:8xnosuchgpu")
+
+
+def test_modelled_compute_and_copies_are_the_simulators(virtual_run):
+    pipe, steps, sim = virtual_run
+    before, after, _, _, _ = steps[-1]
+    busy = [a - b for a, b in zip(after["compute_busy_s"], before["compute_busy_s"])]
+    assert busy == pytest.approx(list(sim.compute_busy_s), rel=0.01)
+    assert after["h2d_bytes"] - before["h2d_bytes"] == pytest.approx(sim.h2d_bytes, rel=0.01)
+    assert after["d2h_bytes"] - before["d2h_bytes"] == pytest.approx(sim.d2h_bytes, rel=0.01)
+
+
+def test_memory_fits_the_gpu_and_follows_the_memory_model(virtual_run):
+    pipe, _, sim = virtual_run
+    low, high = MEMORY_TOLERANCE
+    for dev, planned in zip(pipe.backend.devices, sim.peak_gpu_bytes):
+        assert dev.memory.reserved_peak <= dev.memory.capacity
+        assert low * planned <= dev.memory.peak <= high * planned, (dev.name, dev.memory.peak, planned)
+
+
+def test_a_step_makes_no_host_sync_and_its_loss_has_no_value(virtual_run):
+    _, steps, _ = virtual_run
+    assert [s[3] for s in steps] == [0, 0]
+    assert math.isnan(steps[-1][4].loss)  # no data: the loss is not a number, never a made-up one
+
+
+def test_reading_a_value_on_the_host_names_the_operation(virtual_run):
+    pipe, _, _ = virtual_run
+    with pytest.raises(VirtualDataError, match="_local_scalar_dense"), pipe.backend.host_work():
+        torch.empty(3, device="meta").sum().item()
+
+
+@pytest.mark.timing
+def test_a_step_takes_about_what_the_simulator_predicts(virtual_run):
+    _, steps, sim = virtual_run
+    wall = steps[-1][2]
+    assert sim.iteration_s <= wall * 1.02, (wall, sim.iteration_s)  # modelled time is never skipped
+    assert wall <= 1.5 * sim.iteration_s, (wall, sim.iteration_s)  # plus the host's own time
