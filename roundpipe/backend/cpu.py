@@ -136,6 +136,9 @@ class CpuStream(Stream):
         )
         self._thread.start()
 
+    # A span starts when its closure was issued: the issue held the device's streams (the gate).
+    issue_in_span = 1
+
     def new_queue(self) -> queue.SimpleQueue:
         """The queue the stream's thread takes its work from."""
         return queue.SimpleQueue()
@@ -275,7 +278,7 @@ class CpuStream(Stream):
                         # held meanwhile (the issue gate), so issue and kernels are the task's cost
                         # here (on a GPU the issue overlaps the device's work, and spans are GPU time)
                         backend.record_span(
-                            (self.device.index, self.name, label[0], label[1], begun[1] - item[2] - t0,
+                            (self.device.index, self.name, label[0], label[1], begun[1] - self.issue_in_span * item[2] - t0,
                              time.perf_counter() - t0)
                         )  # fmt: skip
                 begun, self.current = None, None

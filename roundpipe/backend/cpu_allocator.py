@@ -324,11 +324,13 @@ class CachingAllocator:
         seg = self._expandable.get((stream, small))
         if seg is None:
             seg = self._expandable[(stream, small)] = self._reserve_range(stream, small)
-        tail = seg.tail
-        free_tail = tail if tail is not None and self._free_blocks.get(tail.ptr) is tail else None
-        page = self.rules.page(small)
-        grow = -(-(size - (free_tail.size if free_tail else 0)) // page) * page
+        retries = self.num_alloc_retries
+        free_tail, grow = self._growth(seg, small, size)
         self._room_for(grow, size, what)
+        if self.num_alloc_retries != retries:  # the retry path shrank the free tail: measure again
+            free_tail, grow = self._growth(seg, small, size)
+            self._room_for(grow, size, what)
+        tail = seg.tail
         if seg.size + grow > seg.memory.numel():
             self.num_ooms += 1
             raise AllocatorOutOfMemory(
@@ -354,6 +356,14 @@ class CachingAllocator:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         self.segment_allocations += 1
         return block
+
+    def _growth(self, seg: Segment, small: bool, size: int) -> tuple[Block | None, int]:
+        """The pool's free tail (None when its last block is in use) and the whole pages it must
+        grow by for ``size`` bytes at its end."""
+        tail = seg.tail
+        free_tail = tail if tail is not None and self._free_blocks.get(tail.ptr) is tail else None
+        page = self.rules.page(small)
+        return free_tail, -(-(size - (free_tail.size if free_tail else 0)) // page) * page
 
     def _reserve_range(self, stream, small: bool) -> Segment:
         """An address range for an expandable pool: as large as the device (or ``UNBOUNDED_RANGE``),

@@ -121,6 +121,7 @@ class IssueMode(TorchDispatchMode):
         self.allocator = stream.device.allocator
         self.sanitizer = self.backend.sanitizer
         self.task = "?"
+        self.ops = 0  # aten operations issued through this mode (each one a Python call here)
         self._made: list = []
         self._guard = _ReadGuard(self)
 
@@ -145,6 +146,7 @@ class IssueMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        self.ops += 1
         rule = RULES.get(func) or rule_of(func)
         kind = rule.kind
         if kind is VIEW or kind is DIRECT or getattr(_local, "host", 0):

@@ -45,6 +45,7 @@ from roundpipe.backend.cpu_allocator import AllocatorRules
 from roundpipe.backend.cpu_kernels import Kernel, KernelRef
 from roundpipe.errors import ConfigError, VirtualDataError
 from roundpipe.presets import Server, load_hardware
+from roundpipe.sim.variability import TaskNoise, check_variability
 
 _COPY = torch.ops.aten.copy_.default
 _META = torch.device("meta")
@@ -128,6 +129,8 @@ class VirtualStream(CpuStream):
         self.idle_wait_s = 0.0
         super().__init__(device, name, priority)
 
+    issue_in_span = 0  # the issue overlaps the device's work, as on a GPU: a span is device time
+
     def new_queue(self) -> queue.SimpleQueue:
         return _TimedQueue(self)
 
@@ -142,7 +145,7 @@ class VirtualStream(CpuStream):
     def modelled_seconds(self, work: TaskWork | None) -> float:
         if work is None:
             return 0.0
-        return cast(VirtualBackend, self.device.backend).task_seconds(work)
+        return cast(VirtualBackend, self.device.backend).task_seconds(work, self.device.index)
 
     def begin_modelled(self, seconds: float) -> float:
         start = max(time.perf_counter(), self.ready_at)
@@ -224,6 +227,8 @@ class VirtualBackend(CpuBackend):
             capacity = gpu.memory_bytes - gpu.workspace_reserve_bytes
         self.links = Links(self.server, self.server.num_gpus)
         self.costs: TaskCosts | None = None
+        self.noise: TaskNoise | None = None  # ``vary``
+        self._noise_lock = threading.Lock()
         self.pinned_bytes = 0  # host bytes the run page-locked (``register_host`` and pinned buffers)
         self._pinned: dict[int, int] = {}
         super().__init__(self.server.num_gpus, capacity, sanitize, AllocatorRules.for_capacity(capacity))
@@ -235,7 +240,22 @@ class VirtualBackend(CpuBackend):
         ``head_chunk_tokens``, ``fp16_accumulation``."""
         self.costs = TaskCosts(model_config, self.server, **settings)
 
-    def task_seconds(self, work: TaskWork) -> float:
+    def vary(self, jitter: float = 0.0, seed: int = 0, slowdown: tuple[float, ...] = ()) -> None:
+        """Let tasks' times vary as ``SimOptions(jitter=..., jitter_seed=..., slowdown=...)`` make the
+        simulator's (``sim.variability.TaskNoise``): each compute task's time times its device's
+        slowdown and its own log-normal draw (drawn in the order tasks are issued)."""
+        check_variability(jitter, slowdown)
+        with self._noise_lock:
+            self.noise = TaskNoise(jitter, seed, slowdown, len(self.devices))
+
+    def task_seconds(self, work: TaskWork, device: int = 0) -> float:
+        if self.noise is not None:
+            with self._noise_lock:
+                factor = self.noise.factor(device)
+            return factor * self._task_seconds(work)
+        return self._task_seconds(work)
+
+    def _task_seconds(self, work: TaskWork) -> float:
         if self.costs is None:
             raise ConfigError(
                 "a virtual device was given work before the model was attached; wrap the model with "
@@ -251,6 +271,7 @@ class VirtualBackend(CpuBackend):
             "compute_busy_s": tuple(s.busy_s for s in lanes),
             "compute_idle_issue_s": tuple(s.idle_issue_s for s in lanes),
             "compute_idle_wait_s": tuple(s.idle_wait_s for s in lanes),
+            "issued_ops": sum(s._mode.ops for d in self.devices for s in cast(dict, d.streams).values()),
             "h2d_bytes": self.links.moved["h2d"],
             "d2h_bytes": self.links.moved["d2h"],
         }
