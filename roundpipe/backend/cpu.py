@@ -43,6 +43,7 @@ from roundpipe.backend.cpu_allocator import AllocatorRules, CachingAllocator
 from roundpipe.backend.cpu_clock import IssueMode, host_allocation, task_generator
 from roundpipe.backend.cpu_host_syncs import HostSyncs, call_site
 from roundpipe.backend.sanitizer import Sanitizer
+from roundpipe.backend.threads import own_intra_op_threads
 from roundpipe.errors import StreamProtocolError
 from roundpipe.testing import faults
 
@@ -205,7 +206,7 @@ class CpuStream(Stream):
 
     # ------------------------------------------------------------------ the stream's thread
     def _loop(self) -> None:
-        torch.set_num_threads(1)  # one intra-op thread per worker stream (docs/design.md §4)
+        own_intra_op_threads(1)  # one intra-op thread per worker stream (docs/design.md §4)
         torch.set_grad_enabled(False)  # kernels compute; autograd happened when they were issued
         device = self.device
         backend = device.backend
