@@ -83,6 +83,7 @@ class Executor:
                 self.backend.synchronized()
                 self.hostq.drain()
                 self.backend.check_empty()  # stateless workers: nothing stays on a device
+                self.backend.step_completed()
                 return
             except BaseException as e:
                 errors.append(e)
