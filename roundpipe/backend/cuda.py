@@ -28,6 +28,7 @@ from roundpipe.backend.base import (
     host_seed,
 )
 from roundpipe.backend.cpu_allocator import CUDA_RULES
+from roundpipe.partition.memory import cublas_reserve_bytes
 
 ALLOCATING_STREAMS = 1  # the streams whose closures allocate device memory: compute alone
 
@@ -161,8 +162,12 @@ class CudaDevice(Device):
 
     def allocation_slack(self) -> int:
         """Partly used segments of the caching allocator (``AllocatorRules.overhead``, CUDA's
-        constants) for each stream that allocates."""
-        return CUDA_RULES.overhead(ALLOCATING_STREAMS)
+        constants) for each stream that allocates, and cuBLAS's workspaces on this worker's compute
+        stream (``partition.memory.cublas_reserve_bytes``: two, for this GPU's architecture and the
+        process environment), which the allocator hands out at the first matmul of each thread and
+        keeps. Counted whether or not they exist yet (once they do, free bytes already lack them)."""
+        capability = torch.cuda.get_device_capability(self.torch_device)
+        return CUDA_RULES.overhead(ALLOCATING_STREAMS) + cublas_reserve_bytes(capability, env=os.environ)
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         self.count_in(host)
