@@ -29,7 +29,7 @@ from pathlib import Path
 
 from roundpipe.partition.cost import model_costs
 from roundpipe.partition.grain import grain_choices, objective
-from roundpipe.partition.memory import pair_peak_bytes
+from roundpipe.partition.memory import device_reserve_bytes, pair_peak_bytes
 from roundpipe.partition.partitioner import optimal_partition
 from roundpipe.presets import load_hardware, load_measured_layers, load_model_config
 from roundpipe.schedule import build_table
@@ -162,7 +162,7 @@ def own_plan(
 ) -> tuple[ScheduleTable, SimResult, dict]:
     """roundpipe's own choice: the best grains by the objective, each simulated and refined."""
     hw = load_hardware("8xrtx4090")
-    budget, reserve = hw.memory_bytes, hw.workspace_reserve_bytes
+    budget, reserve = hw.memory_bytes, device_reserve_bytes(hw)
     f = [lw.fwd_s for lw in model.workload.layers]
     b = [lw.fwd_s * (1 if lw.recompute else 0) + lw.bwd_s for lw in model.workload.layers]
     server, opts = paper_server(), options(optimizer)
@@ -232,7 +232,7 @@ def study(names: list[str] | None = None, seconds: float = REFINE_SECONDS) -> di
         fwd, bwd = paper_roundpipe_partitions(name, setting, n)
         paper_table = build_table("roundpipe", fwd, bwd, n_dev, m)
         hw = load_hardware("8xrtx4090")
-        paper_peak = pair_peak_bytes(model.costs, fwd, bwd, hw.workspace_reserve_bytes)
+        paper_peak = pair_peak_bytes(model.costs, fwd, bwd, device_reserve_bytes(hw))
         for optimizer in ("sync", "async"):
             res = simulate(paper_table, model.workload, server, options(optimizer))
             record(f"roundpipe_{optimizer}_paper", paper_table, res)

@@ -66,6 +66,12 @@ def _positive_int(name: str, value: Any) -> Any:
     return value
 
 
+def _count_or_none(name: str, value: Any) -> Any:
+    if value is not None and not _is_positive_int(value):
+        raise ConfigError(f"{name} must be a positive int or None (the default), got {value!r}")
+    return value
+
+
 def _count_or_auto(name: str, value: Any) -> Any:
     if value != "auto" and not _is_positive_int(value):
         raise ConfigError(f"{name} must be a positive int or 'auto', got {value!r}")
@@ -427,6 +433,16 @@ class RunConfig:
         'allocator rounds each up to a power of two: up to ~2x the bytes); ``"pageable"``: nothing '
         "pinned (asynchronous copies are staged and block the host).",
         choices=HOST_MEMORY_MODES,
+    )
+    host_threads: int | None = _setting(
+        None,
+        "intra-op threads of the host thread, which runs the CPU's share of training: fused AdamW on "
+        "the fp32 masters, the gradient accumulation, the refresh of the compute copies, the "
+        "finiteness checks and the gradient norm. None: the cores this process may run on (shared "
+        "among the ranks torchrun started on the node), less one per worker device, at least 1. "
+        "Worker and cpu-backend stream threads keep one each (docs/design.md §4).",
+        check=_count_or_none,
+        recipe="Threads of the CPU optimizer (AdamW, gradient sums); null: the cores less one per worker.",
     )
     fp16_accumulation: bool = _setting(
         False,

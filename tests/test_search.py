@@ -12,6 +12,7 @@ import pytest
 
 import roundpipe.sim.tune as tune  # the module; the package also exports a function of that name
 from roundpipe.partition.cost import layer_times, model_costs
+from roundpipe.partition.memory import device_reserve_bytes
 from roundpipe.presets import load_hardware, load_model_config
 from roundpipe.schedule import POLICIES
 from roundpipe.sim import choice, scenario, search
@@ -79,7 +80,7 @@ def _runtime_choice(model: str, hardware: str, devices: int, seq_len: int, batch
 
     return choose(
         measured, float(seq_len * profiled), layer_costs, num_devices=devices, batch=batch,
-        seq_len=seq_len, policies=policies, budget=hw.memory_bytes - hw.workspace_reserve_bytes,
+        seq_len=seq_len, policies=policies, budget=hw.memory_bytes - device_reserve_bytes(hw),
     )  # fmt: skip
 
 

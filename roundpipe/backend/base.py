@@ -413,6 +413,11 @@ class Backend(ABC):
         """Called once the host has waited for every stream: the cpu backend orders all work issued
         so far before what comes next (its sanitizer's clocks)."""
 
+    def step_completed(self) -> None:  # noqa: B027 (optional hook)
+        """Called after a step has completed: every training-mode layer has been issued in a
+        ``Device.seeded`` block at least once. The cuda backend then knows whether the model draws
+        on the host (``cuda.GeneratorLocks``)."""
+
     def check_empty(self) -> None:  # noqa: B027 (optional hook)
         """After a step: raise ``StreamProtocolError`` if a device still holds a tensor (the
         workers are stateless). The cpu backend can tell; on CUDA this is a no-op."""

@@ -43,6 +43,7 @@ from roundpipe.backend.cpu_clock import IssueMode, host_allocation, task_generat
 from roundpipe.backend.cpu_host_syncs import HostSyncs, call_site
 from roundpipe.backend.cpu_memory import PINNED, AllocatorMemory
 from roundpipe.backend.sanitizer import Sanitizer
+from roundpipe.backend.threads import own_intra_op_threads
 from roundpipe.errors import StreamProtocolError
 from roundpipe.testing import faults
 
@@ -232,7 +233,7 @@ class CpuStream(Stream):
 
     # ------------------------------------------------------------------ the stream's thread
     def _loop(self) -> None:
-        torch.set_num_threads(1)  # one intra-op thread per worker stream (docs/design.md §4)
+        own_intra_op_threads(1)  # one intra-op thread per worker stream (docs/design.md §4)
         torch.set_grad_enabled(False)  # kernels compute; autograd happened when they were issued
         device = self.device
         backend = device.backend

@@ -29,6 +29,7 @@ from roundpipe.backend.base import (
     host_seed,
 )
 from roundpipe.backend.cpu_allocator import CUDA_RULES
+from roundpipe.partition.memory import cublas_reserve_bytes
 
 ALLOCATING_STREAMS = 1  # the streams whose closures allocate device memory: compute alone
 
@@ -166,8 +167,12 @@ class CudaDevice(Device):
 
     def allocation_slack(self) -> int:
         """Partly used segments of the caching allocator (``AllocatorRules.overhead``, CUDA's
-        constants) for each stream that allocates."""
-        return CUDA_RULES.overhead(ALLOCATING_STREAMS)
+        constants) for each stream that allocates, and cuBLAS's workspaces on this worker's compute
+        stream (``partition.memory.cublas_reserve_bytes``: two, for this GPU's architecture and the
+        process environment), which the allocator hands out at the first matmul of each thread and
+        keeps. Counted whether or not they exist yet (once they do, free bytes already lack them)."""
+        capability = torch.cuda.get_device_capability(self.torch_device)
+        return CUDA_RULES.overhead(ALLOCATING_STREAMS) + cublas_reserve_bytes(capability, env=os.environ)
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         self.count_in(host)
@@ -185,26 +190,77 @@ class CudaDevice(Device):
         assert isinstance(stream, CudaStream)
         t.record_stream(stream.stream)
 
-    @contextmanager
     def seeded(self, seed: int):
-        # This GPU's generator and the CPU's default one (what a layer draws on the host at issue
-        # time) are both process-wide and shared by the workers' threads, so the block holds the
-        # backend's lock while the layer is issued: issuing is serialised between workers (it is
-        # Python under the GIL in any case; a host sync inside a training-mode layer would hold
-        # the others). The states are saved and restored directly (a CUDA generator's state is
-        # its seed and Philox offset, kept on the host: no device work, no sync), which is
-        # cheaper than fork_rng's device bookkeeping per layer.
-        gpu = torch.cuda.default_generators[self.torch_device.index]
-        cpu = torch.default_generator
-        with self.backend.rng_lock:
-            saved_gpu, saved_cpu = gpu.get_state(), cpu.get_state()
-            gpu.manual_seed(seed)
-            cpu.manual_seed(host_seed(seed))
+        return self.backend.generators.seeded(
+            self.torch_device.index,
+            torch.cuda.default_generators[self.torch_device.index],
+            torch.default_generator,
+            seed,
+        )
+
+
+class GeneratorLocks:
+    """Who may seed which generator while a layer is issued (``CudaDevice.seeded``).
+
+    A layer's random kernels draw from its GPU's default generator when they are *issued* (a CUDA
+    generator's state is its seed and Philox offset, kept on the host; a launch takes its offset
+    then), and its host draws (peft LoHa's ``torch.rand(1)``) from the CPU's default generator, also
+    at issue. Both are shared: a GPU's generator by the workers of that GPU (``cuda:0x2``), the CPU's
+    by every worker of the process. So a seeded block holds, while its layer is issued:
+
+    - the lock of its *physical GPU*'s generator: workers of different GPUs never wait for each
+      other; workers sharing a GPU must, since torch offers no second generator that kernels take
+      by default (the cpu backend gives every block its own through its dispatch mode, a cost per
+      operation CUDA's issue should not pay);
+    - the CPU generator's lock only while it is not known that the model draws nothing on the host.
+      Until the first step has completed (``every_layer_seeded``) every block takes it and notes
+      whether its layer moved the CPU generator; if none did, later blocks leave the CPU generator
+      alone and take no lock shared across GPUs. A model that draws on the host keeps taking it:
+      its issue of random layers stays serialised across GPUs, the price of a process-wide
+      generator.
+
+    The states are saved and restored directly (no device work, no sync), which is cheaper than
+    ``fork_rng``'s device bookkeeping per layer. Generators are passed in, so that the rule is
+    tested without a GPU (``tests/test_generator_locks.py``).
+    """
+
+    def __init__(self, gpus):
+        self.gpu = {gpu: threading.RLock() for gpu in gpus}
+        self.host = threading.RLock()
+        self.host_draws: bool | None = None  # None: not known until a step has seeded every layer
+
+    @contextmanager
+    def seeded(self, gpu: int, device_generator, host_generator, seed: int):
+        with self.gpu[gpu]:
+            saved = device_generator.get_state()
+            device_generator.manual_seed(seed)
+            try:
+                if self.host_draws is False:
+                    yield
+                else:
+                    with self._host_seeded(host_generator, host_seed(seed)):
+                        yield
+            finally:
+                device_generator.set_state(saved)
+
+    @contextmanager
+    def _host_seeded(self, generator, seed: int):
+        with self.host:
+            saved = generator.get_state()
+            generator.manual_seed(seed)
+            seeded = generator.get_state()
             try:
                 yield
             finally:
-                gpu.set_state(saved_gpu)
-                cpu.set_state(saved_cpu)
+                if not torch.equal(generator.get_state(), seeded):
+                    self.host_draws = True
+                generator.set_state(saved)
+
+    def every_layer_seeded(self) -> None:
+        """A step has completed, so every training-mode layer has been issued in a seeded block:
+        what they draw on the host is known."""
+        if self.host_draws is None:
+            self.host_draws = False
 
 
 def use_expandable_segments() -> bool:
@@ -235,13 +291,16 @@ class CudaBackend(Backend):
         self.workers_per_gpu = workers_per_gpu
         self.aborted = False
         self.errors: list[BaseException] = []
-        self.rng_lock = threading.RLock()
+        self.generators = GeneratorLocks(set(gpus))
         self._fp16_accumulation_before: bool | None = None  # the process setting to restore on close
         self.expandable_segments = use_expandable_segments()
         self.devices = [
             CudaDevice(self, i, gpu, capacity)
             for i, gpu in enumerate(g for g in gpus for _ in range(workers_per_gpu))
         ]
+
+    def step_completed(self) -> None:
+        self.generators.every_layer_seeded()
 
     def host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         if self.host_buffers is not None:

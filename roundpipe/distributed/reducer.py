@@ -36,6 +36,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from roundpipe.backend.threads import own_intra_op_threads
 from roundpipe.distributed.group import DataParallel
 from roundpipe.optim import MasterStore, grad_of, master_of
 
@@ -146,7 +147,7 @@ class GradientReduction:
 
     # ------------------------------------------------------------------ reduction thread
     def _loop(self) -> None:
-        torch.set_num_threads(1)
+        own_intra_op_threads(1)
         while True:
             item = self._queue.get()
             if item is _DONE:

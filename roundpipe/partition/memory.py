@@ -9,6 +9,11 @@ A stage on a device holds (``partitioner.py``'s docstring gives the why of each 
 
     weights(stage) + prefetch + draining + added(stage) + max(peak over the stage's layers) + reserve
 
+``reserve`` is what every device keeps out of the plan (:func:`device_reserve_bytes`): the preset's
+workspace reserve (CUDA context, cuDNN, allocator slack) plus cuBLAS's workspaces
+(:func:`cublas_reserve_bytes`), which the runtime's cuda backend also keeps out of a device's
+capacity and free bytes.
+
 One task (:func:`task_bytes`) works in the larger of its forward layers' working set (no autograd)
 and its backward layers' saved activations plus one layer's transient. :func:`stage_bytes` takes,
 for a forward stage with layers that do not recompute (the head), their saved activations *plus* the
@@ -20,7 +25,8 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from roundpipe.errors import ConfigError
@@ -38,6 +44,62 @@ class LayerBytes(Protocol):
     def transient_bytes(self) -> int: ...
     @property
     def fwd_work_bytes(self) -> int: ...
+
+
+# cuBLAS workspaces, as torch's aten/src/ATen/cuda/CublasHandlePool.cpp allocates them: one per
+# (cuBLAS handle, stream) a matmul ran with, from the caching allocator, kept until the process ends.
+# Handles are per thread, so each compute stream has two: the worker thread's (forward, recompute)
+# and the autograd engine's device thread's (the backward runs there, on the forward's stream).
+CUBLAS_WORKSPACES_PER_COMPUTE_STREAM = 2
+_KIB = 1024
+_CUBLAS_DEFAULT_SM90 = 4096 * _KIB * 8  # ":4096:8", for sm90 exactly (H100, H200)
+_CUBLAS_DEFAULT = 4096 * _KIB * 2 + 16 * _KIB * 8  # ":4096:2:16:8", 8.125 MiB, every other GPU
+_CUBLASLT_DEFAULT = 1024 * _KIB  # CUBLASLT_WORKSPACE_SIZE's default, KiB
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int] | None, env: Mapping[str, str] = {}) -> int:
+    """The bytes torch's cuBLAS allocates for one (handle, stream) on a GPU of ``compute_capability``
+    (None: not a GPU, 0): the cuBLAS workspace (``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KIB:COUNT``
+    pairs; default 32 MiB on sm90, 8.125 MiB otherwise) and the cuBLASLt one beside it (matmuls with
+    a bias epilogue; ``CUBLASLT_WORKSPACE_SIZE`` KiB, default 1 MiB, at most the cuBLAS one; none
+    when ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` shares the cuBLAS one). ``env``: the environment."""
+    if compute_capability is None:
+        return 0
+    default = _CUBLAS_DEFAULT_SM90 if tuple(compute_capability) == (9, 0) else _CUBLAS_DEFAULT
+    pairs = re.findall(r":([0-9]+):([0-9]+)", env.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    cublas = sum(int(size) * _KIB * int(count) for size, count in pairs) if pairs else default
+    if env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "").strip().lower() in ("1", "true", "on", "yes", "y"):
+        return cublas
+    lt_kib = env.get("CUBLASLT_WORKSPACE_SIZE", "")
+    lt = int(lt_kib) * _KIB if lt_kib.strip().isdigit() else _CUBLASLT_DEFAULT
+    return cublas + min(lt, cublas)
+
+
+def cublas_reserve_bytes(
+    compute_capability: tuple[int, int] | None, compute_streams: int = 1, env: Mapping[str, str] = {}
+) -> int:
+    """cuBLAS's workspaces on one worker device: two (handle, stream) pairs per compute stream
+    (``CUBLAS_WORKSPACES_PER_COMPUTE_STREAM``), each :func:`cublas_workspace_bytes`."""
+    return (
+        CUBLAS_WORKSPACES_PER_COMPUTE_STREAM
+        * compute_streams
+        * cublas_workspace_bytes(compute_capability, env)
+    )
+
+
+class DeviceFacts(Protocol):
+    """What :func:`device_reserve_bytes` reads of a GPU preset (``presets.GPU``, ``presets.Server``)."""
+
+    @property
+    def workspace_reserve_bytes(self) -> int: ...
+    @property
+    def compute_capability(self) -> tuple[int, int] | None: ...
+
+
+def device_reserve_bytes(hw: DeviceFacts) -> int:
+    """What every device of ``hw`` keeps out of a plan: its preset workspace reserve plus cuBLAS's
+    workspaces for one compute stream (:func:`cublas_reserve_bytes`, torch's defaults)."""
+    return hw.workspace_reserve_bytes + cublas_reserve_bytes(hw.compute_capability)
 
 
 def task_bytes(
@@ -149,7 +211,12 @@ def last_stage_bytes(
 
 
 __all__ = [
+    "CUBLAS_WORKSPACES_PER_COMPUTE_STREAM",
+    "DeviceFacts",
     "LayerBytes",
+    "cublas_reserve_bytes",
+    "cublas_workspace_bytes",
+    "device_reserve_bytes",
     "last_stage_bytes",
     "largest_others",
     "memory_vectors",

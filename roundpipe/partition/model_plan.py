@@ -20,7 +20,7 @@ from typing import Any
 from roundpipe.errors import ConfigError, PlanError
 from roundpipe.partition.cost import DEFAULT_HEAD_CHUNK_TOKENS, LayerCost, layer_times, model_costs
 from roundpipe.partition.grain import GrainChoice, grain_choices
-from roundpipe.partition.memory import last_stage_bytes, memory_vectors, stage_bytes
+from roundpipe.partition.memory import device_reserve_bytes, last_stage_bytes, memory_vectors, stage_bytes
 from roundpipe.partition.partitioner import (
     DEFAULT_TARGET_BUBBLE,
     LEVERS,
@@ -423,7 +423,8 @@ def plan_partitions(
 
     ``head_shards``: an int, or ``"auto"`` (:func:`choose_head_shards`' rule). ``microbatches``: an
     int or ``"auto"`` (:func:`auto_microbatches`). ``memory_budget`` defaults to the GPU's memory,
-    ``reserve_bytes`` to its preset workspace reserve; ``efficiency`` to its preset matmul
+    ``reserve_bytes`` to what its devices keep out of a plan (``memory.device_reserve_bytes``: the preset
+    workspace reserve and cuBLAS's workspaces); ``efficiency`` to its preset matmul
     efficiency; ``times`` are measured per-layer ``(forward_s, backward_s)`` overrides.
     ``label_fraction``: the share of tokens with a label; the head works on those only.
 
@@ -436,7 +437,7 @@ def plan_partitions(
     if num_devices < 1:
         raise ConfigError(f"num_devices must be >= 1, got {num_devices}")
     budget = int(memory_budget if memory_budget is not None else hw.memory_bytes)
-    reserve = int(reserve_bytes if reserve_bytes is not None else hw.workspace_reserve_bytes)
+    reserve = int(reserve_bytes if reserve_bytes is not None else device_reserve_bytes(hw))
     common: dict[str, Any] = dict(
         name=name,
         config=config,

@@ -92,6 +92,8 @@ class GPU:
     launch_s: float  # host time to issue one forward kernel (eager Python); shorter kernels wait for it
     launch_bwd_s: float  # the same for a backward kernel (issued by the autograd engine)
     expert_grad_passes: float  # DRAM passes charged per expert's full-size gradient (MoE backward)
+    # CUDA's (major, minor), which sets torch's cuBLAS workspace size; None: not a CUDA GPU
+    compute_capability: tuple[int, int] | None = None
 
     def peak_flops(
         self, dtype: str = "bf16", *, fp16_accumulate: bool = False, allow_tf32: bool = False
@@ -168,6 +170,10 @@ class Server:
         return self.gpu.workspace_reserve_bytes
 
     @property
+    def compute_capability(self) -> tuple[int, int] | None:
+        return self.gpu.compute_capability
+
+    @property
     def matmul_efficiency(self) -> float:
         return self.gpu.matmul_efficiency
 
@@ -181,6 +187,14 @@ def known_gpus() -> list[str]:
 
 def known_models() -> list[str]:
     return sorted(k for k in _read("models.json") if not k.startswith("_"))
+
+
+def _capability(text: str | None) -> tuple[int, int] | None:
+    """``"9.0"`` as ``(9, 0)``; None for a device that is not a CUDA GPU."""
+    if text is None:
+        return None
+    major, minor = text.split(".")
+    return int(major), int(minor)
 
 
 def _gpu(name: str) -> GPU:
@@ -211,6 +225,7 @@ def _gpu(name: str) -> GPU:
         nvlink_bw=nvlink * _GIGA if nvlink else None,
         matmul_efficiency=entry.get("matmul_efficiency", d["matmul_efficiency"]),
         workspace_reserve_bytes=int(entry.get("workspace_reserve_gb", d["workspace_reserve_gb"]) * GIB),
+        compute_capability=_capability(entry["compute_capability"]),
         host_link_efficiency=entry.get("host_link_efficiency", d["host_link_efficiency"]),
         source=entry["_source"],
         memory_efficiency=entry.get("memory_efficiency", d["memory_efficiency"]),

@@ -20,6 +20,7 @@ import traceback
 
 from roundpipe.backend import Backend, MemoryLedger
 from roundpipe.backend.cpu import Aborted
+from roundpipe.backend.threads import own_intra_op_threads
 from roundpipe.errors import PipelineStateError, RoundpipeError, StageError, WatchdogTimeout, add_note
 from roundpipe.runtime.exchange import AbortedWait
 from roundpipe.runtime.hostqueue import HostQueue
@@ -56,6 +57,7 @@ class Executor:
 
         def worker_main(worker: Worker, flows) -> None:
             try:
+                own_intra_op_threads(1)  # a worker issues; its core is not the host thread's
                 worker.run(step, flows)
             except BaseException as e:  # carried to the caller below
                 errors.append(e)
@@ -81,6 +83,7 @@ class Executor:
                 self.backend.synchronized()
                 self.hostq.drain()
                 self.backend.check_empty()  # stateless workers: nothing stays on a device
+                self.backend.step_completed()
                 return
             except BaseException as e:
                 errors.append(e)

@@ -34,7 +34,7 @@ from roundpipe.runtime.data_parallel import DataParallelSteps
 from roundpipe.runtime.decision import RuntimePlan, for_short_batch
 from roundpipe.runtime.exchange import Exchange
 from roundpipe.runtime.executor import Executor
-from roundpipe.runtime.hostqueue import HostQueue
+from roundpipe.runtime.hostqueue import HostQueue, default_host_threads
 from roundpipe.runtime.inputs import split_batch
 from roundpipe.runtime.masters import export_masters, load_masters, load_stale, masters_state, stale_state
 from roundpipe.runtime.numerics import first_nonfinite, nonfinite_error
@@ -109,7 +109,8 @@ class Pipeline:
                 weight_cache_bytes=self.config.weight_cache_bytes or (capacity // 2 if capacity else None),
             )
             self.workers = [Worker(setup, d) for d in self.backend.devices]
-            self._hostq = HostQueue(context=self.backend.host_work)
+            host_threads = self.config.host_threads or default_host_threads(len(self.workers))
+            self._hostq = HostQueue(threads=host_threads, context=self.backend.host_work)
         except BaseException:
             self.backend.close()
             raise

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from roundpipe.errors import ConfigError
-from roundpipe.partition.memory import task_bytes
+from roundpipe.partition.memory import device_reserve_bytes, task_bytes
 from roundpipe.presets import GIB, Server
 from roundpipe.schedule import build_table, policy_options
 from roundpipe.schedule.flow import StageWork, device_flows
@@ -112,7 +112,7 @@ def simulate(
             f"the table has {table.num_devices} devices but the server {hardware.name} has {hardware.num_gpus} GPUs"
         )
     n_iter = opts.iterations or (3 if opts.optimizer == "async" else 1)
-    capacity = hardware.memory_bytes - hardware.workspace_reserve_bytes
+    capacity = hardware.memory_bytes - device_reserve_bytes(hardware)
     said = list(notes)
     if opts.stream_weights is None:
         if table.weight_bound:
@@ -148,7 +148,7 @@ def simulate(
     tokens = microbatches * workload.tokens_per_microbatch
     flops = microbatches * sum(lw.flops for lw in workload.layers)
     peak_flops = hardware.gpu.peak_flops(workload.dtype)
-    reserve = hardware.workspace_reserve_bytes
+    reserve = device_reserve_bytes(hardware)
     peak_gpu = tuple(p + reserve for p in sim.mem_peak)
     reasons = []
     worst = max(range(n_dev), key=peak_gpu.__getitem__)

@@ -35,6 +35,7 @@ from typing import Literal, cast
 
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
 from roundpipe.partition.cost import layer_times, model_costs
+from roundpipe.partition.memory import device_reserve_bytes
 from roundpipe.presets import load_model_config
 from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, TaskKind, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
@@ -90,7 +91,7 @@ def grain_alternatives(
     try:
         choices = partitions(
             s.policy, costs, f, b, num_devices=hw.num_gpus, microbatches=prep.table.num_microbatches,
-            budget=hw.memory_bytes, reserve_bytes=hw.workspace_reserve_bytes, limit=limit + 1,
+            budget=hw.memory_bytes, reserve_bytes=device_reserve_bytes(hw), limit=limit + 1,
             steady=s.optimizer == "async",
         )  # fmt: skip
     except PlanError:
