@@ -189,7 +189,7 @@ class Worker:
         incoming = self._issue_incoming(step, flow, label)
         streams["compute"].wait_event(streams["h2d"].record_event())
         for r in residents:
-            streams["compute"].wait_event(r.event)
+            streams["compute"].wait_event(r.copied)
         if upcoming is not None:
             self.weights.prefetch(upcoming)
 
@@ -211,6 +211,9 @@ class Worker:
         self.outputs.download(step, flow, label, slots)
         if flow.layers_bwd:
             self.grads.issued(step, flow, remaining)
+        # The bulk copies' share of this task goes after its urgent ones (paced_copies.py).
+        self.weights.pace(remaining)
+        self.grads.pace(remaining)
 
     def _issue_incoming(self, step: StepRun, flow: TaskFlow, label: str) -> dict[tuple, Slot]:
         """Upload the task's incoming hand-offs (activation and/or gradient), in that order, each
