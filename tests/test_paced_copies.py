@@ -118,7 +118,9 @@ def test_activation_copies_are_issued_between_a_prefetched_stages_weight_chunks_
     )
     with roundpipe.wrap(model, roundpipe.RunConfig(**config)) as pipe:
         logs = _issue_log(pipe)
-        pipe.forward_backward(batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"])
+        pipe.forward_backward(
+            batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"]
+        )
         assert pipe.stats()["host_syncs"]["count"] == 0
     weights = [n for log in logs.values() for n in _passed(log, "h2d_weights", "W:", "h2d")]
     grads = [n for log in logs.values() for n in _passed(log, "d2h_grads", "grads:", "d2h")]
