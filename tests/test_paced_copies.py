@@ -129,3 +129,13 @@ def test_activation_copies_are_issued_between_a_prefetched_stages_weight_chunks_
 
     got = pipeline_train(model, batch, 2, **config)
     assert_same_run(got, reference_train(model, batch, 2))
+
+
+def test_gradients_cut_into_chunks_land_in_their_rows_of_a_sharded_head():
+    """A vocabulary shard's gradient covers only its rows of the embedding (tied) or head matrix;
+    cut into row chunks on the way down, each chunk is added into its own rows on the host."""
+    model, batch = make_model("llama", num_layers=2, tied=True), make_batch(batch=4)
+    got = pipeline_train(
+        model, batch, 2, devices="cpu:2", num_microbatches=2, head_shards=2, copy_chunk_bytes=1024
+    )
+    assert_same_run(got, reference_train(model, batch, 2))
