@@ -14,6 +14,9 @@ and gives each job to the part that holds its state:
 - ``GradientAccumulators`` (``gradients.py``): the stage's weight gradients, summed on the
   device and downloaded once per stage.
 
+Weights up and gradients down are bulk copies: after each task's own copies the worker issues that
+task's share of their chunks (``paced_copies.py``), since a copy engine runs copies in issue order.
+
 CUDA's rules (docs/design.md §5) shape every closure: a tensor made on one stream and used on
 another is handed over to it (``Device.hand_over``); whatever a closure leaves on the device is
 reserved in the device's ledger and released, in stream order, after its last use; module shells
