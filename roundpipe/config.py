@@ -21,6 +21,7 @@ from typing import Any, Literal, get_type_hints
 
 from roundpipe.errors import ConfigError
 from roundpipe.schedule.policies import POLICIES
+from roundpipe.sim.options import DEFAULT_CHUNK_BYTES
 
 DTYPES = ("fp32", "bf16", "fp16")
 ORDERS = ("strict", "ready")
@@ -295,9 +296,10 @@ class RunConfig:
     )
     prefetch: bool = _setting(True, "upload the next stage's weights while the current one computes.")
     copy_chunk_bytes: int = _setting(
-        64 << 20,
-        "weight uploads are cut into copies of at most this size, so that urgent copies "
-        "(activations, on their own higher-priority stream) pass them.",
+        DEFAULT_CHUNK_BYTES,
+        "weight uploads and weight-gradient downloads are cut into copies of at most this size, "
+        "issued a few per task after the task's activation copies, so that activation copies pass "
+        "them on the copy engine (which runs copies in issue order, whatever the streams' priorities).",
         check=_positive_int,
     )
     weight_cache_bytes: int | None = _setting(

@@ -332,9 +332,10 @@ def test_a_sharded_chunked_head_trains_like_the_unsharded_plain_model(family, ti
 
 
 def test_an_activation_upload_passes_a_large_weight_upload_in_flight():
-    """Activations travel on their own high-priority stream, weights in chunks on another: a small
-    activation queued after a big weight upload has arrived while the weights are still copying.
-    (The closures run when they are issued, as on CUDA: what arrives when is told by events.)"""
+    """On the cpu backend every stream has its own thread: a small activation issued on ``h2d``
+    after a big weight upload on ``h2d_weights`` arrives while the weights are still copying. (A CUDA
+    copy engine runs copies in issue order whatever the streams' priorities; what lets activations
+    pass there is the order the worker issues weight chunks in, tests/test_paced_copies.py.)"""
     from roundpipe.backend import make_backend
 
     backend = make_backend("cpu:1")

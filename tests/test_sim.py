@@ -489,3 +489,19 @@ def test_sim_package_never_imports_torch():
                 assert all(not a.name.startswith("torch") for a in node.names), path
             if isinstance(node, ast.ImportFrom):
                 assert not (node.module or "").startswith(("torch", "roundpipe.runtime")), path
+
+
+def test_a_gradient_download_moves_in_chunk_pieces_that_an_activation_download_passes():
+    """As the runtime paces a stage's fp32 gradients down in ``chunk_bytes`` chunks, the model moves
+    them in pieces: an activation download that comes due meanwhile goes between two pieces."""
+    result = run_scenario(
+        Scenario("qwen3-0.6b", "2xrtx4090", seq_len=256, global_batch=4), SimOptions(chunk_bytes=1 << 20)
+    )
+    spans = [s for s in result.raw_spans if s[1] == "d2h"]
+    passed = []
+    for dev, name in {(s[0], s[2]) for s in spans if s[3] == "download"}:
+        pieces = [s for s in spans if s[0] == dev and s[2] == name]
+        first, last = min(s[4] for s in pieces), max(s[5] for s in pieces)
+        if any(s[0] == dev and s[3] == "act" and first < s[4] < last for s in spans):
+            passed.append(name)
+    assert passed, "no activation download went between the pieces of a gradient download"

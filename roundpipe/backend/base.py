@@ -27,9 +27,11 @@ import torch
 
 from roundpipe.errors import DeviceOutOfMemory
 
-# Copies go on separate streams by urgency, so an urgent copy never queues behind a bulk one:
-# activations the next compute needs (h2d) > the next stage's weights (h2d_weights, cut into
-# chunks) on the way up; activations and losses (d2h) > weight gradients (d2h_grads) on the way down.
+# Copies go on separate streams by urgency: activations the next compute needs (h2d) and the next
+# stage's weights (h2d_weights) on the way up; activations and losses (d2h) and weight gradients
+# (d2h_grads) on the way down. On CUDA the priorities order kernels only: a copy engine runs copies
+# in issue order, so the runtime paces the bulk streams' chunks behind the urgent copies by when it
+# issues them (runtime/paced_copies.py); separate streams keep a copy from waiting on another's events.
 STREAM_NAMES = ("compute", "h2d", "h2d_weights", "d2h", "d2h_grads")
 # Lower number = more urgent, as in CUDA.
 STREAM_PRIORITIES = {"compute": 0, "h2d": -1, "h2d_weights": 0, "d2h": -1, "d2h_grads": 0}

@@ -2,7 +2,10 @@
 
 Consecutive backward tasks of one stage on a device (roundpipe runs a stage for every microbatch in
 a row) add into one fp32 accumulator, and it goes down to the CPU once, when the device moves on:
-M times fewer gradient downloads and host additions than one per microbatch. At most one earlier
+M times fewer gradient downloads and host additions than one per microbatch. The download is cut
+into chunks of ``copy_chunk_bytes`` paced over the device's next tasks, after each task's activation
+downloads (``paced_copies.py``: a copy engine runs copies in issue order, so a stage's fp32
+gradients issued at once would hold every later activation download). At most one earlier
 accumulator may still be on its way down while the next one fills; each is freed on compute after
 its download (docs/design.md §5). Only the device's worker thread calls ``GradientAccumulators``;
 the hook ``into_accumulator`` makes runs in the compute.
@@ -15,9 +18,10 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from roundpipe.backend import Device
+from roundpipe.backend import Device, Event, tensor_bytes
 from roundpipe.runtime.exchange import AbortedWait, Slot
 from roundpipe.runtime.numerics import TaskChecks
+from roundpipe.runtime.paced_copies import Chunk, CopyGroup, PacedCopies
 from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.task_errors import failing_as_task
 from roundpipe.runtime.worker_setup import WorkerSetup
@@ -27,6 +31,17 @@ if TYPE_CHECKING:
     from roundpipe.runtime.step import StepRun
 
 
+class Flushed:
+    """A flushed accumulator on its way down: ``downloaded`` (the event after its last chunk) and
+    ``added`` (set once the host thread has added it) are None until its last chunk is issued."""
+
+    def __init__(self, acc: Slot, what: str):
+        self.acc, self.what = acc, what
+        self.download: CopyGroup | None = None
+        self.downloaded: Event | None = None
+        self.added = None
+
+
 class GradientAccumulators:
     """The open accumulator of one device (``open``), and the flushed ones still draining."""
 
@@ -34,17 +49,19 @@ class GradientAccumulators:
         self.setup = setup
         self.device = device
         self.streams = device.streams
+        self.copies = PacedCopies(device.streams["d2h_grads"])
         self.start()
 
     def start(self) -> None:
         """A new step: no accumulator open or draining."""
-        self._draining: list = []  # (downloaded, added, slot, what) of each flushed accumulator
+        self._draining: list[Flushed] = []  # each flushed accumulator, oldest first
         self._acc: Slot | None = None  # the open accumulator: piece -> fp32 device gradient
         self._acc_range, self._acc_count = range(0), 0
 
     def reset(self) -> None:
         """After a failed step: forget the open accumulator (its memory went with the device's)."""
         self._acc = None
+        self.copies.clear()
 
     def open(self, step: StepRun, flow: TaskFlow, say: Callable[[str], None]) -> Slot:
         """The device-side fp32 sum of ``flow``'s backward stage's weight gradients, keyed by piece
@@ -70,33 +87,61 @@ class GradientAccumulators:
             self.flush(step)
 
     def flush(self, step: StepRun) -> None:
-        """Download the open accumulator and hand it to the host thread: a dict
-        ``{(entry key, rows or None): fp32 gradient of those rows}``. The device accumulator stays
-        until ``drop`` frees it on compute, after its download."""
+        """Queue the open accumulator's download, in chunks, and its hand-over to the host thread: a
+        dict ``{(entry key, rows or None): fp32 gradient of those rows}``, a piece cut into row
+        ranges when it is larger than a chunk. The device accumulator stays until ``drop`` frees it
+        on compute, after its download."""
         if self._acc is None:
             return
         acc, layers, count = self._acc, self._acc_range, self._acc_count
         self._acc = None
         dev, streams = self.device, self.streams
-        host_grads = Slot()
-
+        host_grads = Slot({})
         first = self.setup.adapter.layers[layers.start].name
+        flushed = Flushed(acc, f"grads:{layers}")
 
-        def download():
-            with failing_as_task(
-                dev,
-                lambda e: f"downloading the gradients of {first}.. failed: {e}",
-                dict(layer=first, task=f"grads:{first}", step=step.index),
-            ):
-                faults.point("grads", step=step.index, device=dev.name, layer=first)
-                host_grads.value = {k: dev.to_host(g) for k, g in acc.value.items()}
+        def chunk(piece, a, b, key, fault) -> Chunk:
+            def download():
+                with failing_as_task(
+                    dev,
+                    lambda e: f"downloading the gradients of {first}.. failed: {e}",
+                    dict(layer=first, task=f"grads:{first}", step=step.index),
+                ):
+                    if fault:
+                        faults.point("grads", step=step.index, device=dev.name, layer=first)
+                    if piece is not None:
+                        g = acc.value[piece]
+                        host_grads.value[key] = dev.to_host(g if b is None else g[a:b])
 
-        grads_stream = streams["d2h_grads"]
-        grads_stream.wait_event(streams["compute"].record_event())
-        grads_stream.submit(download, (f"grads:{first}", "download"))
-        downloaded = grads_stream.record_event()
-        added = step.on_grads(layers, host_grads, count, downloaded)
-        self._draining.append((downloaded, added, acc, f"grads:{layers}"))
+            return download, (f"grads:{first}", "download")
+
+        chunks: list[Chunk] = []
+        size = self.setup.config.copy_chunk_bytes
+        for piece, g in acc.value.items():  # complete: the backward closures ran when issued
+            rows = g.shape[0] if g.dim() else 1
+            step_rows = max(1, size // max(1, tensor_bytes(g) // max(rows, 1)))
+            if step_rows >= rows or g.dim() == 0:
+                chunks.append(chunk(piece, None, None, piece, not chunks))
+                continue
+            k, at = piece[0], piece[1][0] if piece[1] is not None else 0
+            for a in range(0, rows, step_rows):
+                b = min(rows, a + step_rows)
+                chunks.append(chunk(piece, a, b, (k, (at + a, at + b)), not chunks))
+        if not chunks:  # nothing trained here: the fault point still fires once
+            chunks.append(chunk(None, None, None, None, True))
+
+        def issued(event: Event) -> None:
+            flushed.downloaded = event
+            flushed.added = step.on_grads(layers, host_grads, count, event)
+
+        flushed.download = self.copies.add([streams["compute"].record_event()], chunks, issued)
+        self._draining.append(flushed)
+
+    def pace(self, remaining: list[TaskFlow]) -> None:
+        """Between tasks, after the task's own downloads: issue this task's share of the queued
+        gradient chunks, spread over the tasks left until this device flushes its next accumulator."""
+        if self.copies.pending:
+            self.copies.pace(_tasks_to_next_flush(remaining) + 1)
 
     def drop(self, keep: int) -> None:
         """Free the device accumulators of every flushed stage but the last ``keep``: the host waits
@@ -105,7 +150,11 @@ class GradientAccumulators:
         at most two stages' downloaded gradients per device, not every one the device makes)."""
         compute, dev = self.streams["compute"], self.device
         while len(self._draining) > keep:
-            downloaded, added, acc, what = self._draining.pop(0)
+            flushed = self._draining.pop(0)
+            assert flushed.download is not None
+            self.copies.finish(flushed.download)
+            downloaded, added, acc, what = flushed.downloaded, flushed.added, flushed.acc, flushed.what
+            assert downloaded is not None
             downloaded.synchronize()
             if keep and added is not None:
                 while not added.wait(0.05):
@@ -119,6 +168,22 @@ class GradientAccumulators:
                 del grads
 
             compute.submit(free, name=f"release {what}")
+
+
+def _tasks_to_next_flush(remaining: list[TaskFlow]) -> int:
+    """How many of ``remaining`` are issued before the device flushes its next accumulator (after
+    the last backward over the next backward's layers before a backward over others; at the end of
+    the step when none follows)."""
+    first = next((n for n, f in enumerate(remaining) if f.layers_bwd), None)
+    if first is None:
+        return len(remaining)
+    last = first
+    for n in range(first + 1, len(remaining)):
+        if remaining[n].layers_bwd:
+            if remaining[n].layers_bwd != remaining[first].layers_bwd:
+                break
+            last = n
+    return last + 1
 
 
 def into_accumulator(acc: dict, piece, made: list, checks: TaskChecks, layer: int, name: str):

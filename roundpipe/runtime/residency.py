@@ -1,9 +1,11 @@
 """Which layers' weights a device holds, and the uploads and releases that keep it so.
 
 A layer's weights are allocated on the ``compute`` stream (as every device allocation is), uploaded
-on the device's ``h2d_weights`` stream, cut into chunks of ``copy_chunk_bytes`` so that an urgent
-activation copy (on its own stream) is never stuck behind a whole layer, and released in
-``compute``-stream order after the last task that used them. The
+on the device's ``h2d_weights`` stream in chunks of ``copy_chunk_bytes``, and released in
+``compute``-stream order after the last task that used them. The chunks of a prefetched layer are
+not issued at once: a copy engine runs copies in issue order whatever the streams' priorities, so
+they are paced over the tasks before the one that needs them (``paced_copies.py``), each task's
+share after its activation uploads; the layers a task needs are issued in full before it. The
 resident set is the current task's layers plus, with prefetch, the next task's; weight-bound
 tables also keep layers the device runs again within the weight cache budget (Belady: the one
 needed furthest ahead goes first). Residency thus follows from the table and a budget, with no
@@ -18,6 +20,7 @@ from torch import nn
 
 from roundpipe.backend import Device, Event, tensor_bytes
 from roundpipe.runtime.exchange import Slot
+from roundpipe.runtime.paced_copies import Chunk, CopyGroup, PacedCopies
 from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.worker_setup import WorkerSetup
 
@@ -25,10 +28,18 @@ from roundpipe.runtime.worker_setup import WorkerSetup
 @dataclass
 class Resident:
     """One layer on the device: ``slot.value`` maps piece (entry key, rows) -> device Parameter
-    once the allocation closure has run; ``event`` fires when every chunk has been copied."""
+    once the allocation closure has run; ``event`` fires when every chunk has been copied (None
+    until the last chunk of ``upload`` has been issued)."""
 
     slot: Slot
-    event: Event
+    upload: CopyGroup
+    event: Event | None = None
+
+    @property
+    def copied(self) -> Event:
+        """The event after the last chunk (once ``WeightResidency.ensure`` has issued them all)."""
+        assert self.event is not None, "internal: waited for a layer whose upload is not issued in full"
+        return self.event
 
 
 class WeightResidency:
@@ -38,6 +49,7 @@ class WeightResidency:
         self.setup = setup
         self.device = device
         self.layers: dict[int, Resident] = {}
+        self.copies = PacedCopies(device.streams["h2d_weights"])
 
     def ensure(
         self, need: range, upcoming: range | None, remaining: list[TaskFlow], weight_bound: bool
@@ -58,12 +70,25 @@ class WeightResidency:
         for i in need:
             if i not in self.layers:
                 self._upload(i)
+        for i in need:
+            self.copies.finish(self.layers[i].upload)
         return [self.layers[i] for i in need]
 
     def prefetch(self, layers: range) -> None:
+        """Allocate ``layers`` and queue their chunks; ``pace`` and ``ensure`` issue them."""
         for i in layers:
             if i not in self.layers:
                 self._upload(i)
+
+    def pace(self, remaining: list[TaskFlow]) -> None:
+        """Between tasks, after the task's own uploads: issue this task's share of the queued weight
+        chunks, spread over the tasks left before the first one that needs any of them."""
+        queued = {i for i, r in self.layers.items() if not r.upload.done}
+        if queued:
+            first = next(
+                (n for n, f in enumerate(remaining) if queued.intersection(f.layers)), len(remaining)
+            )
+            self.copies.pace(first + 1)
 
     def release_all(self) -> None:
         for i in list(self.layers):
@@ -75,6 +100,7 @@ class WeightResidency:
         for r in self.layers.values():
             r.slot.value = None
         self.layers.clear()
+        self.copies.clear()
 
     def _beyond_budget(self, keep: set[int], evict: list[int], remaining: list[TaskFlow]) -> list[int]:
         """Of the release candidates, those the weight cache cannot keep for a later task."""
@@ -96,7 +122,7 @@ class WeightResidency:
         pieces = store.layer_pieces(layer)  # whole entries, or only the rows the layer uses
         name = self.setup.adapter.layers[layer].name
         slot = Slot()
-        stream, compute = dev.streams["h2d_weights"], dev.streams["compute"]
+        compute = dev.streams["compute"]
 
         def allocate():
             tensors = {}
@@ -111,8 +137,9 @@ class WeightResidency:
         # reused in compute order): the copies start once compute has reached the allocation, so
         # after the tasks that used the memory the released layers gave back.
         compute.submit(allocate, name=f"weights:{name}")
-        stream.wait_event(compute.record_event())
+        allocated = compute.record_event()
         chunk = self.setup.config.copy_chunk_bytes
+        chunks: list[Chunk] = []
         for piece in pieces:
             src = store.piece_source(piece)  # for its shape; each copy reads the source when it runs
             rows = src.shape[0] if src.dim() else 1
@@ -129,11 +156,17 @@ class WeightResidency:
                     else:
                         dev.copy_in(data[a:b], src[a:b])
 
-                stream.submit(copy, (f"W:{name}", "upload"))
-        self.layers[layer] = Resident(slot, stream.record_event())
+                chunks.append((copy, (f"W:{name}", "upload")))
+
+        def uploaded(event: Event) -> None:
+            resident.event = event
+
+        resident = Resident(slot, self.copies.add([allocated], chunks, uploaded))
+        self.layers[layer] = resident
 
     def _release(self, layer: int) -> None:
         r = self.layers.pop(layer)
+        self.copies.finish(r.upload)  # the free waits for every chunk issued to its memory
         dev, name = self.device, self.setup.adapter.layers[layer].name
 
         def free():
@@ -145,5 +178,5 @@ class WeightResidency:
         # task that runs next need not be the one prefetched for): its upload may still be queued
         # on the weights stream, so the release waits for it. A no-op when compute used the layer.
         compute = dev.streams["compute"]
-        compute.wait_event(r.event)
+        compute.wait_event(r.copied)
         compute.submit(free, name=f"release weights:{name}")

@@ -14,6 +14,9 @@ and gives each job to the part that holds its state:
 - ``GradientAccumulators`` (``gradients.py``): the stage's weight gradients, summed on the
   device and downloaded once per stage.
 
+Weights up and gradients down are bulk copies: after each task's own copies the worker issues that
+task's share of their chunks (``paced_copies.py``), since a copy engine runs copies in issue order.
+
 CUDA's rules (docs/design.md §5) shape every closure: a tensor made on one stream and used on
 another is handed over to it (``Device.hand_over``); whatever a closure leaves on the device is
 reserved in the device's ledger and released, in stream order, after its last use; module shells
@@ -190,7 +193,7 @@ class Worker:
         incoming = self._issue_incoming(step, flow, label)
         streams["compute"].wait_event(streams["h2d"].record_event())
         for r in residents:
-            streams["compute"].wait_event(r.event)
+            streams["compute"].wait_event(r.copied)
         if upcoming is not None:
             self.weights.prefetch(upcoming)
 
@@ -213,6 +216,9 @@ class Worker:
         self.outputs.download(step, flow, label, slots)
         if flow.layers_bwd:
             self.grads.issued(step, flow, remaining)
+        # The bulk copies' share of this task goes after its urgent ones (paced_copies.py).
+        self.weights.pace(remaining)
+        self.grads.pace(remaining)
 
     def _issue_incoming(self, step: StepRun, flow: TaskFlow, label: str) -> dict[tuple, Slot]:
         """Upload the task's incoming hand-offs (activation and/or gradient), in that order, each

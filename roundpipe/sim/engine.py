@@ -6,7 +6,11 @@ What is modelled, and why it matches the runtime (docs/design.md §3-§4):
   (fused F+B pairs as one operation, see ``schedule/flow.py``); ``h2d`` and ``d2h`` copy engines
   move one copy at a time, choosing by priority: activations the next compute needs (0) > weights
   of the current/next stage (1) > weight gradients down (2) > saved stage inputs down (3). Weight
-  copies are cut into ``chunk_bytes`` pieces so an urgent copy can pass between pieces.
+  uploads and weight-gradient downloads are cut into ``chunk_bytes`` pieces so an urgent copy can
+  pass between pieces. The runtime gets the same effect by issue order (a real copy engine runs
+  copies as issued): it issues bulk chunks a few per task, after the task's urgent copies
+  (``runtime/paced_copies.py``), so an urgent copy there may still wait for the few chunks issued
+  before it; the model lets it pass at the next piece.
 - **Shared host link**: GPUs behind one PCIe switch share its uplink, per direction. Copies in
   flight on a switch share it equally (fluid model), each also capped by its own link rate.
 - **Data flow**: an operation's inputs (``act``/``grad`` hand-offs, and the microbatch's token ids
@@ -92,7 +96,7 @@ class _Lane:
 
 
 class _Copy:
-    """One copy on a copy engine; weight uploads move in ``chunk_bytes`` pieces."""
+    """One copy on a copy engine; weight uploads and gradient downloads move in ``chunk_bytes`` pieces."""
 
     __slots__ = ("dev", "lane", "name", "kind", "nbytes", "left", "prio", "done", "it", "t_pick", "size", "piece",
                  "key", "owner")  # fmt: skip
@@ -109,6 +113,7 @@ class _Copy:
 
 
 _PIECE = attrgetter("piece")
+_CHUNKED = ("upload", "download")  # weights up, weight gradients down: cut into ``chunk_bytes`` pieces
 
 
 class _Sim:
@@ -259,7 +264,7 @@ class _Sim:
         if c is None:
             c = heapq.heappop(lane.queue)[2]
         lane.busy = True
-        c.piece = c.size = min(c.left, self.chunk) if c.kind == "upload" else c.left
+        c.piece = c.size = min(c.left, self.chunk) if c.kind in _CHUNKED else c.left
         c.t_pick = self.now
         if self.link_bw == _INF or c.piece <= 0:
             self._at(self.now, _FREE_COPY_END, c)
