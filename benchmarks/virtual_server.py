@@ -96,38 +96,36 @@ def meta_model(case: Case):
 
 def emulation_us_per_op(repeats: int = 3, ops: int = 2000) -> float:
     """What the cpu backend's issue mode adds to one operation: a closure of ``ops`` small additions
-    issued on a virtual device, against the same additions on meta tensors outside it (median of
-    ``repeats``), in microseconds per operation. CUDA has no such layer: its dispatcher and launch
-    take the place of the meta call."""
+    issued on a virtual device, against the same additions run directly by torch's dispatcher on a
+    small CPU tensor (median of ``repeats``), in microseconds per operation. On CUDA the dispatcher
+    and a kernel launch take the place of the issue mode."""
     from roundpipe.backend import make_backend
 
     backend = make_backend("virtual:rtx4090", sanitize=False)
     stream = backend.devices[0].streams["compute"]
     try:
-        box: dict = {}
 
         def issue():
             x = torch.empty(64, 64)  # device memory (the allocator model's)
             for _ in range(ops):
                 x = x + 1.0
-            box["x"] = x
+            del x
 
-        def meta():
-            x = torch.empty(64, 64, device="meta")
+        def plain():
+            x = torch.empty(64, 64)
             for _ in range(ops):
                 x = x + 1.0
 
-        mode, plain = [], []
+        mode, direct = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
             stream.submit(issue, name="emulation probe")
             mode.append(time.perf_counter() - t0)
-            box.clear()
             t0 = time.perf_counter()
-            meta()
-            plain.append(time.perf_counter() - t0)
+            plain()
+            direct.append(time.perf_counter() - t0)
         stream.wait_until_issued()
-        return 1e6 * (statistics.median(mode) - statistics.median(plain)) / ops
+        return 1e6 * (statistics.median(mode) - statistics.median(direct)) / ops
     finally:
         backend.close()
 
@@ -216,6 +214,66 @@ def run_case(case: Case, steps: int) -> dict:
         pipe.close()
 
 
+LANES_CASE = Case("lanes", "qwen3-1.7b", "", 8, 4, 1, layers=4, seq=2048)
+
+
+def lane_breakdown(pipe) -> dict:
+    """The last step's wall time and, per device, the seconds each lane was busy (the union of its
+    spans: CUDA events on a GPU, modelled time on the virtual server)."""
+    timeline, step_s = pipe.last_timeline(), pipe.stats()["step_s"]
+    return {
+        "step_s": step_s,
+        "devices": [
+            {lane: timeline.busy(d, lane) for lane in timeline.lanes(d)}
+            for d in range(len(pipe.backend.devices))
+        ],
+    }
+
+
+def lanes(device: str, steps: int = 3) -> dict:
+    """A small Qwen3-1.7B-shaped run (4 decoder layers, bf16, 8 sequences of 2048 in 4 microbatches,
+    RoundPipe) on ``device`` with random weights, and the same on the virtual server of the
+    simulator's preset for that device (``train.forecast.simulator_hardware``): each lane's busy
+    seconds in the last of ``steps`` steps, side by side."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from roundpipe.backend import parse_device_spec
+    from roundpipe.train.forecast import simulator_hardware
+
+    preset, how = simulator_hardware(parse_device_spec(device))
+    case = LANES_CASE
+    config = dict(load_model_config(case.model), num_hidden_layers=case.layers)
+    out: dict = {"device": device, "virtual": f"virtual:{preset}", "preset_from": how}
+    ids = torch.randint(0, 1000, (case.batch, case.seq))
+    for name, spec in (("real", device), ("virtual", f"virtual:{preset}")):
+        if name == "virtual":
+            model = meta_model(case)
+        else:
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.for_model(**config), torch_dtype=torch.bfloat16
+            )
+        run = roundpipe.RunConfig(
+            devices=spec, dtype="bf16", policy="roundpipe", num_microbatches=case.microbatches, sanitize=False
+        )
+        with roundpipe.wrap(model, run) as pipe:
+            pipe.configure_optimizer(lr=1e-5)
+            for _ in range(steps):
+                pipe.forward_backward(ids, ids)
+                pipe.step()
+            out[name] = lane_breakdown(pipe)
+    return out
+
+
+def print_lanes(r: dict) -> None:
+    print(f"lanes of the last step: {r['device']} against {r['virtual']} ({r['preset_from']})")
+    print(f"  step s: {r['real']['step_s']:.3f} real, {r['virtual']['step_s']:.3f} virtual")
+    for d, (real, virt) in enumerate(zip(r["real"]["devices"], r["virtual"]["devices"])):
+        for lane in sorted(set(real) | set(virt)):
+            print(
+                f"  device {d} {lane:12s} busy s: {real.get(lane, 0.0):.3f} real, {virt.get(lane, 0.0):.3f} virtual"
+            )
+
+
 def _row(r: dict) -> list[str]:
     lanes = r["lanes"]
     idle_issue = max(lane["idle_issue_s"] for lane in lanes)
@@ -242,8 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steps", type=int, default=3, help="optimizer steps per case (the first is warm-up)"
     )
+    parser.add_argument(
+        "--lanes", metavar="DEVICE", help="only the per-lane breakdown of a small run on DEVICE (e.g. cuda:0) "
+        "beside the virtual server's prediction for it; prints, writes no results"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.lanes:
+        print_lanes(lanes(args.lanes))
+        return 0
     cases = (QUICK,) if args.quick else tuple(c for c in CASES if not args.cases or c.name in args.cases)
     steps = 2 if args.quick else args.steps
     load = os.getloadavg()[0]

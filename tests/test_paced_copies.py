@@ -80,10 +80,10 @@ def _issue_log(pipe) -> dict[int, list[tuple[str, str, str]]]:
         for lane, stream in dev.streams.items():
             submit = stream.submit
 
-            def logged(fn, label=None, name=None, *, _submit=submit, _stream=lane, _log=log):
+            def logged(fn, label=None, name=None, work=None, *, _submit=submit, _stream=lane, _log=log):
                 if label is not None:
                     _log.append((_stream, label[0], label[1]))
-                return _submit(fn, label, name)
+                return _submit(fn, label, name, work)
 
             stream.submit = logged
     return logs

@@ -353,6 +353,8 @@ class HostWork(TorchDispatchMode):
             if _bytes_of(args) or _bytes_of(list((kwargs or {}).values())):
                 raise data_error(f"{func} on the host ({e})") from e
             raise
+        if func.is_view or func.overloadpacket in _NO_TRAFFIC:  # metadata or an allocation: no bytes move
+            return out
         n = _bytes_of(args) + _bytes_of(out) + _written_bytes(func, args)
         if n:
             self.owed += n / self.rate
@@ -366,6 +368,11 @@ class HostWork(TorchDispatchMode):
             time.sleep(self.owed)
             self.owed = 0.0
         return super().__exit__(*exc)
+
+
+_NO_TRAFFIC = frozenset(
+    {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided, torch.ops.aten.detach}
+)
 
 
 def _written_bytes(func, args) -> int:
