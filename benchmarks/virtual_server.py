@@ -240,18 +240,24 @@ def lanes(device: str, steps: int = 3) -> dict:
     from roundpipe.backend import parse_device_spec
     from roundpipe.train.forecast import simulator_hardware
 
-    preset, how = simulator_hardware(parse_device_spec(device))
-    case = LANES_CASE
+    spec = parse_device_spec(device)
+    preset, how = simulator_hardware(spec)
+    if spec.kind != "cuda":  # the dry run: any preset exercises the comparison
+        preset, how = f"{spec.count}xrtx4090", "a dry run: cpu devices against an RTX 4090's model"
+    # On cpu devices (the GPU check's dry run) a smaller run, which the CPU computes in seconds.
+    case = (
+        LANES_CASE
+        if spec.kind == "cuda"
+        else dataclasses.replace(LANES_CASE, layers=1, seq=128, batch=4, microbatches=2)
+    )
     config = dict(load_model_config(case.model), num_hidden_layers=case.layers)
-    out: dict = {"device": device, "virtual": f"virtual:{preset}", "preset_from": how}
+    out: dict = {"device": device, "virtual_spec": f"virtual:{preset}", "preset_from": how}
     ids = torch.randint(0, 1000, (case.batch, case.seq))
     for name, spec in (("real", device), ("virtual", f"virtual:{preset}")):
         if name == "virtual":
             model = meta_model(case)
         else:
-            model = AutoModelForCausalLM.from_config(
-                AutoConfig.for_model(**config), torch_dtype=torch.bfloat16
-            )
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
         run = roundpipe.RunConfig(
             devices=spec, dtype="bf16", policy="roundpipe", num_microbatches=case.microbatches, sanitize=False
         )
@@ -265,7 +271,7 @@ def lanes(device: str, steps: int = 3) -> dict:
 
 
 def print_lanes(r: dict) -> None:
-    print(f"lanes of the last step: {r['device']} against {r['virtual']} ({r['preset_from']})")
+    print(f"lanes of the last step: {r['device']} against {r['virtual_spec']} ({r['preset_from']})")
     print(f"  step s: {r['real']['step_s']:.3f} real, {r['virtual']['step_s']:.3f} virtual")
     for d, (real, virt) in enumerate(zip(r["real"]["devices"], r["virtual"]["devices"])):
         for lane in sorted(set(real) | set(virt)):

@@ -15,6 +15,8 @@
 #   throughput   benchmarks/gpu_throughput.py: a 1.5B Qwen3-shaped model, seq 4096, LoRA and full
 #                fine-tuning; roundpipe on cuda:0x1 / cuda:0x2 vs plain HF vs FSDP2 CPU offload
 #                (keeps to its own budget, about 200 s; also writes benchmarks/results/gpu_throughput.*)
+#   lanes        benchmarks/virtual_server.py --lanes cuda:0: each lane's busy seconds of a small run on
+#                the GPU beside the virtual server's prediction for that GPU (docs/virtual.md)
 #   train        `roundpipe train recipes/demo.yaml` for 20 steps on cuda:0x2 (SKIP without `datasets`)
 #   sanitizer    the roundpipe policy's equivalence tests under TORCH_CUDA_SANITIZER=1, with two
 #                controls: the sanitizer sees roundpipe's worker threads, and flags a step whose
@@ -23,7 +25,7 @@
 # every step's status and figures, the throughput results and the versions (also written to
 # gpu_check.json beside the logs). Exits non-zero if any step failed. The whole run stays within
 # GPU_CHECK_BUDGET_S (default 480 s, 8 of a lent GPU's 15 minutes, which also pay for its start):
-# the steps' own timeouts add up to 470 s, and each is cut to what is left of the budget.
+# the steps' own timeouts add up to 480 s, and each is cut to what is left of the budget.
 #
 # --dry-run maps cuda:0x2 -> cpu:2 and cuda:0 -> cpu:1 (ROUNDPIPE_GPU_CHECK_DRY_RUN=1, read by
 # tests/test_cuda.py), shrinks the memory test's and the throughput benchmark's models, never sets
@@ -38,7 +40,7 @@ case "${1:-}" in
     "") ;;
     --dry-run) DRY=1 ;;
     -h | --help)
-        sed -n '2,32p' "$0"
+        sed -n '2,34p' "$0"
         exit 0
         ;;
     *)
@@ -55,9 +57,11 @@ unset TORCH_CUDA_SANITIZER
 if ((DRY)); then
     export ROUNDPIPE_GPU_CHECK_DRY_RUN=1
     D2=cpu:2
+    D1=cpu:1
 else
     unset ROUNDPIPE_GPU_CHECK_DRY_RUN
     D2=cuda:0x2
+    D1=cuda:0
 fi
 
 SCALE=1
@@ -307,24 +311,27 @@ run_step clock 55 "${PYTEST[@]}" -s -k "cudas_clock"
 # The benchmark keeps to its own budget, 30 s (scaled) under the step's timeout for its imports and
 # its summary, so that it ends with its figures rather than being killed; it also rewrites its JSON
 # after every system, so a run cut short keeps what it measured.
-limit=$(step_limit 130)
+limit=$(step_limit 110)
 THROUGHPUT=("$PY" benchmarks/gpu_throughput.py --json "$LOGDIR/gpu_throughput.json" --budget-s $((limit - 30 * SCALE)))
 # A dry run's files (gpu_throughput_dry_run.*) go beside the logs, not into benchmarks/results.
 ((DRY)) && THROUGHPUT=(env "ROUNDPIPE_BENCH_RESULTS=$LOGDIR/results" "${THROUGHPUT[@]}" --dry-run)
 if ((limit < 90 * SCALE)); then # building the 1.5B model and one step of each system: ~90 s at least
     note SKIP throughput "only ${limit}s of the ${BUDGET}s budget left, under the $((90 * SCALE))s it needs"
 else
-    run_step throughput 130 "${THROUGHPUT[@]}"
+    run_step throughput 110 "${THROUGHPUT[@]}"
 fi
 if ((!DRY)) && [[ -n "$KEEP" ]]; then # what it wrote into benchmarks/results, beside the logs
     cp benchmarks/results/gpu_throughput.json benchmarks/results/gpu_throughput.md "$KEEP/" 2>/dev/null
 fi
 
+# Each lane's busy seconds in a small run on one GPU, beside the virtual server's prediction for it.
+run_step lanes 35 "$PY" benchmarks/virtual_server.py --lanes "$D1"
+
 TRAIN_ARGS=(--set "run.devices=$D2" --set run.max_steps=20 --set eval.every=10 --set "run.output_dir=${TMPDIR:-/tmp}/roundpipe-gpu-check-train"
     --set "data.train=${TMPDIR:-/tmp}/roundpipe-gpu-check-train/data/train.jsonl" --set "data.eval=${TMPDIR:-/tmp}/roundpipe-gpu-check-train/data/eval.jsonl"
     --set "data.synthetic_samples=[2000,64]" --set logging.progress=false)
 if "$PY" -c 'import datasets' 2>/dev/null; then
-    run_step train 40 "$PY" -m roundpipe.cli train recipes/demo.yaml --overwrite "${TRAIN_ARGS[@]}"
+    run_step train 35 "$PY" -m roundpipe.cli train recipes/demo.yaml --overwrite "${TRAIN_ARGS[@]}"
 else
     note SKIP train "this python has no datasets (the training product reads data with it)"
 fi

@@ -37,3 +37,28 @@ def test_a_request_that_needs_the_retry_path_gets_its_whole_size_or_runs_out(poo
         assert block.size >= 140 * MIB
         assert alloc.reserved <= 150 * MIB
     assert kept.allocated
+
+
+def test_the_retry_path_gives_back_the_pages_of_free_holes_between_live_blocks(pool):
+    # CUDA's expandable segments unmap the pages of every free block on the retry path, not only a
+    # free tail: a pool with a 60 MiB hole between two live blocks then still has room for 80 MiB
+    # on a 150 MiB device. The model once gave back only the tail and ran out ("tried to allocate
+    # 83,886,080 bytes for 'big' (reserving 83,886,080 more); 157,286,400 bytes in total,
+    # 125,829,120 reserved, 62,914,560 allocated").
+    alloc, stream = pool
+    a = alloc.malloc(40 * MIB, stream, "a", (40 * MIB,), torch.uint8)
+    hole = alloc.malloc(60 * MIB, stream, "hole", (60 * MIB,), torch.uint8)
+    c = alloc.malloc(20 * MIB, stream, "c", (20 * MIB,), torch.uint8)
+    alloc.free(hole)
+    big = alloc.malloc(80 * MIB, stream, "big", (80 * MIB,), torch.uint8)
+    assert alloc.reserved == 140 * MIB  # 40 + 20 + 80: the hole's pages were given back
+    assert alloc.num_alloc_retries == 1
+    # The hole's addresses are the pool's still: a block placed there maps its pages again, which
+    # the device has no room for now (140 MiB held of 150).
+    with pytest.raises(AllocatorOutOfMemory):
+        alloc.malloc(50 * MIB, stream, "into the hole", (50 * MIB,), torch.uint8)
+    alloc.free(big)
+    again = alloc.malloc(50 * MIB, stream, "into the hole", (50 * MIB,), torch.uint8)
+    assert again.offset == 40 * MIB and again.size == 50 * MIB
+    assert alloc.reserved <= 150 * MIB
+    assert a.allocated and c.allocated

@@ -38,9 +38,17 @@ import mmap
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+
+from roundpipe.backend.cpu_allocator_pages import UnmappedPages, page_cover, page_interior
+from roundpipe.backend.cpu_allocator_rules import (  # noqa: F401 (re-exported: where they were)
+    CUDA_RULES,
+    REFERENCE_BYTES,
+    UNBOUNDED_RANGE,
+    AllocatorRules,
+    capacity_for,
+)
 
 _CPU = torch.device("cpu")
 _construct_storage = torch._C._construct_storage_from_data_pointer
@@ -54,79 +62,8 @@ class AllocatorOutOfMemory(torch.OutOfMemoryError):
         self.nbytes, self.what = nbytes, what
 
 
-@dataclass(frozen=True)
-class AllocatorRules:
-    """The caching allocator's size rules (``c10/cuda/CUDACachingAllocator.cpp``'s constants)."""
-
-    min_block: int = 512  # every request is rounded up to a multiple of this
-    small_request: int = 1 << 20  # requests up to this come from the small pool
-    small_segment: int = 2 << 20  # the size of a small-pool segment
-    large_segment: int = 20 << 20  # a large request below min_large_alloc gets a segment this size
-    min_large_alloc: int = 10 << 20
-    round_large: int = 2 << 20  # larger requests get a segment of their size rounded up to this
-    # ``expandable_segments:True``: each pool is one segment that grows (and shrinks) by whole pages
-    # of its segment size, so freed space anywhere in it serves any later request that fits; what
-    # roundpipe sets on CUDA (``cuda.py``). False: a new segment per growth, as PyTorch's default.
-    expandable: bool = True
-
-    def round(self, nbytes: int) -> int:
-        """The block size a request of ``nbytes`` gets."""
-        m = self.min_block
-        return m if nbytes < m else -(-nbytes // m) * m
-
-    def is_small(self, size: int) -> bool:
-        return size <= self.small_request
-
-    def segment_size(self, size: int) -> int:
-        """The segment the allocator asks the device for when no cached block fits ``size``."""
-        if self.is_small(size):
-            return self.small_segment
-        if size < self.min_large_alloc:
-            return self.large_segment
-        r = self.round_large
-        return -(-size // r) * r
-
-    def splits(self, small: bool, remaining: int) -> bool:
-        """A free block of which ``remaining`` bytes are left over is split (else handed out whole)."""
-        return remaining >= self.min_block if small else remaining > self.small_request
-
-    def page(self, small: bool) -> int:
-        """How much an expandable pool grows by at a time."""
-        return self.small_segment if small else self.large_segment
-
-    def overhead(self, streams: int) -> int:
-        """Reserved bytes a device can hold beyond what is allocated, from the segment rules alone: per
-        allocating stream, a partly used small segment and a partly used large one (what a planner adds
-        to a device's bytes so that the reserved peak stays within the plan)."""
-        return streams * (self.small_segment + self.large_segment)
-
-    @staticmethod
-    def for_capacity(capacity: int | None) -> AllocatorRules:
-        """The rules of a device of ``capacity`` bytes: CUDA's own for a GPU of ``REFERENCE_BYTES``
-        (24 GiB) or more (and for an unbounded virtual device); for a smaller virtual device, CUDA's
-        segment sizes scaled down with it (a small request at least one 512-byte block), so that a
-        tiny test model on a device sized to it meets segments in proportion, not 2 MiB ones it can
-        never fill."""
-        if capacity is None or capacity >= REFERENCE_BYTES:
-            return CUDA_RULES
-        m = CUDA_RULES.min_block
-        small = max(m, round(CUDA_RULES.small_request * capacity / REFERENCE_BYTES / m) * m)
-        return AllocatorRules(m, small, 2 * small, 20 * small, 10 * small, 2 * small, CUDA_RULES.expandable)
-
-
-def capacity_for(need: int, streams: int) -> int:
-    """The smallest virtual device capacity whose free bytes (capacity less its allocator's slack for
-    ``streams`` allocating streams) hold ``need`` bytes: what a test sizes a device to a plan with."""
-    capacity = need
-    for _ in range(8):  # the slack grows with the capacity; a few rounds settle it
-        capacity = need + AllocatorRules.for_capacity(capacity).overhead(streams)
-    return capacity
-
-
-CUDA_RULES = AllocatorRules()
-UNBOUNDED_RANGE = 256 << 30  # the address range of an expandable pool on a device without a capacity
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's: no memory behind the range until touched
-REFERENCE_BYTES = 24 << 30  # CUDA's constants at full size from this device size on (an RTX 4090)
+RANGE_PER_CAPACITY = 4
 _NOBODY: frozenset = frozenset()  # the streams a fresh block was handed over to
 
 
@@ -135,7 +72,7 @@ class Segment:
     expandable segment's ``memory`` is a whole reserved address range of which the first ``size``
     bytes are in use (mapped); the rest is grown into (``mapping``: the ``mmap`` behind it)."""
 
-    __slots__ = ("memory", "ptr", "size", "stream", "small", "head", "tail", "mapping", "_typed")
+    __slots__ = ("memory", "ptr", "size", "stream", "small", "head", "tail", "mapping", "unmapped", "_typed")
 
     def __init__(self, memory: torch.Tensor, size: int, stream, small: bool, mapping=None):
         self.memory = memory
@@ -144,6 +81,9 @@ class Segment:
         self.stream = stream
         self.small = small
         self.mapping = mapping
+        self.unmapped = (
+            UnmappedPages()
+        )  # an expandable segment's free pages given back (cpu_allocator_pages.py)
         self.head: Block | None = None  # the first block; blocks link to their neighbours
         self.tail: Block | None = None  # the last block
         self._typed: dict[torch.dtype, torch.Tensor] = {}
@@ -253,9 +193,7 @@ class CachingAllocator:
         small = rules.is_small(size)
         with self._lock:
             self._process_events()
-            block = self._best_fit(stream, small, size)
-            if block is None and self._coalesce(stream, small):
-                block = self._best_fit(stream, small, size)
+            block = self._cached(stream, small, size)
             if block is None:
                 block = self._new_segment(stream, small, size, what)
             self._take(block, size, small)
@@ -278,6 +216,28 @@ class CachingAllocator:
             self.peak_active = max(self.peak_active, self.active)
             self.registry[block.ptr] = block
         return block
+
+    def _cached(self, stream, small: bool, size: int) -> Block | None:
+        """A free block of the pool for ``size`` bytes, its given-back pages mapped again (running the
+        retry path once if they do not fit), or None: the pool must grow."""
+        for attempt in (0, 1):
+            block = self._best_fit(stream, small, size)
+            if block is None and self._coalesce(stream, small):
+                block = self._best_fit(stream, small, size)
+            if block is None:
+                return None
+            seg = block.segment
+            start, end = page_cover(block.offset, size, self.rules.page(small))
+            need = seg.unmapped.within(start, end)
+            if not need or self.capacity is None or self.reserved + need <= self.capacity:
+                self.reserved += seg.unmapped.map(start, end)
+                self.peak_reserved = max(self.peak_reserved, self.reserved)
+                return block
+            self._insert_free(block)
+            if attempt == 0:
+                self.num_alloc_retries += 1
+                self._release_cached(synchronize=True)
+        return None
 
     def _best_fit(self, stream, small: bool, size: int) -> Block | None:
         """The smallest free block of the pool that holds ``size`` bytes, taken out of the pool."""
@@ -326,10 +286,14 @@ class CachingAllocator:
             seg = self._expandable[(stream, small)] = self._reserve_range(stream, small)
         retries = self.num_alloc_retries
         free_tail, grow = self._growth(seg, small, size)
-        self._room_for(grow, size, what)
+        remap = seg.unmapped.within(free_tail.offset, seg.size) if free_tail else 0
+        self._room_for(grow + remap, size, what)
         if self.num_alloc_retries != retries:  # the retry path shrank the free tail: measure again
             free_tail, grow = self._growth(seg, small, size)
-            self._room_for(grow, size, what)
+            remap = seg.unmapped.within(free_tail.offset, seg.size) if free_tail else 0
+            self._room_for(grow + remap, size, what)
+        if free_tail is not None:
+            self.reserved += seg.unmapped.map(free_tail.offset, seg.size)
         tail = seg.tail
         if seg.size + grow > seg.memory.numel():
             self.num_ooms += 1
@@ -366,9 +330,11 @@ class CachingAllocator:
         return free_tail, -(-(size - (free_tail.size if free_tail else 0)) // page) * page
 
     def _reserve_range(self, stream, small: bool) -> Segment:
-        """An address range for an expandable pool: as large as the device (or ``UNBOUNDED_RANGE``),
-        reserved without memory behind it until pages are touched (``MAP_NORESERVE``)."""
-        length = self.capacity or UNBOUNDED_RANGE
+        """An address range for an expandable pool: ``RANGE_PER_CAPACITY`` times the device (or
+        ``UNBOUNDED_RANGE``), reserved without memory behind it until pages are touched
+        (``MAP_NORESERVE``). Larger than the device, because holes whose pages were given back keep
+        their addresses (CUDA opens another range when one is used up)."""
+        length = RANGE_PER_CAPACITY * self.capacity if self.capacity else UNBOUNDED_RANGE
         page = self.rules.page(small)
         length = -(-length // page) * page
         mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
@@ -518,6 +484,7 @@ class CachingAllocator:
             self._coalesce(stream, small)
         for seg in self._expandable.values():
             self._shrink(seg)
+            self._give_back_holes(seg)
         kept = []
         for seg in self.segments:
             head = seg.head
@@ -544,7 +511,7 @@ class CachingAllocator:
         start = -(-keep // mmap.PAGESIZE) * mmap.PAGESIZE  # the system's pages from there on
         if start < seg.size:
             seg.mapping.madvise(mmap.MADV_DONTNEED, start, seg.size - start)
-        self.reserved -= seg.size - keep
+        self.reserved -= seg.size - keep - seg.unmapped.truncate(keep)
         seg.size = keep
         if keep > tail.offset:
             tail.size = keep - tail.offset
@@ -555,6 +522,21 @@ class CachingAllocator:
                 tail.prev.next = None
             else:
                 seg.head = None
+
+    def _give_back_holes(self, seg: Segment) -> None:
+        """Give back the whole pages inside every free block of an expandable pool (CUDA unmaps
+        them; the addresses stay the pool's)."""
+        page = self.rules.page(seg.small)
+        for b in seg.blocks():
+            if self._free_blocks.get(b.ptr) is not b:
+                continue
+            start, end = page_interior(b.offset, b.size, page)
+            n = seg.unmapped.unmap(start, end)
+            if n:
+                self.reserved -= n
+                lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+                if hi > lo and seg.mapping is not None:
+                    seg.mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def empty_cache(self) -> None:
         """Give back every segment that holds nothing (``torch.cuda.empty_cache``)."""
