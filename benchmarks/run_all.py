@@ -69,6 +69,7 @@ BENCHMARKS = (
     Bench("host_syncs", "device values a steady step reads on the host, per model family (CUDA's clock)"),
     Bench("sim_speed", "how long one simulation takes", quick=("--repeats", "1")),
     Bench("choice_speed", "how long the runtime's automatic choice takes", quick=("--repeats", "1")),
+    Bench("readiness_virtual", "readiness-first against fixed order on a virtual 4x RTX 4090 server, against the simulator"),
     Bench("virtual_server", "the real runtime on a virtual 8x RTX 4090 server at full model size, against the simulator", timeout_s=3600.0),
     Bench("gpu_throughput", "tokens/s on one GPU against plain HF and FSDP2 offload (dry run on cpu here)", full=("--dry-run",), quick=("--dry-run", "--tiny"), results=("gpu_throughput_dry_run.md",)),
 )  # fmt: skip
