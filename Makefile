@@ -42,7 +42,7 @@ LINT_PATHS := $(wildcard roundpipe tests benchmarks scripts)
 TYPED_PATHS := roundpipe/errors.py roundpipe/config.py roundpipe/schedule roundpipe/partition \
 	roundpipe/sim roundpipe/optim roundpipe/distributed roundpipe/runtime roundpipe/commands \
 	roundpipe/backend/base.py roundpipe/backend/sanitizer.py roundpipe/backend/threads.py \
-	roundpipe/backend/virtual.py \
+	roundpipe/backend/virtual.py roundpipe/backend/issue_token.py \
 	roundpipe/models/base.py roundpipe/models/families.py roundpipe/models/head.py \
 	roundpipe/models/mask_facts.py roundpipe/models/router_loss.py roundpipe/models/verify.py \
 	roundpipe/models/training_proof.py roundpipe/models/probe.py roundpipe/models/parametrized.py

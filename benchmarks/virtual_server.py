@@ -20,6 +20,7 @@ and the partition the runtime chooses. For each case, steady-state steps (after 
   devices), against the simulator's idle time for the same step.
 
     python benchmarks/virtual_server.py [--quick] [--cases NAME ...] [--steps N]
+        [--without-token NAME ...]
 
 Writes ``benchmarks/results/virtual_server.json`` and ``.md``. ``--quick``: one small case (two
 decoder layers of Llama-3.1-8B on 2x RTX 4090), for CI.
@@ -44,6 +45,7 @@ import torch  # noqa: E402
 from _common import write_results  # noqa: E402
 
 import roundpipe  # noqa: E402
+from roundpipe.backend.issue_token import ISSUE_TOKEN  # noqa: E402
 from roundpipe.presets import load_model_config  # noqa: E402
 from roundpipe.sim.options import SimOptions  # noqa: E402
 from roundpipe.sim.simulator import simulate  # noqa: E402
@@ -320,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         "--lanes", metavar="DEVICE", help="only the per-lane breakdown of a small run on DEVICE (e.g. cuda:0) "
         "beside the virtual server's prediction for it; prints, writes no results"
     )  # fmt: skip
+    parser.add_argument(
+        "--without-token", nargs="*", default=[], metavar="NAME",
+        help="also run these cases with the issue token off (roundpipe/backend/issue_token.py), before "
+        "the same cases with it: what the token saves, side by side in one run"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.lanes:
@@ -331,9 +338,17 @@ def main(argv: list[str] | None = None) -> int:
     overhead_us = emulation_us_per_op()
     print(f"the issue mode adds {overhead_us:.1f} us per operation", flush=True)
     results = []
-    for case in cases:
-        print(f"{case.name} ...", flush=True)
-        r = run_case(case, steps)
+    runs = [(c, False) for c in CASES if c.name in args.without_token] + [(c, True) for c in cases]
+    for case, token in runs:
+        print(f"{case.name}{'' if token else ' (no issue token)'} ...", flush=True)
+        ISSUE_TOKEN.enabled = token
+        try:
+            r = run_case(case, steps)
+        finally:
+            ISSUE_TOKEN.enabled = True
+        if not token:
+            r["case"] += " (no issue token)"
+        r["issue_token"] = token
         r["emulation_ms_per_task"] = r["ops_per_task"] * overhead_us / 1000
         results.append(r)
         print(" | ".join(_row(r)), flush=True)

@@ -200,3 +200,8 @@ def fold_note(err: BaseException, note: str) -> None:
         err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
     else:
         err.args = (*err.args, note)
+
+
+class Aborted(RuntimeError):
+    """A wait inside the runtime was cut short because the pipeline is shutting down after another
+    failure (that failure is what the caller gets)."""

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from roundpipe.backend.issue_token import IssueToken, NoToken
 from roundpipe.errors import DeviceOutOfMemory
 
 # Copies go on separate streams by urgency: activations the next compute needs (h2d) and the next
@@ -347,6 +348,10 @@ class Backend(ABC):
     host_syncs = None
     # Where the run's host tensors live: the CPU; the virtual server's are meta (shapes, no data).
     host_device = torch.device("cpu")
+    # Whose turn it is to issue (``issue_token``): the process's token where workers issue from
+    # Python beside each other (CUDA, the virtual server); none on the cpu backend, whose per-device
+    # issue gate orders its stream threads and workers itself.
+    issue_token: IssueToken = NoToken()
 
     def attach(self, model_config: dict, settings: dict) -> None:  # noqa: B027 (optional hook)
         """The wrapped model's config and the run's cost settings, for a backend that models the

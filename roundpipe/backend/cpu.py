@@ -44,12 +44,8 @@ from roundpipe.backend.cpu_host_syncs import HostSyncs, call_site
 from roundpipe.backend.cpu_memory import PINNED, AllocatorMemory
 from roundpipe.backend.sanitizer import Sanitizer
 from roundpipe.backend.threads import own_intra_op_threads
-from roundpipe.errors import StreamProtocolError
+from roundpipe.errors import Aborted, StreamProtocolError
 from roundpipe.testing import faults
-
-
-class Aborted(RuntimeError):
-    """A wait was cut short because the pipeline is shutting down after another failure."""
 
 
 def known_clock(backend: CpuBackend) -> dict:
@@ -111,7 +107,8 @@ def waiting():
     device._open()
     started = time.perf_counter()
     try:
-        yield
+        with device.backend.issue_token.released(lambda: device.backend.aborted):
+            yield
     finally:
         device.waited_s += time.perf_counter() - started
         device._close()
@@ -359,13 +356,15 @@ class CpuDevice(Device):
             yield
             return
         outer = getattr(_issuer, "device", None)
-        _issuer.device = self
-        self._close()
-        try:
-            yield
-        finally:
-            self._open()
-            _issuer.device = outer
+        backend = self.backend
+        with backend.issue_token.held(lambda: backend.aborted):
+            _issuer.device = self
+            self._close()
+            try:
+                yield
+            finally:
+                self._open()
+                _issuer.device = outer
 
     def waiting(self):
         """A closure of this device about to wait for another thread (``waiting``)."""

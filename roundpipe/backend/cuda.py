@@ -29,6 +29,7 @@ from roundpipe.backend.base import (
     host_seed,
 )
 from roundpipe.backend.cpu_allocator import CUDA_RULES
+from roundpipe.backend.issue_token import ISSUE_TOKEN
 from roundpipe.partition.memory import cublas_reserve_bytes
 
 ALLOCATING_STREAMS = 1  # the streams whose closures allocate device memory: compute alone
@@ -67,7 +68,7 @@ class CudaStream(Stream):
         backend = self.device.backend
         timed = label is not None and backend.recording
         try:
-            with torch.cuda.stream(self.stream):
+            with backend.issue_token.held(lambda: backend.aborted), torch.cuda.stream(self.stream):
                 if timed:
                     start = torch.cuda.Event(enable_timing=True)
                     start.record(self.stream)
@@ -155,6 +156,11 @@ class CudaDevice(Device):
         super().__init__(backend, index, name, torch_device)
         self.memory = CudaMemory(torch_device, capacity)
         self.streams = {n: CudaStream(self, n, STREAM_PRIORITIES[n]) for n in STREAM_NAMES}
+
+    def waiting(self):
+        """A closure about to wait for another thread: the issue token is free meanwhile."""
+        backend = self.backend
+        return backend.issue_token.released(lambda: backend.aborted)
 
     def free_bytes(self) -> int:
         """What the driver has free on the GPU plus what the caching allocator holds for this
@@ -286,6 +292,7 @@ class CudaBackend(Backend):
     """``cuda``, ``cuda:0,1`` or ``cuda:0x2`` (two workers on GPU 0)."""
 
     name = "cuda"
+    issue_token = ISSUE_TOKEN  # workers issue from Python beside each other (issue_token.py)
 
     def __init__(self, gpus: list[int], workers_per_gpu: int = 1, capacity: int | None = None):
         self.workers_per_gpu = workers_per_gpu

@@ -43,6 +43,7 @@ from roundpipe.backend.base import TaskWork
 from roundpipe.backend.cpu import CpuBackend, CpuDevice, CpuStream
 from roundpipe.backend.cpu_allocator import AllocatorRules
 from roundpipe.backend.cpu_kernels import Kernel, KernelRef
+from roundpipe.backend.issue_token import ISSUE_TOKEN
 from roundpipe.errors import ConfigError, VirtualDataError
 from roundpipe.presets import Server, load_hardware
 from roundpipe.sim.variability import TaskNoise, check_variability
@@ -219,6 +220,7 @@ class VirtualBackend(CpuBackend):
     name = "virtual"
     device_class = VirtualDevice
     host_device = _META
+    issue_token = ISSUE_TOKEN  # its workers issue beside each other, as CUDA's do
 
     def __init__(self, spec: str, sanitize: bool | None = None, capacity: int | None = None):
         self.server = load_hardware(spec)
