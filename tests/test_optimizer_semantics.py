@@ -376,3 +376,38 @@ def test_an_optimizer_setting_torch_would_reject_or_misread_is_refused_by_name(p
     differently in torch; every such value is a ConfigError that names the setting."""
     with pytest.raises(ConfigError, match=what):
         pipe.configure_optimizer(**bad)
+
+
+def test_a_layers_update_reads_its_gradients_in_the_fused_step_only(monkeypatch):
+    """The host's update of a layer: the step's gradient factor (1 / label tokens, the loss scale's
+    inverse, the clip) goes into the fused AdamW kernel as its ``grad_scale``, not into a pass of
+    its own over every gradient (host memory traffic: about a quarter of the kernel's again).
+    Exactness against plain PyTorch is the other tests'."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from roundpipe.optim.adamw import LayerwiseAdamW
+
+    seen: list[tuple[str, int]] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            big = max((a.numel() for a in args if isinstance(a, torch.Tensor)), default=0)
+            seen.append((str(func.overloadpacket), big))
+            return func(*args, **(kwargs or {}))
+
+    step_group = LayerwiseAdamW.step_group
+
+    def recorded(self, *args, **kwargs):
+        with Ops():
+            return step_group(self, *args, **kwargs)
+
+    monkeypatch.setattr(LayerwiseAdamW, "step_group", recorded)
+    model, batch = make_model("llama", num_layers=2), make_batch(batch=4)
+    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", partition=None)) as pipe:
+        pipe.configure_optimizer(**ADAMW, max_grad_norm=1e-3)  # clipped: a factor below 1
+        pipe.forward_backward(batch["input_ids"], batch["labels"])
+        pipe.step()
+        assert pipe.last_grad_norm > 1e-3
+    ops = {name for name, _ in seen}
+    assert "aten._fused_adamw_" in ops, sorted(ops)
+    assert not [(name, n) for name, n in seen if name in ("aten.mul_", "aten.mul", "aten.div_") and n > 1]

@@ -112,3 +112,39 @@ def test_a_step_takes_about_what_the_simulator_predicts(virtual_run):
     wall = steps[-1][2]
     assert sim.iteration_s <= wall * 1.02, (wall, sim.iteration_s)  # modelled time is never skipped
     assert wall <= 1.5 * sim.iteration_s, (wall, sim.iteration_s)  # plus the host's own time
+
+
+def test_host_work_costs_an_in_place_operation_one_read_and_one_write():
+    """``HostWork`` prices a host operation by the bytes it moves: ``a.add_(b)`` on fp32 reads ``a``
+    and ``b`` and writes ``a`` (12 bytes per element), not ``a`` a third time for the output that
+    is ``a`` itself; a new output counts once."""
+    from roundpipe.backend.virtual import HostWork
+    from roundpipe.presets import load_hardware
+
+    n = 1 << 20
+    a, b = (torch.empty(n, device="meta") for _ in range(2))
+    with HostWork(load_hardware("rtx4090")) as work:
+        a.add_(b)
+    assert work.moved_bytes == 12 * n
+    with HostWork(load_hardware("rtx4090")) as work:
+        _ = a + b
+    assert work.moved_bytes == 12 * n
+
+
+def test_the_gradient_check_reads_each_gradient_once():
+    """The optimizer's finiteness check of the host gradients (fp16 runs, every step) moves each
+    gradient's bytes once (``torch.isfinite`` moved about five times as many); on real tensors it
+    finds a NaN and an infinity."""
+    from roundpipe.backend.virtual import HostWork
+    from roundpipe.optim.adamw import all_finite
+    from roundpipe.presets import load_hardware
+
+    n = 1 << 20
+    with HostWork(load_hardware("rtx4090")) as work:
+        assert all_finite(torch.empty(n, device="meta"))
+    assert work.moved_bytes <= 4 * n + 64
+    g = torch.randn(1000)
+    assert all_finite(g) and all_finite(torch.empty(0))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        g[123] = bad
+        assert not all_finite(g)

@@ -347,6 +347,7 @@ class HostWork(TorchDispatchMode):
         super().__init__()
         self.rate = server.host_memory_bw * server.optimizer_efficiency
         self.owed = 0.0
+        self.moved_bytes = 0  # what the operations read and wrote, in all
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:
@@ -357,7 +358,8 @@ class HostWork(TorchDispatchMode):
             raise
         if func.is_view or func.overloadpacket in _NO_TRAFFIC:  # metadata or an allocation: no bytes move
             return out
-        n = _bytes_of(args) + _bytes_of(out) + _written_bytes(func, args)
+        n = _bytes_of(args) + _new_bytes(out, args) + _written_bytes(func, args)
+        self.moved_bytes += n
         if n:
             self.owed += n / self.rate
             if self.owed > 1e-3:
@@ -384,6 +386,13 @@ def _written_bytes(func, args) -> int:
         if a.alias_info is not None and a.alias_info.is_write:
             n += _bytes_of(v)
     return n
+
+
+def _new_bytes(out, args) -> int:
+    """Bytes of the outputs that are not an argument returned again (an in-place operation returns
+    the tensor it wrote, counted by ``_written_bytes``)."""
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    return sum(_bytes_of(o) for o in outs if not any(o is a for a in args))
 
 
 def _bytes_of(v) -> int:
