@@ -17,7 +17,12 @@ and the partition the runtime chooses. For each case, steady-state steps (after 
   share; it can exceed 1 only when torch's C code runs without the GIL);
 - where each GPU's compute lane lost time against the simulator's: modelled compute, idle with
   nothing issued yet (the host's issue), idle waiting for another stream's event (copies, other
-  devices), against the simulator's idle time for the same step.
+  devices), against the simulator's idle time for the same step;
+- the host jobs' modelled seconds per step (``backend.modelled()["host_work_s"]``) against the
+  simulator's optimizer time and the step.
+
+``--without-token NAME ...`` also runs those cases with the issue token off
+(``roundpipe/backend/issue_token.py``), before the rest: what it saves, side by side.
 
     python benchmarks/virtual_server.py [--quick] [--cases NAME ...] [--steps N]
         [--without-token NAME ...]
@@ -221,6 +226,9 @@ def run_case(case: Case, steps: int) -> dict:
             "ops_per_task": ops / tasks,
             "cpu_share": cpu / wall,
             "lanes": lanes,
+            "step_wall_s": wall,
+            "host_work_s": after["host_work_s"] - before["host_work_s"],
+            "sim_optimizer_s": sim.optimizer_busy_s,
         }
     finally:
         pipe.close()
@@ -308,6 +316,7 @@ def _row(r: dict) -> list[str]:
         f"{r['host_cpu_ms_per_task']:.1f} ({r['emulation_ms_per_task']:.1f})",
         f"{r['cpu_share']:.2f}",
         f"{idle_issue:.1f} / {idle_wait:.1f} / {sim_idle:.1f}",
+        f"{r['host_work_s']:.1f} / {r['sim_optimizer_s']:.1f} / {r['step_wall_s']:.1f}",
     ]
 
 
@@ -362,14 +371,17 @@ def write(results: list[dict], overhead_us: float, load: float) -> None:
     header = [
         "case", "runtime tokens/s", "simulator tokens/s", "ratio", "reserved peak GiB / GPU",
         "pinned host GiB", "host syncs / step", "host CPU ms / task (of it emulation)", "CPU share",
-        "worst GPU idle s: issue / waits / simulator",
+        "worst GPU idle s: issue / waits / simulator", "host work s / step: runtime / simulator / step",
     ]  # fmt: skip
     notes = (
         "Each case: the paper's end-to-end setting (sequence 2048, fp16 with fp16 accumulation, async "
         "optimizer, RoundPipe policy), steady-state steps after the first. The simulator replays the "
         "runtime's own table, microbatch sizes and layer costs. Idle: per GPU, seconds of one step its "
         "compute lane had nothing issued (the host's issue) or waited for another stream's event, "
-        "against the simulator's idle time of the same step; the GPU with the most is shown. The host "
+        "against the simulator's idle time of the same step; the GPU with the most is shown. Host work: "
+        "the modelled seconds of the host thread's jobs (gradient accumulation, the finiteness check, "
+        "AdamW, the refresh of compute copies) per step, against the simulator's optimizer (fused "
+        "AdamW alone) and the step's wall time. The host "
         "CPU time includes the cpu backend's issue mode, a Python layer per operation that CUDA does "
         f"not have (docs/virtual.md): measured here at {overhead_us:.1f} us per operation, times the "
         f"operations a task issues, in brackets. Load average at the start: {load:.2f}."

@@ -33,6 +33,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from typing import cast
 
@@ -232,6 +233,9 @@ class VirtualBackend(CpuBackend):
         self.noise: TaskNoise | None = None  # ``vary``
         self._noise_lock = threading.Lock()
         self.pinned_bytes = 0  # host bytes the run page-locked (``register_host`` and pinned buffers)
+        self.host_moved_bytes = 0  # what the host jobs' operations read and wrote (``HostWork``)
+        self._tally_lock = threading.Lock()
+        self._host_rate = host_rate(self.server)
         self._pinned: dict[int, int] = {}
         super().__init__(self.server.num_gpus, capacity, sanitize, AllocatorRules.for_capacity(capacity))
 
@@ -276,6 +280,8 @@ class VirtualBackend(CpuBackend):
             "issued_ops": sum(s._mode.ops for d in self.devices for s in cast(dict, d.streams).values()),
             "h2d_bytes": self.links.moved["h2d"],
             "d2h_bytes": self.links.moved["d2h"],
+            # the host jobs' modelled seconds (accumulation, the optimizer, the refresh of copies)
+            "host_work_s": self.host_moved_bytes / self._host_rate,
         }
 
     def use_fp16_accumulation(self) -> None:
@@ -300,7 +306,11 @@ class VirtualBackend(CpuBackend):
 
     def host_work(self):
         """What the host thread runs its jobs under: their meta operations take modelled time."""
-        return HostWork(self.server)
+        return HostWork(self.server, self._host_work_done)
+
+    def _host_work_done(self, moved_bytes: int) -> None:
+        with self._tally_lock:
+            self.host_moved_bytes += moved_bytes
 
 
 class ShapesOnly:
@@ -338,16 +348,23 @@ class TaskCosts:
         return flow_seconds(self._workload(work.rows, work.seq_len), work.flow)
 
 
+def host_rate(server: Server) -> float:
+    """Bytes per second a host job's operations move on ``server``: its memory bandwidth at the
+    efficiency the simulator gives its optimizer."""
+    return server.host_memory_bw * server.optimizer_efficiency
+
+
 class HostWork(TorchDispatchMode):
     """Host jobs of a virtual run: every operation on meta tensors runs (instantly, no data) and
     then costs the bytes it reads and writes at the host's memory rate for the optimizer
     (``host_memory_bw * optimizer_efficiency``), slept off on the host thread."""
 
-    def __init__(self, server: Server):
+    def __init__(self, server: Server, done: Callable[[int], None] | None = None):
         super().__init__()
-        self.rate = server.host_memory_bw * server.optimizer_efficiency
+        self.rate = host_rate(server)
         self.owed = 0.0
         self.moved_bytes = 0  # what the operations read and wrote, in all
+        self.done = done  # told the bytes moved at the end
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:
@@ -371,6 +388,8 @@ class HostWork(TorchDispatchMode):
         if self.owed > 0:
             time.sleep(self.owed)
             self.owed = 0.0
+        if self.done is not None:
+            self.done(self.moved_bytes)
         return super().__exit__(*exc)
 
 
