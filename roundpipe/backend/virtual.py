@@ -235,7 +235,6 @@ class VirtualBackend(CpuBackend):
         self.pinned_bytes = 0  # host bytes the run page-locked (``register_host`` and pinned buffers)
         self.host_moved_bytes = 0  # what the host jobs' operations read and wrote (``HostWork``)
         self._tally_lock = threading.Lock()
-        self._host_rate = host_rate(self.server)
         self._pinned: dict[int, int] = {}
         super().__init__(self.server.num_gpus, capacity, sanitize, AllocatorRules.for_capacity(capacity))
 
@@ -281,7 +280,7 @@ class VirtualBackend(CpuBackend):
             "h2d_bytes": self.links.moved["h2d"],
             "d2h_bytes": self.links.moved["d2h"],
             # the host jobs' modelled seconds (accumulation, the optimizer, the refresh of copies)
-            "host_work_s": self.host_moved_bytes / self._host_rate,
+            "host_work_s": self.host_moved_bytes / self.server.host_work_bw,
         }
 
     def use_fp16_accumulation(self) -> None:
@@ -348,20 +347,14 @@ class TaskCosts:
         return flow_seconds(self._workload(work.rows, work.seq_len), work.flow)
 
 
-def host_rate(server: Server) -> float:
-    """Bytes per second a host job's operations move on ``server``: its memory bandwidth at the
-    efficiency the simulator gives its optimizer."""
-    return server.host_memory_bw * server.optimizer_efficiency
-
-
 class HostWork(TorchDispatchMode):
     """Host jobs of a virtual run: every operation on meta tensors runs (instantly, no data) and
     then costs the bytes it reads and writes at the host's memory rate for the optimizer
-    (``host_memory_bw * optimizer_efficiency``), slept off on the host thread."""
+    (``Server.host_work_bw``, the simulator's), slept off on the host thread."""
 
     def __init__(self, server: Server, done: Callable[[int], None] | None = None):
         super().__init__()
-        self.rate = host_rate(server)
+        self.rate = server.host_work_bw
         self.owed = 0.0
         self.moved_bytes = 0  # what the operations read and wrote, in all
         self.done = done  # told the bytes moved at the end

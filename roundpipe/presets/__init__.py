@@ -156,6 +156,12 @@ class Server:
         return gpu_index // self.gpus_per_switch
 
     @property
+    def host_work_bw(self) -> float:
+        """Bytes per second the host's bandwidth-bound jobs (the CPU AdamW step, gradient sums)
+        move: ``host_memory_bw`` at ``optimizer_efficiency``."""
+        return self.host_memory_bw * self.optimizer_efficiency
+
+    @property
     def uplink_bw_effective(self) -> float:
         """Per-direction rate of a switch uplink, derated like the GPU links (nominal -> effective)."""
         return self.switch_uplink_bw * self.gpu.host_link_bw_effective / self.gpu.host_link_bw

@@ -140,7 +140,7 @@ class _Sim:
         self.h2d = [_Lane(d, "h2d", links[(d // per_switch, "h2d")]) for d in range(self.n_dev)]
         self.d2h = [_Lane(d, "d2h", links[(d // per_switch, "d2h")]) for d in range(self.n_dev)]
         self.moved = {"h2d": 0, "d2h": 0}
-        rate = hw.host_memory_bw * hw.optimizer_efficiency / ADAMW_BYTES_PER_PARAM
+        rate = hw.host_work_bw / ADAMW_BYTES_PER_PARAM
         self.opt_rate = rate if opts.optimizer_time else _INF
         self.staleness = 1 if opts.optimizer == "async" else 0
         self.mem = [[0, 0, 0, 0] for _ in range(self.n_dev)]  # per device, bytes by _WEIGHTS, _ACTS, ...

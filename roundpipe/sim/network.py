@@ -202,7 +202,7 @@ def host_reduce_bw(server: Server) -> float:
     topo = _table()["servers"].get(server.gpu.name, {})
     if topo.get("host_reduce_gbs"):
         return float(topo["host_reduce_gbs"]) * _GIGA
-    return server.host_memory_bw * server.optimizer_efficiency / SUM_TRAFFIC_BYTES
+    return server.host_work_bw / SUM_TRAFFIC_BYTES
 
 
 __all__ = [
