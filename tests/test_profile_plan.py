@@ -12,6 +12,7 @@ from support.reference import assert_same_run, pipeline_train, reference_train
 from support.tiny_models import make_batch, make_model, make_timing_llama
 
 import roundpipe
+from roundpipe.runtime import profiler
 
 torch.set_num_threads(1)
 
@@ -113,6 +114,9 @@ def test_profile_leaves_weights_and_gradients_untouched():
         # context's mask and rotary kernels: which of the two is larger depends on the load)
         assert 0 < pipe.context_time < sum(f for f, _ in times.values())
         assert pipe.state_dict()["measured"]["context_s"] == pipe.context_time
+        # the worker's gap between one operation and the next: Python, events and hooks
+        assert 0 < pipe.task_time < sum(f + b for f, b in times.values())
+        assert pipe.state_dict()["measured"]["task_s"] == pipe.task_time
         assert all(float(e.grad.abs().sum()) == 0 for e in pipe.store.entries if e.trainable)
         pipe.export_to(model)
     for n, p in model.named_parameters():
@@ -174,3 +178,18 @@ def test_auto_microbatches_keeps_every_device_busy_and_trains_exactly():
         assert 3 <= m <= 8  # at least one per device, at most one sample each
         assert pipe.plan.num_microbatches == m and pipe.plan.why["num_microbatches"].startswith(f"auto: {m} ")
         assert pipe.last_plan.table.forward.num_stages == 5  # partition=None: one layer per stage
+
+
+def test_the_gap_between_operations_is_measured_within_each_step():
+    """Each step's spans start at its own zero: two steps' spans taken together would overlap and
+    read as no gap at all. Context builds are not operations (they have their own measure)."""
+    one_step = [
+        (0, "compute", "F0.0", "F", 0.0, 1.0),
+        (0, "compute", "ctx.1", "context", 1.0, 1.5),
+        (0, "compute", "F0.1", "F", 1.25, 2.0),
+        (0, "h2d", "W:layers.0", "upload", 0.0, 3.0),
+        (1, "compute", "F0.2", "F", 0.5, 1.0),
+        (1, "compute", "F0.3", "F", 1.5, 2.0),
+    ]
+    assert profiler.task_gap_seconds_from_spans([one_step, one_step]) == pytest.approx(0.375)
+    assert profiler.task_gap_seconds_from_spans([one_step[:1]]) == 0.0

@@ -13,7 +13,7 @@ import pytest
 from roundpipe.errors import ConfigError
 from roundpipe.partition.cost import model_costs
 from roundpipe.partition.memory import device_reserve_bytes
-from roundpipe.presets import GIB, load_hardware
+from roundpipe.presets import GIB, load_hardware, load_model_config
 from roundpipe.schedule import POLICIES, build_table
 from roundpipe.schedule.formulas import closed_form
 from roundpipe.schedule.table import Partition, ScheduleTable
@@ -274,6 +274,31 @@ def test_a_fused_pair_on_one_microbatch_builds_its_context_once():
         - simulate(table, work, load_hardware("1xcpu"), opts).iteration_s
     )
     assert delta == pytest.approx(1.0)  # one microbatch: one build for the whole step
+
+
+@pytest.mark.parametrize(("policy", "stages"), [("gpipe", 1), ("1f1b", 1), ("roundpipe", 4)])
+def test_the_host_gap_before_each_operation_delays_the_device_but_is_not_compute(policy, stages):
+    """``task_s``: the device stands idle that long before every operation with work while the host
+    gets it going. On one device the step is serial: it grows by ``task_s`` per operation, exactly,
+    and the compute busy time does not."""
+    base = uniform_workload(4, 1.0, 2.0, recompute=True)
+    cut = Partition.per_layer(4) if stages == 4 else Partition((0, 4))
+    table = build_table(policy, cut, cut, 1, 4)
+    opts = SimOptions(transfers=False, optimizer_time=False, record_timeline=True)
+    plain = simulate(table, base, load_hardware("1xcpu"), opts)
+    gapped = simulate(table, replace(base, task_s=0.125), load_hardware("1xcpu"), opts)
+    operations = len([s for s in plain.timeline.spans if s.lane == "compute"])
+    assert operations >= 2 * 4 * stages - 4  # every F and B of every microbatch (RoundPipe fuses the last)
+    assert gapped.iteration_s == pytest.approx(plain.iteration_s + 0.125 * operations)
+    assert gapped.compute_busy_s == pytest.approx(plain.compute_busy_s)
+    starts = sorted(s.start for s in gapped.timeline.spans if s.lane == "compute")
+    assert starts[0] == pytest.approx(0.125)  # the first operation waits for its host gap too
+
+
+def test_a_negative_host_gap_is_refused():
+    costs = model_costs(load_model_config("qwen3-0.6b"), 128, 1)
+    with pytest.raises(ConfigError, match="task_s"):
+        workload_from_costs(costs, load_hardware("1xrtx4090"), task_s=-0.001)
 
 
 # ------------------------------------------------------------------ optimizer modes

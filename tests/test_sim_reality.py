@@ -1,6 +1,6 @@
-"""The simulator against reality: with per-layer costs and the context-build time measured by
-``pipe.profile`` on the cpu backend, the simulated iteration time of a real run is within 20% of
-the measured one."""
+"""The simulator against reality: with per-layer costs, the context-build time and the gap a
+device idles between operations measured by ``pipe.profile`` on the cpu backend, the simulated
+iteration time of a real run is within 20% of the measured one."""
 
 from __future__ import annotations
 
@@ -45,18 +45,19 @@ def _cpu_backend_as_hardware(num_devices: int):
     )
 
 
-def _simulate(model, table, devices: int, times, context_s: float) -> float:
+def _simulate(model, table, devices: int, times, context_s: float, task_s: float) -> float:
     hardware = _cpu_backend_as_hardware(devices)
     costs = model_costs(model.config.to_dict(), SEQ, BATCH // MICROBATCHES, dtype="fp32")
-    workload = workload_from_costs(costs, hardware, times=times, context_s=context_s)
+    workload = workload_from_costs(costs, hardware, times=times, context_s=context_s, task_s=task_s)
     return simulate(table, workload, hardware, SimOptions()).iteration_s
 
 
 def _profile(model, config, ids):
-    """``pipe.profile``'s layer times and context-build time, measured under ``config``."""
+    """``pipe.profile``'s layer times, context-build time and gap between operations, measured
+    under ``config``."""
     with roundpipe.wrap(copy.deepcopy(model), config) as pipe:
         times = pipe.profile(ids, ids, steps=2)
-        return times, pipe.context_time
+        return times, pipe.context_time, pipe.task_time
 
 
 def _measure_and_predict(model, policy: str, devices: int) -> tuple[float, float, float]:
@@ -68,7 +69,7 @@ def _measure_and_predict(model, policy: str, devices: int) -> tuple[float, float
     )
     with roundpipe.wrap(copy.deepcopy(model), config) as pipe:
         pipe.configure_optimizer(lr=1e-4)
-        busy = (pipe.profile(ids, ids, steps=2), pipe.context_time)
+        busy = (pipe.profile(ids, ids, steps=2), pipe.context_time, pipe.task_time)
         steps = []
         for _ in range(4):
             t0 = time.perf_counter()

@@ -434,6 +434,12 @@ class Pipeline:
         rotary tables), what ``roundpipe.sim.Workload.context_s`` takes; None before ``profile``."""
         return self._planner.context_s
 
+    @property
+    def task_time(self) -> float | None:
+        """Measured seconds a device idles between operations while its worker gets the next one
+        going, what ``roundpipe.sim.Workload.task_s`` takes; None before ``profile``."""
+        return self._planner.task_s
+
     def profile(
         self,
         input_ids: torch.Tensor,
@@ -463,30 +469,30 @@ class Pipeline:
         """``profile`` on this process's batch."""
         if self._grads_pending:
             raise PipelineStateError("profile() would mix its gradients with pending ones: call step() first")
-        from roundpipe.runtime.profiler import (
-            context_seconds_from_spans,
-            layer_times_from_spans,
-            profiling_table,
-        )
+        from roundpipe.runtime import profiler
 
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
-        table = profiling_table(len(self.adapter.layers), len(self.backend.devices), len(microbatches))
+        table = profiler.profiling_table(
+            len(self.adapter.layers), len(self.backend.devices), len(microbatches)
+        )
         self._planner.check_table_memory(table, len(microbatches), tuple(input_ids.shape))
         plan = build_flow_plan(table, fuse=False, frozen=self.store.frozen_prefix)
-        spans = []
+        per_step = []
         for _ in range(steps):
             step = self._new_step(microbatches, total, plan, eager=False)
             with self._recorder.recording():
                 self._executor.run(step)
             _router_loss(step)  # not reported: gives the statistics' download buffers back
-            spans += self._recorder.last_spans
+            per_step.append(self._recorder.last_spans)
         self.store.zero_grads()
-        times = layer_times_from_spans(spans, self._planner.names)
+        spans = [span for ran in per_step for span in ran]
+        times = profiler.layer_times_from_spans(spans, self._planner.names)
         self._planner.set_measured(
             times,
             _mean_tokens(microbatches),
             tuple(input_ids.shape),
-            context_s=context_seconds_from_spans(spans),
+            context_s=profiler.context_seconds_from_spans(spans),
+            task_s=profiler.task_gap_seconds_from_spans(per_step),
         )
         return dict(times)
 

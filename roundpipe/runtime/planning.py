@@ -65,6 +65,7 @@ class Planner:
         self.layer_times: dict[str, tuple[float, float]] | None = None
         self.profiled_tokens = 1.0  # tokens per microbatch when ``layer_times`` was measured
         self.context_s: float | None = None  # measured seconds per microbatch context build
+        self.task_s: float | None = None  # measured seconds a device idles between operations
         self._measured: Measured | None = None
         self._decisions: dict[tuple[int, int], Decision] = {}
         self._last: Decision | None = None
@@ -476,11 +477,14 @@ class Planner:
         microbatch_tokens: float,
         shape: tuple[int, int],
         context_s: float = 0.0,
+        task_s: float = 0.0,
     ) -> None:
         """Adopt freshly profiled layer times (of a batch of ``shape`` = (samples, tokens per
-        sample)) and context-build seconds: automatic choices and plans are made anew from them."""
+        sample)), context-build seconds and the gap between operations: automatic choices and plans
+        are made anew from them."""
         self.layer_times = dict(layer_times)
         self.context_s = float(context_s)
+        self.task_s = float(task_s)
         self.profiled_tokens = microbatch_tokens
         # (forward, backward) pairs, as ``layer_times`` holds them
         pairs = cast(tuple[tuple[float, float], ...], tuple(tuple(layer_times[n]) for n in self.names))
@@ -499,6 +503,7 @@ class Planner:
             "microbatch_tokens": tokens,
             "shape": list(shape),
             "context_s": self.context_s,
+            "task_s": self.task_s,
         }
 
     def load_measured(self, state: dict | None) -> None:
@@ -512,6 +517,7 @@ class Planner:
             float(state["microbatch_tokens"]),
             cast(tuple[int, int], tuple(int(x) for x in state["shape"])),
             context_s=float(state.get("context_s") or 0.0),  # checkpoints before it was measured: none
+            task_s=float(state.get("task_s") or 0.0),
         )
 
     def observe(self, spans, plan: FlowPlan, microbatch_tokens: float) -> None:

@@ -8,7 +8,9 @@ where workers share a machine (virtual cpu devices sharing cores, copy threads a
 the times include that contention. Times are per microbatch of the profiled batch, in seconds, in
 the form ``roundpipe.partition.cost.layer_times(times=...)`` takes. The same spans give the time a
 worker spends building a microbatch's layer context (``context_seconds_from_spans``), which the
-simulator charges as ``Workload.context_s``.
+simulator charges as ``Workload.context_s``, and the gap a device stands idle between one
+operation and the next while its worker gets the next one going (``task_gap_seconds_from_spans``),
+``Workload.task_s``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,24 @@ def context_seconds_from_spans(spans) -> float:
         if lane == "compute" and kind == "context"
     ]
     return statistics.median(built) if built else 0.0
+
+
+def task_gap_seconds_from_spans(steps) -> float:
+    """Median seconds between the end of one operation on a device's compute lane and the start of
+    the next (context builds left out: they are ``context_seconds_from_spans``'s), over ``steps``
+    (each step's spans: a step's times start at its own zero), 0.0 when no device ran two. The
+    profiling table's inputs and weights are small and issued ahead, so what the gap holds is the
+    worker's own time: events, hooks and closures in Python."""
+    gaps = []
+    for spans in steps:
+        by_device: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for dev, lane, _name, kind, start, end in spans:
+            if lane == "compute" and kind != "context":
+                by_device[dev].append((start, end))
+        for ran in by_device.values():
+            ran.sort()
+            gaps += [max(0.0, nxt[0] - prev[1]) for prev, nxt in zip(ran, ran[1:])]
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def update_moving_average(

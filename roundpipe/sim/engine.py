@@ -27,7 +27,9 @@ What is modelled, and why it matches the runtime (docs/design.md §3-§4):
   device's layers fit its memory; otherwise they stream too (noted in the result).
 - **Order**: strictly the table's by default; ``order="ready"`` lets a device run the first
   operation in table order whose inputs are ready, as ``RunConfig(order="ready")`` does (``ready.py``).
-- **Compute time**: what each operation costs is set before the replay (``operations.py``).
+- **Compute time**: what each operation costs is set before the replay (``operations.py``). Each
+  operation with work starts ``Workload.task_s`` after it could (the host's gap between operations,
+  idle device time, not compute).
 - **Optimizer**: a layer's CPU AdamW step starts when the last weight gradient of the step for that
   layer has arrived on the host (steps run one at a time, in that order, at the server's step
   rate). ``sync``: the next step's weights for a layer are uploaded only after its update, so each
@@ -168,6 +170,7 @@ class _Sim:
         self.cursor = [0] * self.n_dev
         self.ops_left = sum(len(o) for o in self.ops)
         self.ready = ReadyOrder(self) if opts.order == "ready" else None
+        self.gap = work.task_s  # before each operation with work: the host's share, not compute
 
     # ------------------------------------------------------------------ event loop
     def _at(self, t: float, kind: int, a, b=None) -> None:
@@ -463,7 +466,7 @@ class _Sim:
             nxt = ops[i + 1]
             nxt.lookahead_ok = True
             self.check_inputs(nxt)
-        self._at(self.now + st.dur, _COMPUTE_END, st)
+        self._at(self.now + (self.gap if st.cost.dur > 0 else 0.0) + st.dur, _COMPUTE_END, st)
 
     def _compute_end(self, st: OpState) -> None:
         d, cost, now, scale = st.dev, st.cost, self.now, st.scale
@@ -471,7 +474,7 @@ class _Sim:
         if now > self.iter_end[st.it]:
             self.iter_end[st.it] = now
         if cost.dur > 0 and self.spans is not None:
-            self.spans.append((d, "compute", st.label, st.kind, st.started, now))
+            self.spans.append((d, "compute", st.label, st.kind, now - st.dur, now))
         mem = self.mem[d]
         mem[_WORK] -= round(cost.work * scale)
         mem[_ACTS] -= st.in_bytes

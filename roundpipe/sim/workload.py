@@ -67,6 +67,12 @@ class Workload:
     # On CUDA a few small kernels (the cost model leaves it 0); on the cpu backend measured by
     # ``Pipeline.profile`` (``Pipeline.context_time``), where it is a fair share of a small layer.
     context_s: float = 0.0
+    # Seconds a device stands idle before each operation with work while the host gets it going
+    # (the worker's Python between operations: events, hooks, closures), on top of its compute. The
+    # cost model leaves it 0; on the cpu backend ``Pipeline.profile`` measures it
+    # (``Pipeline.task_time``): there each stream is a Python thread, so the gap is serial with
+    # the device's work.
+    task_s: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -92,12 +98,14 @@ def workload_from_costs(
     efficiency: float | None = None,
     name: str = "model",
     context_s: float = 0.0,
+    task_s: float = 0.0,
 ) -> Workload:
     """Per-layer times from ``layer_times`` (analytic, or ``times[name] = (forward_s, backward_s)``
     measured for one microbatch, backward without recompute) and bytes from the cost model;
-    ``context_s`` as measured with ``times`` (``Workload.context_s``)."""
-    if context_s < 0:
-        raise ConfigError(f"context_s must be >= 0 seconds, got {context_s}")
+    ``context_s`` and ``task_s`` as measured with ``times`` (``Workload.context_s``, ``Workload.task_s``)."""
+    for what, seconds in (("context_s", context_s), ("task_s", task_s)):
+        if seconds < 0:
+            raise ConfigError(f"{what} must be >= 0 seconds, got {seconds}")
     fwd, bwd_stage = layer_times(list(costs), hw, efficiency=efficiency, times=times)
     layers = []
     for c, f, bs in zip(costs, fwd, bwd_stage):
@@ -125,6 +133,7 @@ def workload_from_costs(
         name=name,
         dtype=costs[0].dtype if costs else "bf16",
         context_s=float(context_s),
+        task_s=float(task_s),
     )
 
 
