@@ -12,15 +12,22 @@ host thread or the caller's thread, never on a worker.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from roundpipe.distributed.updates import RankUpdates
 from roundpipe.errors import OptimizerError, PipelineStateError
 from roundpipe.optim import DynamicLossScaler, LayerwiseAdamW, OptimizerConfig, clip_factor
+from roundpipe.runtime.hostqueue import HostQueue
 from roundpipe.runtime.numerics import NonFinite
 from roundpipe.runtime.report import Recorder
 from roundpipe.runtime.store import ParameterStore
 from roundpipe.testing import faults
+
+
+def grads_of(owner: int) -> tuple[str, int]:
+    """What a host job touches when it reads or writes the gradients of ``owner``'s group."""
+    return ("grads", owner)
 
 
 class OptimizerSteps:
@@ -114,6 +121,67 @@ class OptimizerSteps:
 
     def deferred_step(self, publish_to: int | None = None) -> None:
         """Step every group with the whole gradient known: unscale, skip on overflow, clip."""
+        factor = self.prepare_step()
+        if factor is None:
+            return
+        for owner in self.step_order():
+            self.step_group(owner, factor, publish_to)
+        if self.ranks is not None:
+            self.ranks.publish()
+
+    def queue_update(self, hostq: HostQueue, publish_to: int) -> None:
+        """``optimizer_mode="async"``: queue the update on the host thread, where it runs while the
+        next step computes. One job for what needs the whole gradient (finiteness, the loss scale,
+        the norm: no job passes it), then one background job per group, each touching that group's
+        gradients only, so the next step's additions into other groups pass it (a worker waits for
+        its additions); the last job ends the update (``partial``). Data-parallel: one job, so the
+        agreements with the other ranks keep their order."""
+
+        def ended() -> None:
+            self.partial = 0
+
+        if self.ranks is not None:
+
+            def update() -> None:
+                self.deferred_step(publish_to)
+                ended()
+
+            hostq.submit(update)
+            return
+        decided: dict[str, float | None] = {}
+
+        def prepare() -> None:
+            decided["factor"] = self.prepare_step()
+
+        def step(owner: int) -> Callable[[], None]:
+            def run() -> None:
+                factor = decided["factor"]
+                if factor is not None:
+                    self.step_group(owner, factor, publish_to)
+
+            return run
+
+        hostq.submit(prepare, background=True)
+        for owner in self.step_order():
+            hostq.submit(step(owner), touches=[grads_of(owner)], background=True)
+        hostq.submit(ended, touches=(), background=True)  # background jobs keep their order
+
+    def step_order(self) -> list[int]:
+        """The groups a deferred step steps, in the order the next step's backward adds into them:
+        from the last layer down, each layer's owners (a tied head's weight is the embedding's)."""
+        held = None if self.ranks is None else self.ranks.held
+        groups = self.require("step").groups if held is None else held
+        order: dict[int, None] = {}
+        for layer in reversed(range(len(self.names))):
+            for k in self.store.trainable_keys(range(layer, layer + 1)):
+                owner = self.store.entries[k].owner
+                if owner in groups:
+                    order.setdefault(owner)
+        return list(order) + sorted(set(groups) - set(order), reverse=True)
+
+    def prepare_step(self) -> float | None:
+        """What a deferred step does before stepping groups: unscale, skip on a non-finite value,
+        clip; the factor to step every group with, or None when the step is skipped."""
         factor = 1.0 / self.loss_scale()
         found, self.nonfinite = self.nonfinite, None  # data-parallel: already agreed by every rank
         held = None if self.ranks is None else self.ranks.held
@@ -129,7 +197,7 @@ class OptimizerSteps:
             self.store.zero_grads()
             self.last_step_skipped, self.last_nonfinite = True, found
             self.skipped_steps += 1
-            return
+            return None
         optimizer = self.require("step")
         if optimizer.config.max_grad_norm is not None:
             norm_sq = optimizer.grad_norm_sq(held)
@@ -138,10 +206,7 @@ class OptimizerSteps:
             norm = (norm_sq**0.5) * factor
             self.last_grad_norm = norm
             factor *= clip_factor(norm, optimizer.config.max_grad_norm)
-        for owner in sorted(optimizer.groups if held is None else held, reverse=True):
-            self.step_group(owner, factor, publish_to)
-        if self.ranks is not None:
-            self.ranks.publish()
+        return factor
 
     def state_dict(self) -> dict:
         """The optimizer's and the loss scaler's state, where there is one."""

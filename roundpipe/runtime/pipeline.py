@@ -303,13 +303,7 @@ class Pipeline:
         if self.config.optimizer_mode == "async":
             # Publish into the copy this step read: the step after next reads it, while the next
             # one computes on the other copy (staleness exactly 1).
-            publish_to = self._updates_run
-
-            def update():
-                self._updates.deferred_step(publish_to)
-                self._updates.partial = 0
-
-            self._hostq.submit(update)
+            self._updates.queue_update(self._hostq, publish_to=self._updates_run)
         else:
             if not self._stepped_eagerly:
                 if self._ranks is not None:

@@ -15,7 +15,7 @@ from roundpipe.models.base import MicrobatchInputs
 from roundpipe.runtime.exchange import Exchange, Slot
 from roundpipe.runtime.hostqueue import HostQueue
 from roundpipe.runtime.numerics import NonFinite, TaskChecks, host_float
-from roundpipe.runtime.optimizer_steps import OptimizerSteps
+from roundpipe.runtime.optimizer_steps import OptimizerSteps, grads_of
 from roundpipe.runtime.plan import FlowPlan
 from roundpipe.runtime.router_totals import RouterTotals
 
@@ -92,7 +92,7 @@ class StepRun:
 
     def on_loss(self, host_loss: Slot, event) -> None:
         """Worker thread: queue adding a microbatch's loss sum (downloaded with ``event``)."""
-        self._hostq.submit(lambda: self._add_loss(host_loss), event)
+        self._hostq.submit(lambda: self._add_loss(host_loss), event, touches=())
 
     def _add_loss(self, host_loss: Slot) -> None:
         self.loss_sum += host_float(host_loss.value)
@@ -101,7 +101,7 @@ class StepRun:
     def on_checks(self, checks: TaskChecks, host_flags: Slot, event) -> None:
         """Worker thread: queue reading a task's finiteness flags (downloaded with ``event``; the
         compute fills ``checks`` when it runs, which may be after this call)."""
-        self._hostq.submit(lambda: self._read_checks(checks, host_flags), event)
+        self._hostq.submit(lambda: self._read_checks(checks, host_flags), event, touches=())
 
     def _read_checks(self, checks: TaskChecks, host_flags: Slot) -> None:
         flags, host_flags.value = host_flags.value, None
@@ -114,7 +114,11 @@ class StepRun:
         """Worker thread: queue adding a backward stage's weight gradients, summed over
         ``contributions`` microbatches on the device, into the fp32 buffers; returns what is set
         once the host has done so (and given the download buffers back)."""
-        return self._hostq.submit(lambda: self._accumulate(layers, host_grads, contributions), event)
+        store = self._updates.store
+        touches = [grads_of(store.entries[k].owner) for k in store.trainable_keys(layers)]
+        return self._hostq.submit(
+            lambda: self._accumulate(layers, host_grads, contributions), event, touches=touches
+        )
 
     def _accumulate(self, layers: range, host_grads: Slot, contributions: int) -> None:
         """Host thread: add gradients into the fp32 buffers; step groups that became final.
