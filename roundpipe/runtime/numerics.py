@@ -2,9 +2,12 @@
 
 Every task checks, on its device and without waiting for it, each layer output it computes for the
 first time (the loss is the head's output) and each weight gradient it adds into the stage's
-accumulator: one ``aminmax`` per tensor (NaN propagates into both ends, an Inf shows at one; no
-temporary the size of the tensor, so the check adds nothing to a device's peak), stacked into one
-small flag tensor that goes down with the task's other downloads (``TaskChecks``). The host thread reads the flags in issue order
+accumulator: one reduction per tensor, its largest magnitude (``vector_norm`` of order infinity:
+NaN propagates into it, an Inf is it, a finite tensor's is finite; no temporary the size of the
+tensor, so the check adds nothing to a device's peak), and once per task ``isfinite`` of those
+values stacked, one small flag tensor that goes down with the task's other downloads
+(``TaskChecks``). Each check is operations a worker issues, per tensor and microbatch: the
+reduction alone is one, where ``isfinite`` per tensor would be four more. The host thread reads the flags in issue order
 (``StepRun``): a non-finite output is known before any layer's gradient is final, so before any
 update; a non-finite gradient before its own layer's. ``first_nonfinite`` picks where the value
 first appeared, in the order values flow: the lowest layer among outputs, else the highest among
@@ -51,18 +54,18 @@ class TaskChecks:
     def output(self, layer: int, y) -> None:
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
             self.meta.append(("output", layer, None))
-            self.flags.append(_finite(y))
+            self.flags.append(_magnitude(y))
 
     def gradient(self, layer: int, param: str, g: torch.Tensor) -> None:
         if g.numel():
             self.meta.append(("gradient", layer, param))
-            self.flags.append(_finite(g))
+            self.flags.append(_magnitude(g))
 
     def packed(self) -> torch.Tensor | None:
         """The flags as one bool tensor (compute stream), or None when nothing was checked."""
         if not self.flags:
             return None
-        packed = torch.stack(self.flags)
+        packed = torch.isfinite(torch.stack(self.flags))  # the magnitudes' dtypes promote
         self.flags.clear()
         return packed
 
@@ -83,9 +86,9 @@ def host_float(t: torch.Tensor) -> float:
     return float("nan") if t.is_meta else float(t)
 
 
-def _finite(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool on ``t``'s device: every element of ``t`` is finite."""
-    return torch.isfinite(torch.stack(torch.aminmax(t))).all()
+def _magnitude(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d tensor on ``t``'s device, finite exactly when every element of ``t`` is."""
+    return torch.linalg.vector_norm(t, float("inf"))
 
 
 def first_nonfinite(found: list[NonFinite]) -> NonFinite | None:
