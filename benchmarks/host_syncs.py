@@ -132,11 +132,14 @@ CUDA's clock: `cpu:2`, the roundpipe policy, one layer per stage, {MICROBATCHES}
 batch of 8 x 12 tokens with left padding and an attention mask; "per microbatch pass" divides by
 the {2 * MICROBATCHES} passes of a layer (each microbatch's forward, and its backward, which
 recomputes the forward). Every count that is not zero comes from the model's own code
-(transformers'), not from roundpipe's: {", ".join(syncing) or "none"}. A mixture of experts run
-with transformers' `grouped_mm` experts (the default here) reads nothing on the host; its `eager`
-experts find the experts hit with `nonzero` and loop over them in Python, reading the expert's
-index and its tokens for every expert hit in every layer pass: on a GPU each read stalls the issuing
-thread until the stream drains. Train mixtures of experts with grouped experts.
+(transformers'), not from roundpipe's: {", ".join(syncing) or "none"}. transformers' `grouped_mm` experts
+(the default here) read one value on the host per grouped product: torch's `_grouped_mm` copies
+its group offsets to the host except on its fast path, bf16 on compute capability 9.x or 10.x
+(`roundpipe/backend/grouped_mm.py`); the cpu backend stands for no particular GPU and counts it.
+Its `eager` experts find the experts hit with `nonzero` and loop over them in Python, reading the
+expert's index and its tokens for every expert hit in every layer pass. On a GPU each read stalls
+the issuing thread until the stream drains: train mixtures of experts with grouped experts, in bf16
+on a GPU with the fast path; on an RTX 4090 (8.9) every grouped product syncs in any dtype.
 
 "ops run eagerly": ops with no meta kernel in this torch, which the cpu backend cannot queue, so it
 waits for the stream and runs them on the issuing thread (not a host sync on CUDA, where they are

@@ -432,6 +432,13 @@ class CpuBackend(Backend):
 
     name = "cpu"
     device_class: type[CpuDevice] = CpuDevice
+    # torch's grouped matmul reads its offsets on the host except on the fast path of some GPUs
+    # (backend/grouped_mm.py); cpu:N stands for none in particular, so it counts the sync.
+    grouped_mm_fast_path = False
+
+    def needs_values(self, what: str) -> None:
+        """The issue mode is about to read device values on the host (``what``): a virtual run has
+        none and refuses (``VirtualBackend``); here they exist."""
 
     def __init__(
         self,

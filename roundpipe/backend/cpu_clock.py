@@ -58,6 +58,7 @@ from roundpipe.backend.cpu_op_rules import (
     rule_of,
     storage_bytes,
 )
+from roundpipe.backend.grouped_mm import GROUPED_MM, reads_offsets
 
 _local = threading.local()
 
@@ -215,7 +216,10 @@ class IssueMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if kind is SYNC:
             self.host_sync(str(func))
+            self.backend.needs_values(str(func))
             return func(*args, **kwargs)
+        if func is GROUPED_MM and reads_offsets(args, kwargs, self.backend.grouped_mm_fast_path):
+            self.host_sync(f"{func} (torch's fallback reads the group offsets on the host)")
         if touched:
             self.sanitizer.check_accesses(touched, self.stream, self.task)
         if copies:
@@ -279,6 +283,7 @@ class IssueMode(TorchDispatchMode):
         """Run an operation whose outputs the meta kernel cannot give: wait for the stream (a host
         sync when the outputs depend on the data, as on CUDA; else a stall of this backend only),
         run it on the issuing thread, and move its outputs into device memory."""
+        self.backend.needs_values(f"{func} ({why})")
         if why.data_dependent:
             self.host_sync(f"{func} (output shape depends on the data)")
         else:

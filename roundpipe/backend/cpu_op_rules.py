@@ -13,6 +13,8 @@ import threading
 
 import torch
 
+from roundpipe.backend.grouped_mm import GROUPED_MM, meta_stand_ins
+
 aten = torch.ops.aten
 
 # ---------------------------------------------------------------------------------- op rules
@@ -181,8 +183,13 @@ def fresh_specs(func, rule: OpRule, args, kwargs) -> list:
     mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
     if "pin_memory" in mkwargs:
         mkwargs["pin_memory"] = None
+    real_dtype = None
+    if func is GROUPED_MM:
+        margs, mkwargs, real_dtype = meta_stand_ins(margs, mkwargs)
     try:
         out = func(*margs, **mkwargs)
+        if real_dtype is not None:
+            out = out.to(real_dtype)
     except Exception as e:
         text = str(e)
         dependent = torch.Tag.dynamic_output_shape in func.tags or "data-dependent" in text

@@ -44,6 +44,7 @@ from roundpipe.backend.base import TaskWork
 from roundpipe.backend.cpu import CpuBackend, CpuDevice, CpuStream
 from roundpipe.backend.cpu_allocator import AllocatorRules
 from roundpipe.backend.cpu_kernels import Kernel, KernelRef
+from roundpipe.backend.grouped_mm import fast_path_on
 from roundpipe.backend.issue_token import ISSUE_TOKEN
 from roundpipe.errors import ConfigError, VirtualDataError
 from roundpipe.presets import Server, load_hardware
@@ -226,6 +227,7 @@ class VirtualBackend(CpuBackend):
     def __init__(self, spec: str, sanitize: bool | None = None, capacity: int | None = None):
         self.server = load_hardware(spec)
         gpu = self.server.gpu
+        self.grouped_mm_fast_path = fast_path_on(gpu.compute_capability)
         if capacity is None:  # RunConfig(device_capacity=...) overrides, as on the cpu backend
             capacity = gpu.memory_bytes - gpu.workspace_reserve_bytes
         self.links = Links(self.server, self.server.num_gpus)
@@ -237,6 +239,9 @@ class VirtualBackend(CpuBackend):
         self._tally_lock = threading.Lock()
         self._pinned: dict[int, int] = {}
         super().__init__(self.server.num_gpus, capacity, sanitize, AllocatorRules.for_capacity(capacity))
+
+    def needs_values(self, what: str) -> None:
+        raise data_error(what)
 
     # ------------------------------------------------------------------ the model's costs
     def attach(self, model_config: dict, settings: dict) -> None:
