@@ -6,7 +6,9 @@ runtime's own code runs, device time and memory are modelled, the host's Python 
 settings are the RoundPipe paper's end-to-end ones (``../shared/reference``: sequence length 2048,
 fp16 with fp16 accumulation, asynchronous optimizer, ``microbatches_per_call`` microbatches per
 ``forward_backward``, ``accum_calls`` calls per optimizer step), with the policy pinned to RoundPipe
-and the partition the runtime chooses. For each case, steady-state steps (after the first):
+and the partition the runtime chooses: full fine-tuning of Qwen3-1.7B, Llama-3.1-8B and Qwen3-32B on
+8 GPUs and on one, and LoRA of Qwen3-235B-A22B on 8. For each case, steady-state steps (after the
+first):
 
 - tokens/s of the runtime, and of the simulator for the same table, microbatch sizes and workload
   (``sim.simulator.simulate``), and their ratio;
@@ -79,6 +81,9 @@ CASES = (
     Case("qwen3-1.7b 1x", "qwen3-1.7b", "rtx4090", 16, 4),
     Case("llama3.1-8b 1x", "llama3.1-8b", "rtx4090", 8, 4),
     Case("qwen3-32b 1x", "qwen3-32b", "rtx4090", 4, 4),
+    # LoRA r=32 on every nn.Linear (transformers >= 5 fuses each layer's experts into 3-D
+    # parameters, which "all-linear" does not reach: attention projections only)
+    Case("qwen3-235b-a22b lora 8x", "qwen3-235b-a22b", "8xrtx4090", 64, 10, 1, lora_rank=32),
 )
 QUICK = Case("llama3.1-8b 2 layers 2x", "llama3.1-8b", "2xrtx4090", 4, 2, 1, layers=2, seq=4096)
 
@@ -381,7 +386,11 @@ def write(results: list[dict], overhead_us: float, load: float) -> None:
         "against the simulator's idle time of the same step; the GPU with the most is shown. Host work: "
         "the modelled seconds of the host thread's jobs (gradient accumulation, the finiteness check, "
         "AdamW, the refresh of compute copies) per step, against the simulator's optimizer (fused "
-        "AdamW alone) and the step's wall time. The host "
+        "AdamW alone) and the step's wall time. Qwen3-235B-A22B: LoRA r=32, alpha 16, on every "
+        "nn.Linear (transformers fuses each layer's experts into 3-D parameters, which peft's "
+        "all-linear does not reach), transformers' grouped experts; the routing is modelled as the "
+        "cost model's uniform expert load, and each grouped product's read of its offsets is a host "
+        "sync on an RTX 4090 (torch's fallback; docs/virtual.md). The host "
         "CPU time includes the cpu backend's issue mode, a Python layer per operation that CUDA does "
         f"not have (docs/virtual.md): measured here at {overhead_us:.1f} us per operation, times the "
         f"operations a task issues, in brackets. Load average at the start: {load:.2f}."

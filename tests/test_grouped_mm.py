@@ -93,7 +93,10 @@ def test_eager_experts_on_a_virtual_server_are_refused_naming_the_read():
     model = _meta_moe()
     model.set_experts_implementation("eager")
     pipe = roundpipe.wrap(
-        model, roundpipe.RunConfig(devices="virtual:2xrtx4090", dtype="bf16", policy="roundpipe", num_microbatches=2)
+        model,
+        roundpipe.RunConfig(
+            devices="virtual:2xrtx4090", dtype="bf16", policy="roundpipe", num_microbatches=2
+        ),
     )
     try:
         pipe.configure_optimizer(lr=1e-4)
