@@ -105,3 +105,19 @@ def test_eager_experts_on_a_virtual_server_are_refused_naming_the_read():
             pipe.forward_backward(ids, ids)
     finally:
         pipe.close()
+
+
+def test_the_virtual_server_benchmark_reports_the_syncs_of_each_step():
+    """``benchmarks/virtual_server.py`` took a step's host syncs as the count after it less the
+    count before it, but each ``forward_backward`` starts the count afresh: a run making the same
+    syncs every step reported zero."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import virtual_server
+
+    case = virtual_server.Case("moe", "qwen3-235b-a22b", "2xrtx4090", 4, 2, 2, layers=1, seq=256, lora_rank=32)
+    r = virtual_server.run_case(case, 2)
+    # one MoE layer, two microbatches, two calls: its grouped products forward, recomputed, backward
+    assert r["host_syncs_per_step"] >= 2 * 2 * 2 * 2, r["host_syncs_per_step"]
