@@ -117,7 +117,9 @@ def test_the_virtual_server_benchmark_reports_the_syncs_of_each_step():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import virtual_server
 
-    case = virtual_server.Case("moe", "qwen3-235b-a22b", "2xrtx4090", 4, 2, 2, layers=1, seq=256, lora_rank=32)
+    case = virtual_server.Case(
+        "moe", "qwen3-235b-a22b", "2xrtx4090", 4, 2, 2, layers=1, seq=256, lora_rank=32
+    )
     r = virtual_server.run_case(case, 2)
     # one MoE layer, two microbatches, two calls: its grouped products forward, recomputed, backward
     assert r["host_syncs_per_step"] >= 2 * 2 * 2 * 2, r["host_syncs_per_step"]
