@@ -27,21 +27,25 @@ def _out_dtype(args, kwargs) -> torch.dtype:
     return out if out is not None else args[0].dtype
 
 
+def _bf16_throughout(args, kwargs) -> bool:
+    """Both inputs and the output are bf16 (the fast path's dtype, and the meta kernel's)."""
+    return args[0].dtype == args[1].dtype == _out_dtype(args, kwargs) == torch.bfloat16
+
+
 def reads_offsets(args, kwargs, fast_path: bool) -> bool:
     """Whether this call copies its group offsets to the host (a host sync on CUDA)."""
     offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
     if offs is None:
         return False
-    bf16 = args[0].dtype == args[1].dtype == _out_dtype(args, kwargs) == torch.bfloat16
-    return not (fast_path and bf16)
+    return not (fast_path and _bf16_throughout(args, kwargs))
 
 
 def meta_stand_ins(args, kwargs) -> tuple[tuple, dict, torch.dtype | None]:
     """Meta arguments the meta kernel accepts, and the dtype the outputs really have (None: as
     the meta kernel says)."""
-    real = _out_dtype(args, kwargs)
-    if args[0].dtype == args[1].dtype == real == torch.bfloat16:
+    if _bf16_throughout(args, kwargs):
         return tuple(args), dict(kwargs), None
+    real = _out_dtype(args, kwargs)
     bf16 = [a.to(torch.bfloat16) if i in (0, 1, 3) and a is not None else a for i, a in enumerate(args)]
     if len(bf16) > 4:
         bf16[4] = None
