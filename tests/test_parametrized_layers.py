@@ -5,6 +5,7 @@ parametrization on every call) train exactly like plain peft on several device t
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -82,3 +83,52 @@ def test_torch_keeps_one_parametrization_cache_for_every_thread():
 def test_a_confined_call_leaves_nothing_in_the_cache_and_reads_its_own_weights():
     first, second, left = _read_twice_while_another_thread_caches(confine=True)
     assert left == [] and torch.equal(second, 3 * first)
+
+
+class _HeldWhileTakingOut(dict):
+    """A parametrization cache whose iteration, on the thread named ``taker``, signals ``entered``
+    and waits for ``go``: that thread's confined call is caught taking its entries out."""
+
+    def __init__(self, entered: threading.Event, go: threading.Event):
+        super().__init__()
+        self.entered, self.go = entered, go
+
+    def __iter__(self):
+        if threading.current_thread().name == "taker":
+            self.entered.set()
+            self.go.wait(10)
+        return super().__iter__()
+
+
+def test_a_confined_read_dies_with_its_call_while_another_thread_takes_its_own_entries_out():
+    """A confined call's cached weight is dead when the call ends, even if another thread, taking
+    its own entries out of the cache, holds the dict the weight went into when this call's
+    cached() ended and torch put a fresh dict in its place (a device tensor the size of the
+    weight outliving its task, which the memory ledger reports)."""
+    entered, go = threading.Event(), threading.Event()
+    other = torch.nn.Linear(2, 2)
+    P._cache = _HeldWhileTakingOut(entered, go)
+
+    def take_out():
+        with confined_cache(other):
+            pass
+
+    taker = threading.Thread(target=take_out, name="taker")
+    release = threading.Timer(0.5, go.set)  # the taker finishes on its own, later
+    try:
+        taker.start()
+        assert entered.wait(10)
+        release.start()
+        lin = torch.nn.Linear(2, 2)
+        P.register_parametrization(lin, "weight", _Double())
+        with confined_cache(lin):
+            with P.cached():
+                read = weakref.ref(lin.weight)
+            assert P._cache_enabled == 0  # this call's cached() ended and replaced the dict
+        alive = read() is not None
+    finally:
+        go.set()
+        taker.join(10)
+        release.cancel()
+        P._cache = {}
+    assert not alive, "the weight read in the call outlived it, held by another thread's dict"

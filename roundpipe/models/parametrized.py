@@ -15,11 +15,12 @@ layer's issue may wait for its stream (a data-dependent op is a host sync), whos
 another device whose thread would wait for the lock. So instead each call of such a layer runs in
 :func:`confined_cache`, which takes the entries of the layer's own modules out of the cache when
 the call ends, on the issuing thread: whatever other threads do with the counter, no entry of a
-layer outlives its call.
+layer outlives its call (taking out is serialized, as the note at :func:`_take_out` says).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -45,9 +46,23 @@ def confined_cache(module: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        cache = parametrize._cache  # read now: the last cached() to end replaces the dict
-        for key in [k for k in list(cache) if k[0] in ids]:
-            cache.pop(key, None)
+        with _TAKING_OUT:
+            _take_out(ids)
+
+
+# Taking entries out holds the cache dict in a local. If the last cached() ends meanwhile on
+# another thread, torch puts a fresh dict in its place, and that thread's entries (read into the old
+# dict just before) live on in this local after that thread's call has ended and taken its entries
+# out of the fresh dict. One taker at a time, holding the dict only while it takes: a call that ends
+# while another takes waits until the other lets go, and with it any entry of its own in that dict.
+# Nothing here waits for a stream, so the lock cannot close a cycle with the workers.
+_TAKING_OUT = threading.Lock()
+
+
+def _take_out(ids: set[int]) -> None:
+    cache = parametrize._cache  # read now: the last cached() to end replaces the dict
+    for key in [k for k in list(cache) if k[0] in ids]:
+        cache.pop(key, None)
 
 
 def _parametrizes(module: nn.Module) -> bool:
