@@ -146,7 +146,7 @@ def test_exactly_one_policy_is_provisional_and_it_can_run_anything_auto_starts_w
 
 def test_the_simulators_default_policy_is_the_registrys():
     from roundpipe.sim.scenario import Scenario
-    from roundpipe.sim.tune import max_seq_len
+    from roundpipe.sim.seq_limit import max_seq_len
 
     fields = {f.name: f.default for f in dataclasses.fields(Scenario)}
     assert fields["policy"] == PROVISIONAL_POLICY

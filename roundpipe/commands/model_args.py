@@ -57,6 +57,14 @@ def add_model_args(ap: argparse.ArgumentParser, *, seq_required: bool = False) -
         "cpu preset, else the preset's); all model state lives there, so it decides what fits",
     )
     ap.add_argument(
+        "--rope-scaling",
+        default=None,
+        metavar="TYPE:FACTOR",
+        help="plan as if the model's config had this rope scaling (e.g. yarn:2) over its "
+        "max_position_embeddings: sequences up to FACTOR times as long; train with the same "
+        "rope_scaling in its config.json",
+    )
+    ap.add_argument(
         "--host-cores",
         default=None,
         metavar="N|this",
@@ -73,13 +81,13 @@ def _this_machine() -> tuple[int, int]:
     return int(psutil.virtual_memory().total), cores
 
 
-def target(args: argparse.Namespace) -> tuple[str, Any]:
+def target(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(model, server)`` for the simulator: the model name, checked to be one the presets or a
-    config.json describe, and the ``Server`` of ``--hardware`` with the host's RAM and cores (see
+    config.json describe (its config with ``--rope-scaling`` applied when given), and the ``Server`` of ``--hardware`` with the host's RAM and cores (see
     ``HOST_HELP``). ConfigError, once, for an unknown model or hardware or a bad host figure."""
     from roundpipe.presets import GIB, load_hardware, load_model_config
 
-    load_model_config(args.model)  # an unknown model is one error here, not one per candidate
+    config = load_model_config(args.model)  # an unknown model is one error here, not one per candidate
     server = load_hardware(args.hardware)
     here = server.gpu.name == "cpu"  # virtual cpu devices run on this machine
     overrides: dict[str, Any] = {}
@@ -101,7 +109,13 @@ def target(args: argparse.Namespace) -> tuple[str, Any]:
             what = "a number of GiB" if key == "host_memory_bytes" else "a whole number of cores"
             raise ConfigError(f"{flag} takes {what} > 0 or `this`, got {value!r}")
         overrides[key] = int(number * GIB) if key == "host_memory_bytes" else number
-    return args.model, load_hardware(args.hardware, **overrides)
+    server = load_hardware(args.hardware, **overrides)
+    if getattr(args, "rope_scaling", None):
+        from roundpipe.partition.positions import with_rope_scaling
+
+        name = config.get("_name_or_path") or args.model
+        return {**with_rope_scaling(config, args.rope_scaling), "_name_or_path": name}, server
+    return args.model, server
 
 
 def host_fields(server: Any) -> dict[str, Any]:

@@ -5,11 +5,14 @@ Examples::
 
     roundpipe plan --model qwen3-235b-a22b --hardware 8xrtx4090 --seq-len 4096 --lora-rank 16
     roundpipe plan --model qwen3-8b --hardware 8xrtx4090 --max-seq-len --json
+    roundpipe plan --model qwen3-1.7b --max-seq-len --dtype fp16 --rope-scaling yarn:2
     roundpipe plan --model qwen3-32b --hardware 8xrtx4090 --seq-len 4096 --nodes 2 --network 100gbe
 
 Prints the best plan and a ranked table of alternatives, or with ``--json`` one JSON object (the
 best plan's policy, num_microbatches, tokens_per_s, iteration_s, bubble_fraction, peak_gpu_bytes,
-peak_host_bytes, fits, plus ``alternatives`` and, when asked, ``max_seq_len``).
+peak_host_bytes, fits, plus ``alternatives``; with ``--max-seq-len``, ``max_seq_len``, the
+``binding_limit`` (GPU memory, host RAM or position embeddings), ``binding_detail`` in figures and,
+when the positions bind, ``memory_max_seq_len``: how long a sequence memory alone would allow).
 
 ``--nodes N`` (default 1: nothing changes) plans one node's pipeline on ``global_batch / N``
 sequences, then predicts ``N`` such servers reducing their fp32 CPU gradients over ``--network``
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from roundpipe.sim.data_parallel import check_sharding, local_batch
         from roundpipe.sim.network import check_nodes, load_network
-        from roundpipe.sim.tune import format_ranked, max_seq_len, tune
+        from roundpipe.sim.seq_limit import max_seq_len
+        from roundpipe.sim.tune import format_ranked, tune
 
         model, server = target(args)
         check_nodes(args.nodes)
@@ -89,20 +93,27 @@ def main(argv: list[str] | None = None) -> None:
                 )
             settings["global_batch"] = local_batch(args.global_batch, args.nodes)
         if args.max_seq_len:
-            n, res = max_seq_len(model, server, **model_settings(args))
+            limit = max_seq_len(model, server, **model_settings(args), optimizer=args.optimizer)
+            res = limit.result
             if args.json:
-                out = {"model": args.model, "hardware": args.hardware, "max_seq_len": n}
+                out = {"model": args.model, "hardware": args.hardware}
                 out.update(host_fields(server))
                 out.update(res.to_dict() if res is not None else {"fits": False})
-                out["max_seq_len"] = n
+                out.update(limit.to_dict())
                 print(dumps(out))
             else:
                 print(
                     f"{args.model} on {args.hardware} ({host_text(server)}): the longest sequence that "
-                    f"fits is {n} tokens (roundpipe)"
+                    f"fits is {limit.tokens:,} tokens ({res.policy if res is not None else 'no plan'})"
                 )
+                print(f"  binding limit     {limit.binding}: {limit.detail}")
                 if res is not None:
                     print(result_table(res))
+                if limit.plan is not None and limit.plan.round_size is not None:
+                    print(
+                        f"  rounds            of {limit.plan.round_size} microbatches "
+                        "(RunConfig.round_size: the host keeps two rounds' stage inputs)"
+                    )
             return
         if args.seq_len is None:
             raise ConfigError("give --seq-len N (or --max-seq-len to find the longest that fits)")

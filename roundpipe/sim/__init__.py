@@ -3,7 +3,8 @@
 - ``sim.simulate(table, workload, server, SimOptions(...)) -> SimResult``: one training step of any
   schedule table, with copy engines, shared PCIe uplinks, host memory and the CPU optimizer.
 - ``sim.Scenario`` / ``sim.run_scenario``: the same from a model name, a hardware spec and a policy.
-- ``sim.tune`` / ``sim.max_seq_len``: the search behind ``roundpipe plan``.
+- ``sim.tune``: the search behind ``roundpipe plan``; ``sim.seq_limit`` (``sim.max_seq_len``): the
+  longest sequence that fits and the limit that binds.
 - ``sim.gantt.save_gantt``: PNG chart of any ``Timeline`` (``roundpipe.schedule.timeline``).
 
 Pure Python: nothing here imports torch. Names are loaded on first use. The hardware and model
@@ -28,7 +29,7 @@ _EXPORTS = {
     "prepare": "roundpipe.sim.scenario",
     "run_scenario": "roundpipe.sim.scenario",
     "TuneResult": "roundpipe.sim.tune",
-    "max_seq_len": "roundpipe.sim.tune",
+    "max_seq_len": "roundpipe.sim.seq_limit",
     "tune": "roundpipe.sim.tune",
 }
 

@@ -28,6 +28,7 @@ from typing import Any, Literal, cast
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
 from roundpipe.partition.cost import check_fp16_accumulation, check_label_fraction, layer_times, model_costs
 from roundpipe.partition.model_plan import HEAD_SHARD_CANDIDATES, plan_partitions
+from roundpipe.partition.positions import check_positions
 from roundpipe.presets import Server, load_hardware, load_model_config, normalize_dtype
 from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
@@ -194,6 +195,7 @@ def prepare(s: Scenario) -> Prepared:
     model cannot be cut to fit) or ScheduleError (the policy cannot take this shape)."""
     hw, m, mbs = check_scenario(s)
     config = dict(s.model) if isinstance(s.model, Mapping) else load_model_config(s.model)
+    check_positions(config, s.seq_len, s.model_name)
     n_dev = hw.num_gpus
     notes: list[str] = []
     spec = POLICIES[s.policy]

@@ -148,6 +148,24 @@ def microbatch_candidates(policy: str, num_devices: int, batch: int) -> list[int
     return out
 
 
+def round_size_for_host(
+    policy: str, num_devices: int, num_microbatches: int, round_size: int | None
+) -> int | None:
+    """The next round size to try when a plan's saved inputs do not fit the host's RAM, or None.
+
+    A dealing policy (``round_size`` among its options) that runs the whole step as one round
+    keeps every microbatch's stage inputs until its backward; in rounds it keeps two rounds' worth.
+    Rounds of two microbatches per device come first, then one (each round adds a fill and a
+    drain), as long as the step holds more than one round.
+    """
+    if "round_size" not in policy_options(policy):
+        return None
+    for size in (2 * num_devices, num_devices):
+        if size < num_microbatches and (round_size is None or size < round_size):
+            return size
+    return None
+
+
 def stage_count(policy: str, num_devices: int, options: Mapping[str, Any], num_layers: int) -> int | None:
     """Stages ``policy`` places on the devices by default: None for a policy that takes any count,
     else its default stages per device, or ``stages_per_device`` times the grain option it was given

@@ -20,7 +20,8 @@ Search (everything under the memory limits the simulator checks):
    (and still fits), and the loop repeats while it improves (a bounded number of rounds).
 3. **Rank.** Fitting candidates first, by tokens/s; the rest after, with their reasons.
 
-``max_seq_len`` finds the longest sequence that fits (binary search on the simulator's verdict).
+The longest sequence that fits is ``sim.seq_limit``'s search, over the same microbatch counts and
+stage options.
 Pure Python.
 """
 
@@ -36,8 +37,9 @@ from typing import Literal, cast
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
 from roundpipe.partition.cost import layer_times, model_costs
 from roundpipe.partition.memory import device_reserve_bytes
+from roundpipe.partition.positions import check_positions
 from roundpipe.presets import load_model_config
-from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, TaskKind, build_table, policy_options
+from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, TaskKind, build_table
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.options import SimOptions
 from roundpipe.sim.result import SimResult
@@ -47,6 +49,7 @@ from roundpipe.sim.search import (
     Candidate,
     microbatch_candidates,
     partitions,
+    round_size_for_host,
     stage_options,
 )
 from roundpipe.sim.simulator import simulate
@@ -55,7 +58,6 @@ DEFAULT_TIME_BUDGET_S = 15.0
 REFINE_ROUNDS = 8
 REFINE_TOP = 2  # policies whose best candidates are refined
 REFINE_PER_POLICY = 2  # candidates refined per such policy
-SEQ_LEN_GRAIN = 128
 
 
 @dataclass(frozen=True)
@@ -372,6 +374,8 @@ def tune(
         fp16_accumulation=fp16_accumulation, head_shards=head_shards,
     )  # fmt: skip
     hw, _, _ = check_scenario(base)
+    config = dict(model) if isinstance(model, Mapping) else load_model_config(model)
+    check_positions(config, seq_len, base.model_name)  # one error before the search, not one per plan
     n_dev = hw.num_gpus
     names = list(policies) if policies else list(POLICIES)
     unknown = [p for p in names if p not in POLICIES]
@@ -392,11 +396,8 @@ def tune(
         if key not in seen:
             seen.add(key)
             found.append((cand, prep))
-        rounds = 2 * n_dev
-        if (
-            prep is not None and not res.fits and "host memory" in res.reason and s.round_size is None
-            and cand.num_microbatches > rounds and "round_size" in policy_options(s.policy)
-        ):  # fmt: skip
+        rounds = round_size_for_host(s.policy, n_dev, cand.num_microbatches, s.round_size)
+        if prep is not None and not res.fits and "host memory" in res.reason and rounds is not None:
             consider(replace(s, round_size=rounds))  # saved inputs of two rounds instead of the step
         return prep
 
@@ -474,61 +475,6 @@ def tune(
     return TuneResult(ranked[0], tuple(ranked), time.monotonic() - t0, tuple(notes))
 
 
-def max_seq_len(
-    model,
-    hardware="8xrtx4090",
-    *,
-    global_batch: int = 64,
-    microbatches: int | None = None,
-    lora_rank: int | None = None,
-    dtype: str = "bf16",
-    policy: str = PROVISIONAL_POLICY,
-    num_devices: int | None = None,
-    upper: int | None = None,
-    grain: int = SEQ_LEN_GRAIN,
-    label_fraction: float = 1.0,
-    fp16_accumulation: bool = False,
-) -> tuple[int, SimResult | None]:
-    """The longest sequence (a multiple of ``grain``) whose step fits device and host memory, and
-    its simulated result; ``(0, None)`` if not even ``grain`` tokens fit.
-
-    Binary search on the simulator's verdict; ``upper`` defaults to the model's
-    ``max_position_embeddings`` (or 1M tokens).
-    """
-    base = Scenario(
-        model, hardware, policy, seq_len=grain, global_batch=global_batch, microbatches=microbatches,
-        lora_rank=lora_rank, dtype=dtype, num_devices=num_devices, label_fraction=label_fraction,
-        fp16_accumulation=fp16_accumulation,
-    )  # fmt: skip
-    check_scenario(base)
-    if upper is None:
-        from roundpipe.presets import load_model_config
-
-        cfg = dict(model) if isinstance(model, dict) else load_model_config(model)
-        upper = int(cfg.get("max_position_embeddings") or (1 << 20))
-    opts = SimOptions(record_timeline=False)
-
-    def attempt(n: int) -> SimResult:
-        try:
-            return _evaluate(replace(base, seq_len=n * grain), opts)[1]
-        except RoundpipeError as err:
-            return failed_result(replace(base, seq_len=n * grain), str(err))
-
-    lo, hi = 0, max(1, upper // grain)
-    best: SimResult | None = None
-    top = attempt(hi)
-    if top.fits:
-        return hi * grain, top
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        r = attempt(mid)
-        if r.fits:
-            lo, best = mid, r
-        else:
-            hi = mid
-    return lo * grain, best
-
-
 def format_ranked(result: TuneResult, limit: int = 15) -> str:
     """The ranked candidates as a readable table."""
     rows = [
@@ -552,7 +498,6 @@ __all__ = [
     "Candidate",
     "TuneResult",
     "format_ranked",
-    "max_seq_len",
     "refine",
     "stage_blame",
     "tune",
