@@ -220,3 +220,25 @@ def test_data_packing_trains_on_rows_whose_position_ids_restart_per_sample(tmp_p
             else:
                 assert row_positions[t] == row_positions[t - 1] + 1
     assert restarts >= 8  # rows do hold several samples
+
+
+def test_the_trainer_refuses_rows_longer_than_the_models_positions(tmp_path, monkeypatch):
+    """Packed rows of 96 tokens for a model configured for 64 positions: rotary angles the model never
+    learned, which transformers does not refuse. The trainer does, before any weight is read."""
+    from test_train import _recipe
+
+    from roundpipe.runtime import Pipeline
+    from roundpipe.train.recipe import config_from_dict
+    from roundpipe.train.trainer import Trainer
+
+    def no_pipeline(*_, **__):
+        raise AssertionError("the refusal comes before the pipeline reads any weight")
+
+    monkeypatch.setattr(Pipeline, "__init__", no_pipeline)
+    recipe = _recipe(
+        tmp_path, data={"packing": True, "max_length": 96}, run={"max_steps": 1, "grad_accum": 1}
+    )
+    with pytest.raises(
+        ConfigError, match=r"data\.max_length: rows of 96 tokens .* 64 positions.*rope_scaling"
+    ):
+        Trainer(config_from_dict(recipe), log=lambda *_: None).fit()

@@ -112,3 +112,34 @@ def test_with_rope_scaling_stretches_the_configs_own_positions():
     assert position_limit(config) == 81_920
     with pytest.raises(ConfigError, match="FACTOR above 1"):
         with_rope_scaling(config, "yarn:0.5")
+
+
+@pytest.mark.slow
+def test_qwen3_32b_at_the_planned_longest_sequence_runs_on_the_virtual_server_within_24_gib():
+    """The runtime keeps the plan's promise: Qwen3-32B's layers (two of them; every decoder layer is
+    alike) at the longest sequence the planner finds for 800 GB of host RAM, one layer per stage, one
+    sequence per microbatch, on a virtual 8x RTX 4090, its memory guard passed and every GPU's
+    reserved peak within 24 GiB."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import roundpipe
+
+    server = load_hardware("8xrtx4090", host_memory_bytes=int(PAPER_HOST_GIB * GIB))
+    tokens = max_seq_len("qwen3-32b", server, dtype="fp16").tokens
+    assert tokens >= 28_672
+    config = {**load_model_config("qwen3-32b"), "num_hidden_layers": 2}
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    run = roundpipe.RunConfig(
+        devices="virtual:8xrtx4090", dtype="fp16", fp16_accumulation=True, policy="roundpipe",
+        num_microbatches=8, partition=None, sanitize=False,
+    )  # fmt: skip
+    with roundpipe.wrap(model, run) as pipe:
+        pipe.configure_optimizer(lr=1e-5)
+        ids = torch.randint(0, 1000, (8, tokens))
+        pipe.forward_backward(ids, ids)
+        pipe.step()
+        peaks = [d.memory.reserved_peak for d in pipe.backend.devices]
+    assert max(peaks) <= 24 * GIB, [round(p / GIB, 2) for p in peaks]

@@ -183,6 +183,43 @@ def _block_linears(shape: ModelShape, layer: int, lora_experts: bool) -> list[_L
     return out
 
 
+SAVED, TRANSIENT = "saved", "transient"
+TRANSIENT_GRADS = "transient: gradients of the block's input and output"
+TRANSIENT_ATTENTION = "transient: attention projections' gradients"
+TRANSIENT_MLP = "transient: MLP (or experts') widest part and its gradient"
+
+
+def _mlp_widths(shape: ModelShape, layer: int) -> tuple[int, int, int]:
+    """``(I_act, dispatch, extra fp32)`` per token: the MLP's active width (``I`` or ``k I_moe``),
+    an MoE's dispatched copies and expert outputs (``2kH``) and its router's fp32 values (``2E``)."""
+    if shape.is_moe(layer):
+        k, im, e = shape.experts_per_tok, shape.expert_width, shape.num_experts
+        return k * im, 2 * k * shape.hidden, 2 * e
+    return shape.dense_width, 0, 0
+
+
+def activation_parts(shape: ModelShape, layer: int, tokens: int, b: int) -> dict[str, int]:
+    """A block's activation bytes at ``tokens`` tokens by part (module docstring): the ``saved``
+    parts autograd keeps while its stage recomputes, the ``transient`` ones alive while it
+    backpropagates (a layer takes its gradients' and the larger of the other two)."""
+    h, q, kv, heads = shape.hidden, shape.q_dim, shape.kv_dim, shape.heads
+    i_act, dispatch, extra_fp32 = _mlp_widths(shape, layer)
+    return {
+        "saved: block input, norms and mid-residual": tokens * b * 4 * h,
+        "saved: attention (projections, q/k norms, rotary, output)": tokens
+        * b
+        * ((q + 2 * kv) + (q + kv if shape.qk_norm else 0) + (q + kv) + q),
+        "saved: MLP intermediates (gate, up, activation, product)": tokens * b * 4 * i_act,
+        "saved: MoE dispatched copies and expert outputs": tokens * b * dispatch,
+        "saved: fp32 statistics (attention log-sum-exp, norms, router)": tokens
+        * FP32
+        * (heads + 2 + extra_fp32),
+        TRANSIENT_GRADS: tokens * b * 2 * h,
+        TRANSIENT_ATTENTION: tokens * b * 2 * (q + 2 * kv),
+        TRANSIENT_MLP: tokens * b * (3 * i_act + dispatch),
+    }
+
+
 def _block_cost(
     shape: ModelShape,
     layer: int,
@@ -208,16 +245,10 @@ def _block_cost(
     fwd = matmul + lora_flops + attn_core
     bwd = matmul * (2.0 if full else 1.0) + 2.0 * lora_flops + ATTENTION_BWD_FACTOR * attn_core
 
-    if shape.is_moe(layer):
-        k, im, e = shape.experts_per_tok, shape.expert_width, shape.num_experts
-        i_act, mlp_saved, extra_fp32, dispatch = k * im, 4 * k * im + 2 * k * h, 2 * e, 2 * k * h
-    else:
-        i_act = shape.dense_width
-        mlp_saved, extra_fp32, dispatch = 4 * i_act, 0, 0
-    attn_saved = (q + 2 * kv) + (q + kv if shape.qk_norm else 0) + (q + kv) + q
-    saved_el = 4 * h + attn_saved + mlp_saved
-    saved = tokens * (b * saved_el + FP32 * (heads + 2 + extra_fp32))
-    transient = tokens * b * (2 * h + max(2 * (q + 2 * kv), 3 * i_act + dispatch))
+    parts = activation_parts(shape, layer, tokens, b)
+    saved = sum(v for k, v in parts.items() if k.startswith(SAVED))
+    transient = parts[TRANSIENT_GRADS] + max(parts[TRANSIENT_ATTENTION], parts[TRANSIENT_MLP])
+    i_act, dispatch, extra_fp32 = _mlp_widths(shape, layer)
     fwd_work = tokens * b * (2 * h + max(2 * q + 2 * kv, 3 * i_act + dispatch)) + tokens * FP32 * extra_fp32
 
     params = base_params + lora_params

@@ -69,6 +69,7 @@ class SeqLimit:
         return {
             "max_seq_len": self.tokens,
             "round_size": self.plan.round_size if self.plan is not None else None,
+            "stages": self.plan.stages if self.plan is not None else None,
             "binding_limit": self.binding,
             "binding_detail": self.detail,
             "memory_max_seq_len": self.memory_tokens,

@@ -171,6 +171,7 @@ class Trainer:
         self._warn_warmup(total_steps)
         model, weights = model_for_run(self.config, tokenizer, self.log)
         self._check_packing(model)
+        self._check_positions(model, splits)
         pipe_config = run_config_for(self.config, model, self.ranks, self.log)
         with Pipeline(model, pipe_config, weights=weights) as pipe:
             run = _Run(pipe, model, tokenizer, splits, batches, total_steps, checkpoints)
@@ -287,6 +288,20 @@ class Trainer:
         refusal = self.config.data.packing and packing_refusal_of(model)
         if refusal:
             raise ConfigError(f"data.packing: {refusal}")
+
+    def _check_positions(self, model, splits: DataSplits) -> None:
+        """Refuse rows longer than the model's config reaches (``partition.positions``: its
+        positions, or what its rope scaling stretches them to), before any weight is read."""
+        from roundpipe.partition.positions import check_positions
+
+        data = self.config.data
+        samples = [*splits.train, *splits.eval]
+        longest = data.max_length if data.packing else max((len(s.input_ids) for s in samples), default=0)
+        try:
+            check_positions(model.config.to_dict(), longest)
+        except ConfigError as err:
+            what = "packed rows" if data.packing else "its longest sample"
+            raise ConfigError(f"data.max_length: rows of {longest} tokens ({what}): {err}") from None
 
     def _prepare_pipeline(self, pipe) -> None:
         """Check the ranks the pipeline joined, log its layers and devices, set up its optimizer."""
