@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  binding limit     {limit.binding}: {limit.detail}")
                 if res is not None:
                     print(result_table(res))
-                if limit.plan is not None and limit.plan.stages is not None:
-                    forward, backward = limit.plan.stages
-                    print(f"  stages            {forward} forward, {backward} backward")
+                stages = limit.plan.stages if limit.plan is not None else None
+                if isinstance(stages, tuple):
+                    print(f"  stages            {stages[0]} forward, {stages[1]} backward")
                 if limit.plan is not None and limit.plan.round_size is not None:
                     print(
                         f"  rounds            of {limit.plan.round_size} microbatches "
