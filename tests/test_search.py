@@ -13,6 +13,7 @@ import pytest
 import roundpipe.sim.tune as tune  # the module; the package also exports a function of that name
 from roundpipe.partition.cost import layer_times, model_costs
 from roundpipe.partition.memory import device_reserve_bytes
+from roundpipe.partition.model_plan import EVERY_LAYER
 from roundpipe.presets import load_hardware, load_model_config
 from roundpipe.schedule import POLICIES
 from roundpipe.sim import choice, scenario, search
@@ -135,18 +136,24 @@ def test_the_runtime_and_the_tuner_consider_the_same_policies_and_counts():
 
 
 def test_the_runtime_tries_every_stage_grain_the_tuner_tries():
-    """Interleaved's 2 and 4 stages per device, roundpipe's objective grains and its (1, 2) and
-    (2, 2) stages per device: the runtime's candidates hold every stage option of
+    """Interleaved's 2 and 4 stages per device, roundpipe's objective grains, its (1, 2) and (2, 2)
+    stages per device and its finest recompute grain (one layer per backward stage beside 1, 2 and 3
+    forward stages per device): the runtime's candidates hold every stage option of
     ``search.stage_options``, as the tuner's grid does."""
     policies = ["roundpipe", "interleaved"]
     chosen = _runtime_choice("qwen3-0.6b", "4xrtx4090", 4, 4096, 16, policies, 1)
     tried = {(c.policy, c.stages) for c in chosen.ranked}
+    layers = 28 + 2  # embed, the blocks, the head
     assert {("interleaved", (8, 8)), ("interleaved", (16, 16))} <= tried
     assert {("roundpipe", (4, 8)), ("roundpipe", (8, 8))} <= tried
-    objective = {s for p, s in tried if p == "roundpipe"} - {(4, 8), (8, 8)}
+    finest = {(4, layers), (8, layers), (12, layers)}
+    assert {("roundpipe", f) for f in finest} <= tried
+    objective = {s for p, s in tried if p == "roundpipe"} - {(4, 8), (8, 8)} - finest
     assert objective  # the objective's own grains besides the count grains
-    for options in (search.stage_options("interleaved", 4), search.stage_options("roundpipe", 4)):
-        assert options == [8, 16] or options == [None, (4, 8), (8, 8)]
+    assert search.stage_options("interleaved", 4) == [8, 16]
+    assert search.stage_options("roundpipe", 4) == [
+        None, (4, 8), (8, 8), (4, EVERY_LAYER), (8, EVERY_LAYER), (12, EVERY_LAYER)
+    ]  # fmt: skip
 
 
 def test_the_tuner_refines_only_its_refine_top_best_policies(monkeypatch):

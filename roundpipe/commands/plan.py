@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     try:
+        from roundpipe.partition.model_plan import EVERY_LAYER
         from roundpipe.sim.data_parallel import check_sharding, local_batch
         from roundpipe.sim.network import check_nodes, load_network
         from roundpipe.sim.seq_limit import max_seq_len
@@ -111,7 +112,12 @@ def main(argv: list[str] | None = None) -> None:
                     print(result_table(res))
                 stages = limit.plan.stages if limit.plan is not None else None
                 if isinstance(stages, tuple):
-                    print(f"  stages            {stages[0]} forward, {stages[1]} backward")
+                    backward = (
+                        "one layer per backward stage"
+                        if stages[1] == EVERY_LAYER
+                        else f"{stages[1]} backward"
+                    )
+                    print(f"  stages            {stages[0]} forward, {backward}")
                 if limit.plan is not None and limit.plan.round_size is not None:
                     print(
                         f"  rounds            of {limit.plan.round_size} microbatches "

@@ -183,6 +183,9 @@ def _resolve(
     return name, config, hw, hw_name
 
 
+EVERY_LAYER = -1  # a backward stage count: one layer per backward stage, however many layers
+
+
 def _stage_counts(stages: int | tuple[int, int] | None) -> tuple[int | None, int | None]:
     if stages is None:
         return None, None
@@ -257,7 +260,9 @@ def cut_phases(
 ) -> tuple[PartitionResult, PartitionResult]:
     """The forward and backward partitions of a separate-partition plan: ``grain``'s when one is
     given, else each phase cut on its own by the exact minimum-bottleneck partitioner (``stages``:
-    counts, or None for the smallest multiple of the devices that fits); then, while the device
+    counts, or None for the smallest multiple of the devices that fits; a backward count of
+    :data:`EVERY_LAYER` is one layer per stage, the forward count then at most the layers); then,
+    while the device
     interleaving the last forward and backward stages is over ``budget`` and the forward count is
     free, more forward stages. The rule :func:`plan_partitions` and the plan search (``sim/search.py``) share.
 
@@ -265,6 +270,8 @@ def cut_phases(
         PlanError: no partition fits (the message names the bytes and the levers).
     """
     sf, sb = _stage_counts(stages)
+    if sb == EVERY_LAYER:  # the finest recompute grain, whatever the layer count (head shards too)
+        sb, sf = len(costs), None if sf is None else min(sf, len(costs))
     if grain is not None:
         fwd = partition_result(grain.forward, fwd_t, costs, "forward", reserve)
         bwd = partition_result(grain.backward, bwd_t, costs, "backward", reserve)

@@ -21,7 +21,8 @@ linear scaling of measured times cannot see: beyond 8 per device its predicted g
 that error, and every simulated count costs the tuner time.
 
 **Stage options** (:func:`stage_options`): a policy with separate forward and backward partitions
-(``roundpipe``) tries its free grain and :data:`COUNT_GRAINS`; the others their registry grains
+(``roundpipe``) tries its free grain, :data:`COUNT_GRAINS` and the finest recompute grain (one
+layer per backward stage); the others their registry grains
 (interleaved and hanayo 2 and 4 stages per device, the rest one), or the grain its options set.
 
 **Partitions** (:func:`partitions`, every option at once: :func:`stage_plans`): a free grain is the
@@ -46,7 +47,7 @@ from roundpipe.errors import ConfigError, PlanError
 from roundpipe.partition.cost import LayerCost
 from roundpipe.partition.grain import grain_choices
 from roundpipe.partition.memory import memory_vectors
-from roundpipe.partition.model_plan import cut_phases
+from roundpipe.partition.model_plan import EVERY_LAYER, cut_phases
 from roundpipe.partition.partitioner import optimal_partition
 from roundpipe.schedule import POLICIES, policy_options
 from roundpipe.schedule.table import Partition
@@ -56,6 +57,7 @@ MICROBATCHES_PER_DEVICE = (1, 2, 4, 8)
 ONE_PER_MICROBATCH_UP_TO = 16  # one sample per microbatch is tried up to this many per device
 OBJECTIVE_GRAINS = 3  # grains of the RoundPipe objective tried per microbatch count, best first
 COUNT_GRAINS = ((1, 2), (2, 2))  # (forward, backward) stages per device, each phase cut on its own
+FINEST_FORWARD_PER_DEVICE = (1, 2, 3)  # forward stages per device beside a layer per backward stage
 
 
 @dataclass(frozen=True)
@@ -191,11 +193,18 @@ def stage_options(
 ) -> list:
     """Stage counts a search tries: ``None`` is the policy's default (for a free grain, the
     objective's best grains); a free-grain policy adds ``(f * devices, b * devices)`` for each of
-    ``count_grains``, the others their registry grains."""
+    ``count_grains`` and the finest recompute grain, one layer per backward stage
+    (``EVERY_LAYER``) beside :data:`FINEST_FORWARD_PER_DEVICE` forward stages per device (what a
+    long sequence needs, and the objective's grains seldom reach); the others their registry
+    grains."""
     spec = POLICIES[policy]
-    if spec.separate_partitions:
-        return [None, *((f * num_devices, b * num_devices) for f, b in count_grains)]
-    return spec.stage_options(num_devices)
+    if not spec.separate_partitions:
+        return spec.stage_options(num_devices)
+    return [
+        None,
+        *((f * num_devices, b * num_devices) for f, b in count_grains),
+        *((f * num_devices, EVERY_LAYER) for f in FINEST_FORWARD_PER_DEVICE),
+    ]
 
 
 def default_partition(

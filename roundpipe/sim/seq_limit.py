@@ -5,9 +5,8 @@ Three limits bound a sequence: the positions the model is configured for
 length (binary search in steps of ``grain`` tokens) and asks at each length whether *any* plan of
 the policy fits, not one default plan: the microbatch counts of ``search.microbatch_candidates``,
 smallest microbatches first (they need the least device memory), each with the policy's stage
-options (``search.stage_options``) and the finest recompute grain, one layer per backward stage
-(beside 1, 2 or 3 forward stages per device: the grain the paper runs its longest sequences at,
-which the objective's grains seldom reach), and, when a
+options (``search.stage_options``, the finest recompute grain among them: one layer per backward
+stage, the grain the paper runs its longest sequences at), and, when a
 plan's saved inputs overflow the host, rounds of microbatches instead of the whole step
 (``search.round_size_for_host``). Each plan is judged by the simulator: device memory by the memory
 rule and the simulated peaks, host RAM against ``Server.host_memory_bytes``, both hard limits.
@@ -33,7 +32,7 @@ from roundpipe.partition.cost import model_costs
 from roundpipe.partition.memory import device_reserve_bytes, pair_peak_bytes
 from roundpipe.partition.positions import position_limit, scaling_needed
 from roundpipe.presets import load_model_config
-from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY
+from roundpipe.schedule import PROVISIONAL_POLICY
 from roundpipe.schedule.table import Partition
 from roundpipe.sim.options import SimOptions
 from roundpipe.sim.result import SimResult
@@ -43,7 +42,6 @@ from roundpipe.sim.simulator import simulate
 
 SEQ_LEN_GRAIN = 128
 MEMORY_SEARCH_UPPER = 1 << 20  # tokens: how far past the positions the memory-only search looks
-FORWARD_STAGES_PER_DEVICE = (1, 2, 3)  # beside one layer per backward stage
 GPU, HOST, POSITIONS = "GPU memory", "host RAM", "position embeddings"
 
 
@@ -88,10 +86,6 @@ def plans_at(base: Scenario, seq_len: int, opts: SimOptions) -> Iterator[tuple[S
     n_dev = hw.num_gpus
     counts = microbatch_candidates(base.policy, n_dev, base.global_batch) or [base.global_batch]
     options = stage_options(base.policy, n_dev)
-    if POLICIES[base.policy].separate_partitions:  # the finest recompute grain: a layer per backward stage
-        config = dict(base.model) if isinstance(base.model, Mapping) else load_model_config(base.model)
-        layers = len(model_costs(config, seq_len, 1, dtype=base.dtype, lora_rank=base.lora_rank))
-        options += [(f * n_dev, layers) for f in FORWARD_STAGES_PER_DEVICE if f * n_dev < layers]
     for m in sorted(counts, reverse=True):
         for stages in options:
             plan: Scenario | None = replace(base, seq_len=seq_len, microbatches=m, stages=stages)
