@@ -16,7 +16,14 @@ import argparse
 
 from _common import write_results
 
-from roundpipe.partition.cost import SAVED, TRANSIENT, activation_parts, model_costs
+from roundpipe.partition.cost import (
+    SAVED,
+    TRANSIENT_ATTENTION,
+    TRANSIENT_GRADS,
+    TRANSIENT_MLP,
+    activation_parts,
+    model_costs,
+)
 from roundpipe.partition.memory import device_reserve_bytes, largest_others
 from roundpipe.partition.shape import model_shape
 from roundpipe.presets import GIB, load_hardware, load_model_config
@@ -52,14 +59,8 @@ def device_rows(model: str, lora: int | None, tokens: int, hw) -> dict[str, int]
         "gradients of the previous stage draining": draining[i],
     }
     rows.update({k: v for k, v in parts.items() if k.startswith(SAVED)})
-    widest = max((k for k in parts if k.startswith(TRANSIENT) and "input and output" not in k), key=parts.get)
-    rows.update(
-        {
-            k: v
-            for k, v in parts.items()
-            if k.startswith(TRANSIENT) and ("input and output" in k or k == widest)
-        }
-    )
+    widest = max((TRANSIENT_ATTENTION, TRANSIENT_MLP), key=parts.__getitem__)  # the rule takes the larger
+    rows[TRANSIENT_GRADS], rows[widest] = parts[TRANSIENT_GRADS], parts[widest]
     rows["workspace (CUDA context, cuBLAS)"] = device_reserve_bytes(hw)
     assert sum(v for k, v in rows.items() if k.startswith(SAVED)) == layer.saved_bytes
     return rows

@@ -183,7 +183,7 @@ def _block_linears(shape: ModelShape, layer: int, lora_experts: bool) -> list[_L
     return out
 
 
-SAVED, TRANSIENT = "saved", "transient"
+SAVED = "saved"  # the prefix of the parts autograd keeps (the others are "transient: ...")
 TRANSIENT_GRADS = "transient: gradients of the block's input and output"
 TRANSIENT_ATTENTION = "transient: attention projections' gradients"
 TRANSIENT_MLP = "transient: MLP (or experts') widest part and its gradient"

@@ -150,6 +150,11 @@ def microbatch_candidates(policy: str, num_devices: int, batch: int) -> list[int
     return out
 
 
+def overflows_host(result: SimResult, host_memory_bytes: int | None) -> bool:
+    """Whether a simulated plan needs more host RAM than the host has (None: not modelled)."""
+    return host_memory_bytes is not None and result.peak_host_bytes > host_memory_bytes
+
+
 def round_size_for_host(
     policy: str, num_devices: int, num_microbatches: int, round_size: int | None
 ) -> int | None:
@@ -337,6 +342,7 @@ __all__ = [
     "Candidate",
     "default_partition",
     "microbatch_candidates",
+    "overflows_host",
     "partitions",
     "runs_here",
     "stage_count",

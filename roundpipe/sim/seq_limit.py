@@ -12,9 +12,10 @@ plan's saved inputs overflow the host, rounds of microbatches instead of the who
 rule and the simulated peaks, host RAM against ``Server.host_memory_bytes``, both hard limits.
 
 The answer (:class:`SeqLimit`) holds the fastest plan that fits at the longest length and, one step
-longer, the limit that binds and by how much: host RAM when some plan there fits the GPUs but not
-the host (the least RAM such a plan needs), else GPU memory (the least any plan needs per device:
-the simulated peak, or the memory rule's for one layer per stage when no plan could be cut). When
+longer, the limit that binds and by how much: of the plans that could be cut there, the one nearest
+to fitting (its larger share of a GPU's memory or of the host's RAM the smallest) names the limit it
+overruns more and what it needs of both; when none could be cut, the GPUs, with the memory rule's
+bytes for one layer per stage. When
 the positions bind, the search goes on past them on memory alone, so the answer also says how long
 a sequence the memory would take and what rope scaling that needs.
 
@@ -37,7 +38,7 @@ from roundpipe.schedule.table import Partition
 from roundpipe.sim.options import SimOptions
 from roundpipe.sim.result import SimResult
 from roundpipe.sim.scenario import Scenario, check_scenario, failed_result, prepare
-from roundpipe.sim.search import microbatch_candidates, round_size_for_host, stage_options
+from roundpipe.sim.search import microbatch_candidates, overflows_host, round_size_for_host, stage_options
 from roundpipe.sim.simulator import simulate
 
 SEQ_LEN_GRAIN = 128
@@ -97,8 +98,8 @@ def plans_at(base: Scenario, seq_len: int, opts: SimOptions) -> Iterator[tuple[S
                 except RoundpipeError as err:
                     res = failed_result(s, f"{type(err).__name__}: {err}")
                 yield s, res
-                host_short = res.peak_host_bytes > (hw.host_memory_bytes or res.peak_host_bytes)
-                rounds = round_size_for_host(s.policy, n_dev, m, s.round_size) if host_short else None
+                short = overflows_host(res, hw.host_memory_bytes)
+                rounds = round_size_for_host(s.policy, n_dev, m, s.round_size) if short else None
                 plan = replace(s, round_size=rounds) if rounds is not None else None
 
 
@@ -120,8 +121,9 @@ def _search(
     monotone in the length: true of each plan shape (a longer sequence never needs less memory),
     and of the search as a whole because the finest grain and the smallest rounds are always among
     the plans tried."""
-    if _fits(base, hi * grain, opts):
-        return hi, _fastest(plans_at(base, hi * grain, opts))
+    top = _fastest(plans_at(base, hi * grain, opts))  # every plan there: as many as a miss costs
+    if top is not None:
+        return hi, top
     best = None
     first, lo = lo, lo - 1
     while hi - lo > 1:
@@ -194,7 +196,6 @@ def max_seq_len(
     """The longest sequence (a multiple of ``grain``) that some plan of ``policy`` fits on the
     GPUs and the host, its fastest plan there and the limit that binds (module docstring)."""
     config = dict(model) if isinstance(model, Mapping) else load_model_config(model)
-    name = str(model) if not isinstance(model, Mapping) else str(config.get("_name_or_path") or "the model")
     base = Scenario(
         model, hardware, policy, seq_len=grain, global_batch=global_batch, lora_rank=lora_rank,
         dtype=dtype, num_devices=num_devices, label_fraction=label_fraction,
@@ -213,7 +214,7 @@ def max_seq_len(
             replace(base, model=unbounded), top + 1, MEMORY_SEARCH_UPPER // grain, grain, opts
         )
         memory = max(beyond, top) * grain
-        detail = f"{name} is configured for {positions:,} positions"
+        detail = f"{base.model_name} is configured for {positions:,} positions"
         if beyond > top:
             detail += (
                 f"; the GPUs and host would take {memory:,} tokens with {scaling_needed(config, memory)}"

@@ -48,6 +48,7 @@ from roundpipe.sim.search import (
     OBJECTIVE_GRAINS,
     Candidate,
     microbatch_candidates,
+    overflows_host,
     partitions,
     round_size_for_host,
     stage_options,
@@ -397,7 +398,7 @@ def tune(
             seen.add(key)
             found.append((cand, prep))
         rounds = round_size_for_host(s.policy, n_dev, cand.num_microbatches, s.round_size)
-        if prep is not None and not res.fits and "host memory" in res.reason and rounds is not None:
+        if prep is not None and overflows_host(res, hw.host_memory_bytes) and rounds is not None:
             consider(replace(s, round_size=rounds))  # saved inputs of two rounds instead of the step
         return prep
 
