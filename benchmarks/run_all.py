@@ -166,6 +166,8 @@ def summary_markdown(runs: list[dict], info: dict) -> str:
         "",
         *(f"- {k}: {v}" for k, v in info.items()),
         "",
+        "What `scripts/gpu_check.sh` measured on a real GPU is in [gpu.md](gpu.md).",
+        "",
         "| benchmark | what | seconds | status |",
         "|---|---|---|---|",
     ]

@@ -283,11 +283,17 @@ def lanes(device: str, steps: int = 3) -> dict:
         config["vocab_size"] = 4096
     out: dict = {"device": device, "virtual_spec": f"virtual:{preset}", "preset_from": how}
     ids = torch.randint(0, 1000, (case.batch, case.seq))
+    t0 = time.perf_counter()
+
+    def progress(what: str) -> None:  # where the time goes, in the log of a run cut short
+        print(f"lanes: {what} at {time.perf_counter() - t0:.1f} s", flush=True)
+
     for name, spec in (("real", device), ("virtual", f"virtual:{preset}")):
         if name == "virtual":
             model = meta_model(case)
         else:
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
+        progress(f"{name} model built")
         # The wrap-time proof runs on a tiny twin: on the model itself (0.4-0.5B parameters, under
         # the size at which the proof goes tiny by itself) it takes minutes of host CPU time.
         run = roundpipe.RunConfig(
@@ -300,9 +306,11 @@ def lanes(device: str, steps: int = 3) -> dict:
         )
         with roundpipe.wrap(model, run) as pipe:
             pipe.configure_optimizer(lr=1e-5)
-            for _ in range(steps):
+            progress(f"{name} model wrapped on {spec}")
+            for i in range(steps):
                 pipe.forward_backward(ids, ids)
                 pipe.step()
+                progress(f"{name} step {i + 1} of {steps}")
             out[name] = lane_breakdown(pipe)
     return out
 

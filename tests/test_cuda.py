@@ -11,6 +11,7 @@ shrinks its model and reads the cpu devices' measured peaks instead of torch.cud
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
@@ -52,6 +53,7 @@ try:
 
     import roundpipe
     from roundpipe.config import known_policies
+    from roundpipe.partition.memory import cublas_reserve_bytes
 except Exception as e:  # an older torch / transformers than roundpipe can even import with
     if not older_than_tested():
         raise
@@ -183,7 +185,10 @@ def test_bf16_lora_training_lowers_the_loss():
 def test_the_ledger_peak_bounds_what_is_really_allocated():
     """The ledger counts what the runtime places (weights, activations, gradients); the real peak
     (torch.cuda's allocator; the cpu devices' measured live bytes in a dry run) adds the compute's
-    own temporaries, which for these tiny layers stay within a few MiB."""
+    own temporaries, which for these tiny layers stay within a few MiB, and cuBLAS's workspaces,
+    which the runtime keeps out of the ledger's budget as allocation slack (two per compute stream:
+    2 x 33 MiB on an H100 or H200, 2 x 9.1 MiB on other GPUs; the first GPU run measured 64.2 MiB
+    above the ledger's peak on an H200, over the 64 MiB this test first allowed)."""
     model = build_or_skip(
         "tests/support/tiny_models.make_model('llama')", lambda: make_model("llama", num_layers=3)
     )
@@ -206,6 +211,8 @@ def test_the_ledger_peak_bounds_what_is_really_allocated():
         ledger_peak = planning_ledger(dev).peak
         measured = dev.memory.peak if measured_memory_is_live(dev) else None
         largest = max(pipe.store.layer_bytes)
+    capability = torch.cuda.get_device_capability(0) if on_gpu() else None
+    cublas = cublas_reserve_bytes(capability, env=os.environ)
     if on_gpu():
         real_peak = torch.cuda.max_memory_allocated() - base
     elif measured is not None:
@@ -214,10 +221,10 @@ def test_the_ledger_peak_bounds_what_is_really_allocated():
         pytest.skip("dry run: this runtime's Device.memory is the ledger itself, nothing measured to compare")
     print(
         f"\nledger peak {ledger_peak / MiB:.3f} MiB, real peak {real_peak / MiB:.3f} MiB, "
-        f"largest layer {largest / MiB:.3f} MiB"
+        f"largest layer {largest / MiB:.3f} MiB, cuBLAS workspaces {cublas / MiB:.3f} MiB"
     )
     assert largest <= ledger_peak <= real_peak + 1
-    assert real_peak < ledger_peak + 64 * MiB
+    assert real_peak < ledger_peak + cublas + 8 * MiB
 
 
 # ----------------------------------------------------------------------------- CUDA's clock

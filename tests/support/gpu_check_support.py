@@ -415,23 +415,31 @@ def slow_compute(factor: float = 3.0, sleep_cycles: int = 2_000_000):
         return
     from roundpipe.backend.cuda import CudaStream
 
-    submit = CudaStream.submit
+    with compute_delayed(CudaStream, lambda: torch.cuda._sleep(sleep_cycles)):
+        yield
 
-    def late(self, fn, label=None, name=None):
+
+@contextmanager
+def compute_delayed(stream_class: type, delay):
+    """Patch ``stream_class.submit`` so that each closure given to a compute stream calls
+    ``delay()`` before its work (on a GPU: queues a sleep kernel ahead of it)."""
+    submit = stream_class.submit
+
+    def late(self, fn, *args, **kwargs):  # submit's other arguments, whatever they are, passed on
         if self.name != "compute":
-            return submit(self, fn, label, name)
+            return submit(self, fn, *args, **kwargs)
 
-        def behind_a_sleep():
-            torch.cuda._sleep(sleep_cycles)
+        def behind_a_delay():
+            delay()
             fn()
 
-        return submit(self, behind_a_sleep, label, name)
+        return submit(self, behind_a_delay, *args, **kwargs)
 
-    CudaStream.submit = late
+    stream_class.submit = late
     try:
         yield
     finally:
-        CudaStream.submit = submit
+        stream_class.submit = submit
 
 
 @contextmanager
