@@ -287,6 +287,13 @@ class RunConfig:
         "tokens per chunk of the fused LM head + loss (bounds the logits memory).",
         check=_positive_int,
     )
+    mlp_chunk_tokens: int | None = _setting(
+        None,
+        "run each decoder block's MLP (or MoE block) over at most this many tokens at a time, each "
+        "chunk recomputed in the backward: at long sequences a layer's MLP intermediates stop being "
+        "its largest memory, for one more MLP forward per backward (default: in one piece).",
+        check=_count_or_none,
+    )
     head_shards: int = _setting(
         1,
         "split the LM head + loss into this many vocabulary shards, each its own layer (online "

@@ -39,6 +39,15 @@ def add_model_args(ap: argparse.ArgumentParser, *, seq_required: bool = False) -
         help="share of tokens with a label (not -100), e.g. 0.4 for SFT with masked prompts; the LM "
         "head computes only those (default 1)",
     )
+    ap.add_argument(
+        "--mlp-chunk-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run each block's MLP (or MoE experts) in token chunks of at most N tokens, each "
+        "recomputed in the backward: long sequences need far less device memory, for one more MLP "
+        "forward (RunConfig.mlp_chunk_tokens; default: in one piece)",
+    )
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument(
         "--fp16-accumulation",
@@ -141,4 +150,5 @@ def model_settings(args: argparse.Namespace) -> dict:
         num_devices=args.num_devices,
         label_fraction=args.label_fraction,
         fp16_accumulation=args.fp16_accumulation,
+        mlp_chunk_tokens=args.mlp_chunk_tokens,
     )

@@ -168,10 +168,14 @@ class _Linear:
         return 2.0 * self.active * rank * (self.fan_in + self.fan_out) if self.lora else 0.0
 
 
+ATTENTION_LINEARS = 4  # a block's first linears (q, k, v, o); the MLP's (router, experts) follow
+
+
 def _block_linears(shape: ModelShape, layer: int, lora_experts: bool) -> list[_Linear]:
     h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
     ab = shape.attention_bias
     out = [_Linear(h, q, bias=ab), _Linear(h, kv, bias=ab), _Linear(h, kv, bias=ab), _Linear(q, h, bias=ab)]
+    assert len(out) == ATTENTION_LINEARS
     if shape.is_moe(layer):
         e, k, im = shape.num_experts, shape.experts_per_tok, shape.expert_width
         out.append(_Linear(h, e, bias=shape.router_bias))  # router
@@ -198,25 +202,45 @@ def _mlp_widths(shape: ModelShape, layer: int) -> tuple[int, int, int]:
     return shape.dense_width, 0, 0
 
 
-def activation_parts(shape: ModelShape, layer: int, tokens: int, b: int) -> dict[str, int]:
+def mlp_chunk(tokens: int, mlp_chunk_tokens: int | None) -> int:
+    """The tokens of the largest chunk a microbatch of ``tokens`` tokens runs its MLP in
+    (``RunConfig.mlp_chunk_tokens``, ``runtime/mlp_chunks.py``); ``tokens`` when it is not chunked."""
+    return tokens if mlp_chunk_tokens is None or tokens <= mlp_chunk_tokens else mlp_chunk_tokens
+
+
+def activation_parts(
+    shape: ModelShape, layer: int, tokens: int, b: int, mlp_chunk_tokens: int | None = None
+) -> dict[str, int]:
     """A block's activation bytes at ``tokens`` tokens by part (module docstring): the ``saved``
     parts autograd keeps while its stage recomputes, the ``transient`` ones alive while it
-    backpropagates (a layer takes its gradients' and the larger of the other two)."""
+    backpropagates (a layer takes its gradients' and the larger of the other two).
+
+    ``mlp_chunk_tokens``: the MLP runs in token chunks of at most this many tokens, each under a
+    checkpoint (``runtime/mlp_chunks.py``): autograd keeps no MLP intermediate for the stage, and
+    the backward recomputes one chunk's, which live with their gradients while it backpropagates."""
     h, q, kv, heads = shape.hidden, shape.q_dim, shape.kv_dim, shape.heads
     i_act, dispatch, extra_fp32 = _mlp_widths(shape, layer)
+    chunk = mlp_chunk(tokens, mlp_chunk_tokens)
+    chunked = chunk < tokens
     return {
         "saved: block input, norms and mid-residual": tokens * b * 4 * h,
         "saved: attention (projections, q/k norms, rotary, output)": tokens
         * b
         * ((q + 2 * kv) + (q + kv if shape.qk_norm else 0) + (q + kv) + q),
-        "saved: MLP intermediates (gate, up, activation, product)": tokens * b * 4 * i_act,
-        "saved: MoE dispatched copies and expert outputs": tokens * b * dispatch,
+        "saved: MLP intermediates (gate, up, activation, product)": 0 if chunked else tokens * b * 4 * i_act,
+        "saved: MoE dispatched copies and expert outputs": 0 if chunked else tokens * b * dispatch,
         "saved: fp32 statistics (attention log-sum-exp, norms, router)": tokens
         * FP32
         * (heads + 2 + extra_fp32),
         TRANSIENT_GRADS: tokens * b * 2 * h,
         TRANSIENT_ATTENTION: tokens * b * 2 * (q + 2 * kv),
-        TRANSIENT_MLP: tokens * b * (3 * i_act + dispatch),
+        # chunked: one chunk's recomputed intermediates and output beside their widest gradients
+        # and its input's, and the gradient of the MLP's input gathered over the chunks
+        TRANSIENT_MLP: (
+            tokens * b * h + chunk * b * ((4 * i_act + dispatch) + (3 * i_act + dispatch) + 2 * h)
+            if chunked
+            else tokens * b * (3 * i_act + dispatch)
+        ),
     }
 
 
@@ -228,6 +252,7 @@ def _block_cost(
     b: int,
     lora_rank: int | None,
     lora_experts: bool,
+    mlp_chunk_tokens: int | None = None,
 ) -> dict[str, Any]:
     h, q, kv, heads = shape.hidden, shape.q_dim, shape.kv_dim, shape.heads
     linears = _block_linears(shape, layer, lora_experts)
@@ -244,17 +269,26 @@ def _block_cost(
     attn_core = 4.0 * heads * shape.head_dim * keys_per_query(seq_len, shape.window(layer))
     fwd = matmul + lora_flops + attn_core
     bwd = matmul * (2.0 if full else 1.0) + 2.0 * lora_flops + ATTENTION_BWD_FACTOR * attn_core
+    chunk = mlp_chunk(tokens, mlp_chunk_tokens)
+    if chunk < tokens:  # the backward runs the MLP's forward once more, a chunk at a time
+        mlp = linears[ATTENTION_LINEARS:]
+        bwd += sum(lin.flops_per_token for lin in mlp) + sum(lin.lora_flops_per_token(lora) for lin in mlp)
 
-    parts = activation_parts(shape, layer, tokens, b)
+    parts = activation_parts(shape, layer, tokens, b, mlp_chunk_tokens)
     saved = sum(v for k, v in parts.items() if k.startswith(SAVED))
     transient = parts[TRANSIENT_GRADS] + max(parts[TRANSIENT_ATTENTION], parts[TRANSIENT_MLP])
     i_act, dispatch, extra_fp32 = _mlp_widths(shape, layer)
-    fwd_work = tokens * b * (2 * h + max(2 * q + 2 * kv, 3 * i_act + dispatch)) + tokens * FP32 * extra_fp32
+    # chunked: a chunk's widest part beside the chunks' outputs and their join
+    if chunk < tokens:
+        mlp_work = tokens * b * h + chunk * b * (3 * i_act + dispatch)
+    else:
+        mlp_work = tokens * b * (3 * i_act + dispatch)
+    fwd_work = tokens * b * 2 * h + max(tokens * b * (2 * q + 2 * kv), mlp_work) + tokens * FP32 * extra_fp32
 
     params = base_params + lora_params
     trainable = base_params if full else lora_params
     fwd_kernels, bwd_kernels = block_kernels(
-        shape, layer, seq_len, tokens // seq_len, b, lora_rank, lora_experts, trainable
+        shape, layer, seq_len, tokens // seq_len, b, lora_rank, lora_experts, trainable, chunk < tokens
     )
     return dict(
         fwd_kernels=fwd_kernels,
@@ -276,6 +310,15 @@ def _block_cost(
 def _shard_sizes(vocab: int, shards: int) -> list[int]:
     base, extra = divmod(vocab, shards)
     return [base + (1 if j < extra else 0) for j in range(shards)]
+
+
+def check_mlp_chunk_tokens(value) -> None:
+    """Raise ConfigError unless ``value`` is None or a positive int (tokens per MLP chunk)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(
+            f"mlp_chunk_tokens must be a positive number of tokens (e.g. 4096) or None (the MLP in one "
+            f"piece), got {value!r}"
+        )
 
 
 def check_label_fraction(value) -> None:
@@ -307,6 +350,7 @@ def model_costs(
     lora_experts: bool = True,
     label_fraction: float = 1.0,
     fp16_accumulation: bool = False,
+    mlp_chunk_tokens: int | None = None,
 ) -> list[LayerCost]:
     """Per-layer costs ``[embed, layers.0 .. layers.{L-1}, head | head.0 .. head.{k-1}]``.
 
@@ -319,7 +363,10 @@ def model_costs(
     those only (``models/head.py``), while the hand-off between head shards still carries every token.
     ``fp16_accumulation``: fp16 matmuls accumulate in fp16 (``RunConfig(fp16_accumulation=True)``),
     so every layer is timed at the GPU's fp16-accumulate rate where the preset has one.
+    ``mlp_chunk_tokens``: the blocks run their MLP in token chunks of at most this many tokens
+    (``RunConfig.mlp_chunk_tokens``; :func:`activation_parts`); None: in one piece.
     """
+    check_mlp_chunk_tokens(mlp_chunk_tokens)
     if seq_len < 1 or micro_batch_size < 1:
         raise ConfigError(f"seq_len and micro_batch_size must be >= 1, got {seq_len} and {micro_batch_size}")
     if lora_rank is not None and lora_rank < 1:
@@ -361,7 +408,11 @@ def model_costs(
     )
     for i in range(shape.num_layers):
         raw.append(
-            (f"layers.{i}", "block", _block_cost(shape, i, seq_len, tokens, b, lora_rank, lora_experts))
+            (
+                f"layers.{i}",
+                "block",
+                _block_cost(shape, i, seq_len, tokens, b, lora_rank, lora_experts, mlp_chunk_tokens),
+            )
         )
 
     labelled = max(1, round(tokens * label_fraction))  # the rows the head gathers

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -322,11 +322,13 @@ def block_kernels(
     lora_rank: int | None,
     lora_experts: bool,
     trained_params: int,
+    mlp_recompute: bool = False,
 ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
-    """Forward and backward kernels of decoder layer ``layer`` for ``sequences`` x ``seq_len`` tokens."""
+    """Forward and backward kernels of decoder layer ``layer`` for ``sequences`` x ``seq_len`` tokens;
+    ``mlp_recompute``: the backward runs the MLP's forward kernels once more (token-chunked MLP)."""
     return _block_kernels(
         shape, shape.is_moe(layer), shape.window(layer), seq_len, sequences, b, lora_rank, lora_experts,
-        trained_params,
+        trained_params, mlp_recompute,
     )  # fmt: skip
 
 
@@ -341,6 +343,7 @@ def _block_kernels(
     lora_rank: int | None,
     lora_experts: bool,
     trained_params: int,
+    mlp_recompute: bool = False,
 ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
     tokens = seq_len * sequences
     h, q, kv, ab = shape.hidden, shape.q_dim, shape.kv_dim, shape.attention_bias
@@ -358,6 +361,7 @@ def _block_kernels(
     rec.linear("o_proj", tokens, q, h, bias=ab)
     rec.op("residual", "residual", tokens * h)
     rec.op("rms_norm", "post_attention_layernorm", tokens * h)
+    mlp_start = len(rec.fwd)
     if moe:
         _moe(rec, shape, tokens)
     else:
@@ -367,6 +371,8 @@ def _block_kernels(
         rec.op("grad_sum", "gate/up dX sum", tokens * h)
         rec.op("silu_mul", "silu*up", tokens * i)
         rec.linear("down_proj", tokens, i, h, bias=mb)
+    if mlp_recompute:
+        rec.bwd.extend(replace(k, name=f"{k.name} (recomputed)") for k in rec.fwd[mlp_start:])
     rec.op("residual", "residual", tokens * h)
     rec.grad_accumulate(trained_params)
     return tuple(rec.fwd), tuple(rec.bwd)

@@ -318,6 +318,7 @@ def _plan_with_shards(
     lora_experts: bool,
     target_bubble: float,
     label_fraction: float,
+    mlp_chunk_tokens: int | None,
 ) -> tuple[PartitionPlan, list[LayerCost], PartitionResult, PartitionResult]:
     costs = model_costs(
         config,
@@ -329,6 +330,7 @@ def _plan_with_shards(
         head_chunk_tokens=head_chunk_tokens,
         lora_experts=lora_experts,
         label_fraction=label_fraction,
+        mlp_chunk_tokens=mlp_chunk_tokens,
     )
     fwd_t, bwd_t = layer_times(costs, hw, efficiency=efficiency, times=times)
     notes = []
@@ -414,6 +416,7 @@ def plan_partitions(
     max_head_shards: int = DEFAULT_MAX_HEAD_SHARDS,
     target_bubble: float = DEFAULT_TARGET_BUBBLE,
     label_fraction: float = 1.0,
+    mlp_chunk_tokens: int | None = None,
 ) -> PartitionPlan:
     """PartitionPlan forward and backward partitions of ``model`` on ``hardware`` (one device kind).
 
@@ -434,6 +437,7 @@ def plan_partitions(
     workspace reserve and cuBLAS's workspaces); ``efficiency`` to its preset matmul
     efficiency; ``times`` are measured per-layer ``(forward_s, backward_s)`` overrides.
     ``label_fraction``: the share of tokens with a label; the head works on those only.
+    ``mlp_chunk_tokens``: the blocks run their MLP in token chunks (``model_costs``).
 
     Raises :class:`PlanError` when nothing fits (the message names the layer, the bytes, the budget
     and the levers), :class:`ConfigError` on bad arguments.
@@ -465,6 +469,7 @@ def plan_partitions(
         lora_experts=lora_experts,
         target_bubble=target_bubble,
         label_fraction=label_fraction,
+        mlp_chunk_tokens=mlp_chunk_tokens,
     )
     if head_shards != "auto":
         if not isinstance(head_shards, int) or head_shards < 1:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ from roundpipe.backend import Device
 from roundpipe.models.parametrized import confined_cache
 from roundpipe.runtime.exchange import Slot
 from roundpipe.runtime.gradients import into_accumulator
+from roundpipe.runtime.mlp_chunks import chunked_mlp
 from roundpipe.runtime.numerics import TaskChecks
 from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.residency import Resident
@@ -163,7 +163,8 @@ class TaskCompute:
             "forward", step=step.index, layer=layer.name, microbatch=mb, device=self.device.name
         )
         module = self.shells.bind(i, weights)
-        with confined_cache(module) if i in self.setup.parametrized_layers else nullcontext():
+        chunk = self.setup.config.mlp_chunk_tokens if layer.kind == "block" else None
+        with confined_cache(module) if i in self.setup.parametrized_layers else chunked_mlp(module, chunk):
             if i in self.setup.random_layers:  # every training-mode layer; ranks draw their own
                 seed = draw_seed(self.setup.config.seed, step.index, i, mb, self.setup.rank)
                 with self.device.seeded(seed):

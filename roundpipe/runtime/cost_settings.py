@@ -19,5 +19,6 @@ def cost_settings(model: nn.Module, config: RunConfig) -> tuple[dict, dict]:
         head_shards=config.head_shards,
         head_chunk_tokens=config.head_chunk_tokens,
         fp16_accumulation=config.fp16_accumulation,
+        mlp_chunk_tokens=config.mlp_chunk_tokens,
     )
     return (base.to_dict() if base is not None else {}), settings

@@ -295,6 +295,7 @@ class Planner:
                 costs = model_costs(
                     ConfigView(self.model_config), seq_len=max(tokens, 1), dtype=self.config.dtype,
                     head_shards=shards, head_chunk_tokens=self.config.head_chunk_tokens,
+                    mlp_chunk_tokens=self.config.mlp_chunk_tokens,
                 )  # fmt: skip
             except (ConfigError, TypeError, ValueError):
                 costs = None

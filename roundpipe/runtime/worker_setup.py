@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from roundpipe.backend import Backend, MemoryLedger
 from roundpipe.config import RunConfig
 from roundpipe.models.base import ModelAdapter
+from roundpipe.runtime.mlp_chunks import check_chunkable
 from roundpipe.runtime.store import ParameterStore
 
 
@@ -47,6 +48,9 @@ class WorkerSetup:
     parametrized_layers: frozenset[int]
     rank: int | None
     weight_cache_bytes: int | None
+
+    def __post_init__(self) -> None:
+        check_chunkable(self.adapter, self.config.mlp_chunk_tokens, self.parametrized_layers)
 
     @property
     def num_layers(self) -> int:

@@ -26,7 +26,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
-from roundpipe.partition.cost import check_fp16_accumulation, check_label_fraction, layer_times, model_costs
+from roundpipe.partition.cost import (
+    check_fp16_accumulation,
+    check_label_fraction,
+    check_mlp_chunk_tokens,
+    layer_times,
+    model_costs,
+)
 from roundpipe.partition.model_plan import HEAD_SHARD_CANDIDATES, plan_partitions
 from roundpipe.partition.positions import check_positions
 from roundpipe.presets import Server, load_hardware, load_model_config, normalize_dtype
@@ -68,6 +74,7 @@ class Scenario:
     efficiency: float | None = None
     label_fraction: float = 1.0  # share of tokens with a label: the head computes only those
     fp16_accumulation: bool = False  # fp16 matmuls accumulate in fp16 (RunConfig(fp16_accumulation=True))
+    mlp_chunk_tokens: int | None = None  # the blocks' MLP in token chunks (RunConfig.mlp_chunk_tokens)
 
     @property
     def model_name(self) -> str:
@@ -113,6 +120,7 @@ def check_scenario(s: Scenario) -> tuple[Server, int, int]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer, got {v!r}")
     check_label_fraction(s.label_fraction)
+    check_mlp_chunk_tokens(s.mlp_chunk_tokens)
     if s.lora_rank is not None and (not isinstance(s.lora_rank, int) or s.lora_rank < 1):
         raise ConfigError(
             f"lora rank must be a positive integer (or omitted for full fine-tuning), got {s.lora_rank!r}"
@@ -163,6 +171,7 @@ def _cost_args(s: Scenario) -> dict:
         lora_rank=s.lora_rank,
         label_fraction=s.label_fraction,
         fp16_accumulation=s.fp16_accumulation,
+        mlp_chunk_tokens=s.mlp_chunk_tokens,
     )
 
 
@@ -228,6 +237,7 @@ def prepare(s: Scenario) -> Prepared:
             efficiency=s.efficiency,
             times=s.times,
             label_fraction=s.label_fraction,
+            mlp_chunk_tokens=s.mlp_chunk_tokens,
         )
         forward, backward, shards = p.forward, p.backward, p.head_shards
         costs = model_costs(config, s.seq_len, mbs, **_cost_args(s), head_shards=shards)

@@ -174,6 +174,7 @@ def finest_plan_bytes(base: Scenario, config: Mapping[str, Any], seq_len: int) -
     costs = model_costs(
         config, seq_len, 1, dtype=base.dtype, lora_rank=base.lora_rank,
         label_fraction=base.label_fraction, fp16_accumulation=base.fp16_accumulation,
+        mlp_chunk_tokens=base.mlp_chunk_tokens,
     )  # fmt: skip
     singles = Partition(tuple(range(len(costs) + 1)))
     return pair_peak_bytes(costs, singles, singles, device_reserve_bytes(hw))
@@ -192,6 +193,7 @@ def max_seq_len(
     label_fraction: float = 1.0,
     fp16_accumulation: bool = False,
     optimizer: str = "sync",
+    mlp_chunk_tokens: int | None = None,
 ) -> SeqLimit:
     """The longest sequence (a multiple of ``grain``) that some plan of ``policy`` fits on the
     GPUs and the host, its fastest plan there and the limit that binds (module docstring)."""
@@ -199,7 +201,7 @@ def max_seq_len(
     base = Scenario(
         model, hardware, policy, seq_len=grain, global_batch=global_batch, lora_rank=lora_rank,
         dtype=dtype, num_devices=num_devices, label_fraction=label_fraction,
-        fp16_accumulation=fp16_accumulation, optimizer=optimizer,
+        fp16_accumulation=fp16_accumulation, optimizer=optimizer, mlp_chunk_tokens=mlp_chunk_tokens,
     )  # fmt: skip
     check_scenario(base)
     opts = SimOptions(record_timeline=False, optimizer=optimizer)

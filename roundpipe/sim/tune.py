@@ -89,6 +89,7 @@ def grain_alternatives(
     costs = model_costs(
         config, s.seq_len, prep.micro_batch_size, dtype=s.dtype, lora_rank=s.lora_rank,
         label_fraction=s.label_fraction, fp16_accumulation=s.fp16_accumulation, head_shards=prep.head_shards,
+        mlp_chunk_tokens=s.mlp_chunk_tokens,
     )  # fmt: skip
     f, b = layer_times(costs, hw, efficiency=s.efficiency, times=s.times)
     try:
@@ -357,6 +358,7 @@ def tune(
     label_fraction: float = 1.0,
     fp16_accumulation: bool = False,
     head_shards: int | Literal["auto"] = "auto",
+    mlp_chunk_tokens: int | None = None,
 ) -> TuneResult:
     """Search policy x partition x microbatches x stage grain (head shards with the partition) and
     return the best plan and a ranked table of alternatives (see the module docstring).
@@ -372,7 +374,7 @@ def tune(
     base = Scenario(
         model, hardware, PROVISIONAL_POLICY, seq_len=seq_len, global_batch=global_batch, lora_rank=lora_rank,
         dtype=dtype, optimizer=optimizer, num_devices=num_devices, label_fraction=label_fraction,
-        fp16_accumulation=fp16_accumulation, head_shards=head_shards,
+        fp16_accumulation=fp16_accumulation, head_shards=head_shards, mlp_chunk_tokens=mlp_chunk_tokens,
     )  # fmt: skip
     hw, _, _ = check_scenario(base)
     config = dict(model) if isinstance(model, Mapping) else load_model_config(model)
