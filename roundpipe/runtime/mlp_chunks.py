@@ -75,16 +75,17 @@ def chunked_mlp(block: nn.Module, chunk_tokens: int | None) -> Iterator[None]:
     """Within the block, ``block``'s MLP runs in chunks of at most ``chunk_tokens`` tokens (module
     docstring); ``block`` is one worker's device shell of the layer, so no other thread calls it."""
     mlp = None if chunk_tokens is None else mlp_module(block)
-    if mlp is None:
+    if mlp is None or chunk_tokens is None:
         yield
         return
+    size = chunk_tokens
     whole, own = mlp.forward, mlp.__dict__.get("forward")  # own: a forward set on the instance
 
     def in_chunks(h: torch.Tensor, *args, **kwargs):
-        if args or kwargs or h.dim() != 3 or h.shape[0] * h.shape[1] <= chunk_tokens:
+        if args or kwargs or h.dim() != 3 or h.shape[0] * h.shape[1] <= size:
             return whole(h, *args, **kwargs)
         rows, seq, width = h.shape
-        pieces = h.reshape(1, rows * seq, width).split(chunk_tokens, dim=1)
+        pieces = h.reshape(1, rows * seq, width).split(size, dim=1)
         if torch.is_grad_enabled():
             outs = [checkpoint(whole, p, use_reentrant=False, preserve_rng_state=False) for p in pieces]
         else:
