@@ -293,6 +293,8 @@ class RunConfig:
         "chunk recomputed in the backward: at long sequences a layer's MLP intermediates stop being "
         "its largest memory, for one more MLP forward per backward (default: in one piece).",
         check=_count_or_none,
+        recipe="Tokens per chunk of each block's MLP (e.g. 4096 for sequences of 16K and more), or "
+        "null: the MLP in one piece.",
     )
     head_shards: int = _setting(
         1,

@@ -27,6 +27,7 @@ RECIPES = {
     "qwen3-32b-full-8x4090.yaml": ("qwen3-32b", "8xrtx4090"),
     "qwen3-235b-a22b-lora-8x4090.yaml": ("qwen3-235b-a22b", "8xrtx4090"),
     "llama3.1-8b-full-8x4090.yaml": ("llama3.1-8b", "8xrtx4090"),
+    "qwen3-235b-a22b-lora-32k-8x4090.yaml": ("qwen3-235b-a22b", "8xrtx4090"),
 }
 
 
@@ -49,6 +50,8 @@ def forecast_lines(recipe: Path, model: str, hardware: str) -> list[str]:
             lora_rank=cfg.lora.rank if cfg.lora.enabled else None,
             dtype=run.dtype,
             optimizer=run.optimizer_mode,
+            round_size=run.options.get("round_size"),
+            mlp_chunk_tokens=run.mlp_chunk_tokens,
         )
     )
     what = f"LoRA r={cfg.lora.rank}" if cfg.lora.enabled else "full fine-tuning"
