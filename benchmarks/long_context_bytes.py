@@ -1,5 +1,6 @@
 """Where the bytes go at long sequence: Qwen3-32B (full) and Qwen3-235B-A22B (LoRA r=32) on 8x RTX
-4090 in fp16, at the RoundPipe paper's longest sequences and at roundpipe's.
+4090 in fp16, at the RoundPipe paper's longest sequences and at roundpipe's, with each block's MLP
+in one piece (before) and in token chunks of 4,096 (``RunConfig.mlp_chunk_tokens``, after).
 
 For the fullest device (one running a backward stage of one decoder layer, the finest recompute
 grain) the memory rule's terms (``partition/memory.py``), the activations split by part
@@ -32,26 +33,30 @@ from roundpipe.sim.scenario import Scenario, prepare
 from roundpipe.sim.simulator import simulate
 
 PAPER_HOST_GIB = 800e9 / GIB
-# (label, model, LoRA rank, tokens): the paper's longest sequences and roundpipe's today
-# (`roundpipe plan --max-seq-len --dtype fp16 --host-ram 745`, global batch 64).
+CHUNK = 4096
+# (label, model, LoRA rank, tokens, MLP chunk): the paper's longest sequences, before and after
+# the MLP in chunks, and roundpipe's longest with them (`roundpipe plan --max-seq-len --dtype fp16
+# --host-ram 745 --mlp-chunk-tokens 4096`, global batch 64; 32B stops at its 40,960 positions).
 CASES = (
-    ("Qwen3-32B full, paper's 28,672", "qwen3-32b", None, 28_672),
-    ("Qwen3-32B full, roundpipe's 32,640", "qwen3-32b", None, 32_640),
-    ("Qwen3-235B LoRA, paper's 31,744", "qwen3-235b-a22b", 32, 31_744),
-    ("Qwen3-235B LoRA, roundpipe's 21,760", "qwen3-235b-a22b", 32, 21_760),
+    ("32B full, 28,672 (paper), MLP whole", "qwen3-32b", None, 28_672, None),
+    ("32B full, 28,672, MLP in chunks", "qwen3-32b", None, 28_672, CHUNK),
+    ("32B full, 40,960, MLP in chunks", "qwen3-32b", None, 40_960, CHUNK),
+    ("235B LoRA, 31,744 (paper), MoE whole", "qwen3-235b-a22b", 32, 31_744, None),
+    ("235B LoRA, 31,744, MoE in chunks", "qwen3-235b-a22b", 32, 31_744, CHUNK),
+    ("235B LoRA, 34,432, MoE in chunks", "qwen3-235b-a22b", 32, 34_432, CHUNK),
 )
 MICROBATCHES, ROUND = 64, 8
 
 
-def device_rows(model: str, lora: int | None, tokens: int, hw) -> dict[str, int]:
+def device_rows(model: str, lora: int | None, tokens: int, chunk: int | None, hw) -> dict[str, int]:
     """The memory rule's terms for a device running the backward stage of one decoder layer."""
     config = load_model_config(model)
-    costs = model_costs(config, tokens, 1, dtype="fp16", lora_rank=lora)
+    costs = model_costs(config, tokens, 1, dtype="fp16", lora_rank=lora, mlp_chunk_tokens=chunk)
     i = 1  # layers.0: every decoder layer costs the same in these models
     layer = costs[i]
     others = largest_others([c.param_bytes for c in costs])
     draining = largest_others([c.grad_device_bytes for c in costs])
-    parts = activation_parts(model_shape(config), 0, tokens, 2)
+    parts = activation_parts(model_shape(config), 0, tokens, 2, chunk)
     rows = {
         "weights of the stage (fp16)": layer.param_bytes,
         "next stage prefetched (the largest other)": others[i],
@@ -66,7 +71,7 @@ def device_rows(model: str, lora: int | None, tokens: int, hw) -> dict[str, int]
     return rows
 
 
-def host_rows(model: str, lora: int | None, tokens: int, hw) -> dict[str, int]:
+def host_rows(model: str, lora: int | None, tokens: int, chunk: int | None, hw) -> dict[str, int]:
     """Host RAM of the finest plan (see the module docstring), simulated without its device check."""
     config = load_model_config(model)
     n = len(model_costs(config, tokens, 1, dtype="fp16", lora_rank=lora))
@@ -75,6 +80,7 @@ def host_rows(model: str, lora: int | None, tokens: int, hw) -> dict[str, int]:
     s = Scenario(
         model, hw, "roundpipe", seq_len=tokens, global_batch=MICROBATCHES, microbatches=MICROBATCHES,
         lora_rank=lora, dtype="fp16", partitions=(forward, tuple(range(n + 1))), head_shards=1, round_size=ROUND,
+        mlp_chunk_tokens=chunk,
     )  # fmt: skip
     prep = prepare(s)
     res = simulate(prep.table, prep.workload, prep.hardware, SimOptions(record_timeline=False))
@@ -88,8 +94,8 @@ def host_rows(model: str, lora: int | None, tokens: int, hw) -> dict[str, int]:
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     hw = load_hardware("8xrtx4090")
-    device = {label: device_rows(m, r, t, hw) for label, m, r, t in CASES}
-    host = {label: host_rows(m, r, t, hw) for label, m, r, t in CASES}
+    device = {label: device_rows(m, r, t, c, hw) for label, m, r, t, c in CASES}
+    host = {label: host_rows(m, r, t, c, hw) for label, m, r, t, c in CASES}
     labels = [c[0] for c in CASES]
     keys = list(dict.fromkeys(k for label in labels for k in device[label]))
     table = []
@@ -120,11 +126,19 @@ GiB saved and 4.7 GiB transient at 28,672 tokens against 0.9 GiB of weights); th
 intermediates are the largest part (4 x 25,600 values per token for 32B) and, for 235B, the MoE's
 dispatched copies and expert outputs beside them (2 x 8 x 4,096 per token). For 235B the weights
 of a layer (4.8 GiB, experts included) and its prefetched neighbour take 9.5 GiB before any
-activation: at 31,744 tokens the rule needs 28 GiB, which is why the GPUs bind at 21,760.
+activation: at 31,744 tokens with the MoE in one piece the rule needs 27.5 GiB, which is why the
+GPUs bound it at 21,760.
+
+After: with the MLP (the MoE block) in chunks of 4,096 tokens (`RunConfig.mlp_chunk_tokens`,
+`runtime/mlp_chunks.py`) autograd saves no MLP intermediate and no dispatched copy for the stage;
+the backward recomputes one chunk's at a time, beside its gradients and the MLP input's gradient
+gathered over the chunks: 13.4 GiB instead of 21.3 for 32B at 28,672 tokens, 16.6 instead of 27.5
+for 235B at 31,744. The host figures do not change at a given length (the stage inputs are the
+layers' inputs, not the MLP's): with the GPUs freed, host RAM is what binds 235B, at 34,432.
 """
     write_results(
         "long_context_bytes",
-        {"cases": [dict(zip(("label", "model", "lora_rank", "tokens"), c)) for c in CASES],
+        {"cases": [dict(zip(("label", "model", "lora_rank", "tokens", "mlp_chunk_tokens"), c)) for c in CASES],
          "device_bytes": device, "host_bytes": host},
         table,
         ["bytes (GiB)", *labels],
