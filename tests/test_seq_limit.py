@@ -54,6 +54,23 @@ def test_qwen3_235b_lora_reaches_the_papers_length_with_its_moe_in_chunks(capsys
     assert out["binding_limit"] == HOST and f"{out['max_seq_len'] + 128:,} tokens" in out["binding_detail"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, args, paper",
+    [("qwen3-1.7b", ("--rope-scaling", "yarn:2"), 74_752), ("llama3.1-8b", (), 50_176)],
+)
+def test_the_smaller_models_reach_the_papers_lengths_within_800_gb(capsys, model, args, paper):
+    """The paper's longest sequences for Qwen3-1.7B (past its 40,960 positions: with yarn scaling
+    of factor 2) and Llama-3.1-8B, in full on 8x RTX 4090 with 800 GB of RAM, the MLP in chunks."""
+    out = _plan(
+        capsys, "--model", model, *args, "--mlp-chunk-tokens", "4096", "--host-ram", str(PAPER_HOST_GIB)
+    )
+    assert out["max_seq_len"] >= paper, out["binding_detail"]
+    assert out["fits"] and out["peak_host_bytes"] <= 800e9
+    assert max(out["peak_gpu_bytes_per_device"]) <= 24 * GIB
+    assert out["binding_limit"] == POSITIONS and out["memory_max_seq_len"] > out["max_seq_len"]
+
+
 def test_every_plan_is_searched_not_one_default_plan(capsys):
     """One default plan stopped Qwen3-8B on two RTX 4090s at 40,064 tokens; other plans reach the
     model's 40,960 positions."""
