@@ -259,3 +259,24 @@ def test_a_moe_config_without_an_expert_width_is_a_config_error():
     )  # fmt: skip
     with pytest.raises(ConfigError, match="moe_intermediate_size"):
         model_costs(config, 16)
+
+
+def test_an_mlp_in_token_chunks_saves_no_intermediate_and_pays_one_more_forward(capsys):
+    """``--mlp-chunk-tokens`` (``RunConfig.mlp_chunk_tokens``): a block saves no MLP intermediate, its
+    transient is one chunk's (plus the MLP input's gradient), and its backward runs the MLP's
+    forward once more; the embedding and the head are not touched."""
+    args = ["costs", "--model", "qwen3-32b", "--seq-len", "16384", "--json"]
+    main(args)
+    whole = json.loads(capsys.readouterr().out)
+    main([*args, "--mlp-chunk-tokens", "4096"])
+    chunked = json.loads(capsys.readouterr().out)
+    assert chunked["mlp_chunk_tokens"] == 4096 and whole["mlp_chunk_tokens"] is None
+    shape = model_shape(load_model_config("qwen3-32b"))
+    for a, b in zip(whole["layers"], chunked["layers"]):
+        if a["kind"] != "block":
+            assert a == b
+            continue
+        assert a["saved_bytes"] - b["saved_bytes"] == 16384 * 2 * 4 * shape.dense_width
+        assert b["transient_bytes"] < a["transient_bytes"]
+        assert b["backward_s"] > a["backward_s"] and b["forward_s"] == a["forward_s"]
+        assert b["bwd_flops"] - a["bwd_flops"] == pytest.approx(16384 * 6 * shape.hidden * shape.dense_width)

@@ -104,6 +104,13 @@ def main(argv: list[str] | None = None) -> None:
         "--label-fraction", type=float, default=1.0, help="share of tokens with a label (default 1)"
     )
     ap.add_argument(
+        "--mlp-chunk-tokens",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="each block's MLP in token chunks of at most N tokens (RunConfig.mlp_chunk_tokens; default: in one piece)",
+    )
+    ap.add_argument(
         "--calibration",
         action="store_true",
         help="print the measured layer times the cost model is fitted on next to its predictions",
@@ -126,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                 lora_rank=args.lora_rank,
                 head_shards=args.head_shards,
                 label_fraction=args.label_fraction,
+                mlp_chunk_tokens=args.mlp_chunk_tokens,
             )
     except (RoundpipeError, ValueError) as err:
         print(f"roundpipe costs: error: {err}", file=sys.stderr)
@@ -156,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             "lora_rank": args.lora_rank,
             "head_shards": args.head_shards,
             "label_fraction": args.label_fraction,
+            "mlp_chunk_tokens": args.mlp_chunk_tokens,
             "layers": [r.__dict__ for r in layers],
             "totals": totals(layers),
         }
