@@ -152,3 +152,25 @@ def test_at_8k_tokens_an_mlp_in_chunks_fits_a_device_the_mlp_in_one_piece_runs_o
         mlp_chunk_tokens=1024,
         device_capacity=CAPACITY,
     )
+
+
+def test_an_mlp_called_with_more_than_hidden_states_is_refused_not_run_whole():
+    """Running such an MLP in one piece would leave the plan's memory figure wrong without a word."""
+    from torch import nn
+
+    from roundpipe.runtime.mlp_chunks import chunked_mlp
+
+    class Scaled(nn.Module):
+        def forward(self, h, scale=1.0):
+            return h * scale
+
+    block = nn.Module()
+    block.mlp = Scaled()
+    h = torch.ones(2, 8, 4)
+    with chunked_mlp(block, 4):
+        torch.testing.assert_close(block.mlp(h), h)  # one tensor: chunked, the same numbers
+        with pytest.raises(
+            UnsupportedModel, match="mlp_chunk_tokens=4: Scaled is called with other arguments"
+        ):
+            block.mlp(h, scale=2.0)
+    torch.testing.assert_close(block.mlp(h, scale=2.0), 2 * h)  # the class's forward again after the block

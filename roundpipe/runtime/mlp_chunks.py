@@ -82,8 +82,14 @@ def chunked_mlp(block: nn.Module, chunk_tokens: int | None) -> Iterator[None]:
     whole, own = mlp.forward, mlp.__dict__.get("forward")  # own: a forward set on the instance
 
     def in_chunks(h: torch.Tensor, *args, **kwargs):
-        if args or kwargs or h.dim() != 3 or h.shape[0] * h.shape[1] <= size:
-            return whole(h, *args, **kwargs)
+        if args or kwargs or h.dim() != 3:  # running it whole would break the plan's memory silently
+            raise UnsupportedModel(
+                f"mlp_chunk_tokens={size}: {type(mlp).__name__} is called with other arguments than "
+                f"one [rows, tokens, hidden] tensor, which token chunks cannot split; leave "
+                f"mlp_chunk_tokens unset for this model"
+            )
+        if h.shape[0] * h.shape[1] <= size:
+            return whole(h)
         rows, seq, width = h.shape
         pieces = h.reshape(1, rows * seq, width).split(size, dim=1)
         if torch.is_grad_enabled():
