@@ -20,6 +20,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Literal, get_type_hints
 
 from roundpipe.errors import ConfigError
+from roundpipe.partition.quant_layout import check_quantization
 from roundpipe.schedule.policies import POLICIES
 from roundpipe.sim.options import DEFAULT_CHUNK_BYTES
 
@@ -70,6 +71,11 @@ def _positive_int(name: str, value: Any) -> Any:
 def _count_or_none(name: str, value: Any) -> Any:
     if value is not None and not _is_positive_int(value):
         raise ConfigError(f"{name} must be a positive int or None (the default), got {value!r}")
+    return value
+
+
+def _quantization(name: str, value: Any) -> Any:
+    check_quantization(value)
     return value
 
 
@@ -295,6 +301,15 @@ class RunConfig:
         check=_count_or_none,
         recipe="Tokens per chunk of each block's MLP (e.g. 4096 for sequences of 16K and more), or "
         "null: the MLP in one piece.",
+    )
+    quantization: str | None = _setting(
+        None,
+        "keep the frozen weights of the decoder blocks (each nn.Linear's weight, fused experts) "
+        "compressed in host memory, over PCIe and on the device, unpacked in the run dtype where a "
+        "layer runs (``runtime/quantized.py``): ``nf4`` (QLoRA's 4-bit NormalFloat with double "
+        "quantization), ``int8`` (LLM.int8() rows) or ``fp8`` (e4m3, per-row scales). LoRA only.",
+        check=_quantization,
+        recipe="nf4, int8 or fp8: the frozen base weights kept compressed (QLoRA); null: in the run dtype.",
     )
     head_shards: int = _setting(
         1,

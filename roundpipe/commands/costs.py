@@ -23,6 +23,7 @@ import sys
 
 from roundpipe.errors import RoundpipeError
 from roundpipe.partition.layer_rows import CalibrationRow, LayerRow, calibration, layer_rows, totals
+from roundpipe.partition.quant_layout import QUANTIZATIONS
 from roundpipe.presets import load_measured_layers
 from roundpipe.sim.report import dumps
 
@@ -111,6 +112,12 @@ def main(argv: list[str] | None = None) -> None:
         help="each block's MLP in token chunks of at most N tokens (RunConfig.mlp_chunk_tokens; default: in one piece)",
     )
     ap.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="the blocks' frozen linear weights kept compressed (RunConfig.quantization; needs --lora-rank)",
+    )
+    ap.add_argument(
         "--calibration",
         action="store_true",
         help="print the measured layer times the cost model is fitted on next to its predictions",
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                 head_shards=args.head_shards,
                 label_fraction=args.label_fraction,
                 mlp_chunk_tokens=args.mlp_chunk_tokens,
+                quantization=args.quantization,
             )
     except (RoundpipeError, ValueError) as err:
         print(f"roundpipe costs: error: {err}", file=sys.stderr)
@@ -165,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             "head_shards": args.head_shards,
             "label_fraction": args.label_fraction,
             "mlp_chunk_tokens": args.mlp_chunk_tokens,
+            "quantization": args.quantization,
             "layers": [r.__dict__ for r in layers],
             "totals": totals(layers),
         }

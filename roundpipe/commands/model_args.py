@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from roundpipe.errors import ConfigError
+from roundpipe.partition.quant_layout import QUANTIZATIONS
 
 HOST_HELP = (
     "Host figures: --host-ram and --host-cores default to this machine's when it is the target (the "
@@ -47,6 +48,14 @@ def add_model_args(ap: argparse.ArgumentParser, *, seq_required: bool = False) -
         help="run each block's MLP (or MoE experts) in token chunks of at most N tokens, each "
         "recomputed in the backward: long sequences need far less device memory, for one more MLP "
         "forward (RunConfig.mlp_chunk_tokens; default: in one piece)",
+    )
+    ap.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="keep the blocks' frozen linear weights compressed on the host, over PCIe and on the GPUs "
+        "(QLoRA; RunConfig.quantization; needs --lora-rank): nf4 about 0.52 bytes a weight, int8 and "
+        "fp8 about 1",
     )
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument(
@@ -151,4 +160,5 @@ def model_settings(args: argparse.Namespace) -> dict:
         label_fraction=args.label_fraction,
         fp16_accumulation=args.fp16_accumulation,
         mlp_chunk_tokens=args.mlp_chunk_tokens,
+        quantization=args.quantization,
     )

@@ -72,6 +72,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roundpipe.errors import ConfigError
+from roundpipe.partition.cost_checks import (
+    check_fp16_accumulation,
+    check_label_fraction,
+    check_mlp_chunk_tokens,
+    check_quantized_lora,
+)
 from roundpipe.partition.kernels import (
     ATTENTION_BWD_FACTOR,
     Kernel,
@@ -80,8 +86,10 @@ from roundpipe.partition.kernels import (
     head_kernels,
     kernels_seconds,
     keys_per_query,
+    memory,
     rates,
 )
+from roundpipe.partition.quant_layout import packed_weights
 from roundpipe.partition.shape import ModelShape, model_shape
 from roundpipe.presets import GPU, Server, normalize_dtype
 
@@ -253,6 +261,7 @@ def _block_cost(
     lora_rank: int | None,
     lora_experts: bool,
     mlp_chunk_tokens: int | None = None,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     h, q, kv, heads = shape.hidden, shape.q_dim, shape.kv_dim, shape.heads
     linears = _block_linears(shape, layer, lora_experts)
@@ -290,7 +299,25 @@ def _block_cost(
     fwd_kernels, bwd_kernels = block_kernels(
         shape, layer, seq_len, tokens // seq_len, b, lora_rank, lora_experts, trainable, chunk < tokens
     )
+    param_bytes = params * b
+    if quantization is not None:  # every linear's weight but a router's, unpacked as the layer runs
+        router = ATTENTION_LINEARS if shape.is_moe(layer) else -1
+        packed = packed_weights(
+            quantization,
+            [
+                (lin.total * lin.fan_in * lin.fan_out, lin.fan_in)
+                for j, lin in enumerate(linears)
+                if j != router
+            ],
+            b,
+        )
+        param_bytes += packed.packed_bytes - packed.values * b
+        saved += packed.unpacked_bytes  # bound until the stage's backward is done
+        transient = max(transient, parts[TRANSIENT_GRADS] + packed.transient_bytes)
+        fwd_work += packed.unpacked_bytes + packed.transient_bytes
+        fwd_kernels += (memory("unpack weights", packed.traffic_bytes, packed.launches),)
     return dict(
+        param_bytes=param_bytes,
         fwd_kernels=fwd_kernels,
         bwd_kernels=bwd_kernels,
         fwd_flops=fwd * tokens,
@@ -312,33 +339,6 @@ def _shard_sizes(vocab: int, shards: int) -> list[int]:
     return [base + (1 if j < extra else 0) for j in range(shards)]
 
 
-def check_mlp_chunk_tokens(value) -> None:
-    """Raise ConfigError unless ``value`` is None or a positive int (tokens per MLP chunk)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(
-            f"mlp_chunk_tokens must be a positive number of tokens (e.g. 4096) or None (the MLP in one "
-            f"piece), got {value!r}"
-        )
-
-
-def check_label_fraction(value) -> None:
-    """Raise :class:`ConfigError` unless ``value`` is a share of tokens in ``(0, 1]``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-        raise ConfigError(
-            f"label fraction (label_fraction, --label-fraction) is the share of tokens with a label "
-            f"and must lie in (0, 1], got "
-            f"{value!r}; use 1 when every token is trained on"
-        )
-
-
-def check_fp16_accumulation(on: bool, dtype: str) -> None:
-    """fp16 accumulation is a property of fp16 matmuls only."""
-    if on and dtype != "fp16":
-        raise ConfigError(
-            f"fp16 accumulation needs dtype fp16, not {dtype}; set the dtype to fp16 or drop it"
-        )
-
-
 def model_costs(
     config: Mapping[str, Any],
     seq_len: int,
@@ -351,6 +351,7 @@ def model_costs(
     label_fraction: float = 1.0,
     fp16_accumulation: bool = False,
     mlp_chunk_tokens: int | None = None,
+    quantization: str | None = None,
 ) -> list[LayerCost]:
     """Per-layer costs ``[embed, layers.0 .. layers.{L-1}, head | head.0 .. head.{k-1}]``.
 
@@ -365,8 +366,12 @@ def model_costs(
     so every layer is timed at the GPU's fp16-accumulate rate where the preset has one.
     ``mlp_chunk_tokens``: the blocks run their MLP in token chunks of at most this many tokens
     (``RunConfig.mlp_chunk_tokens``; :func:`activation_parts`); None: in one piece.
+    ``quantization``: the blocks' frozen linear weights kept compressed (``RunConfig.quantization``,
+    LoRA only; ``quant_layout.py``): their bytes on the host, over PCIe and resident, their unpacked
+    copies while a layer runs (kept by a backward stage) and the unpacking's memory traffic.
     """
     check_mlp_chunk_tokens(mlp_chunk_tokens)
+    check_quantized_lora(quantization, lora_rank)
     if seq_len < 1 or micro_batch_size < 1:
         raise ConfigError(f"seq_len and micro_batch_size must be >= 1, got {seq_len} and {micro_batch_size}")
     if lora_rank is not None and lora_rank < 1:
@@ -411,7 +416,9 @@ def model_costs(
             (
                 f"layers.{i}",
                 "block",
-                _block_cost(shape, i, seq_len, tokens, b, lora_rank, lora_experts, mlp_chunk_tokens),
+                _block_cost(
+                    shape, i, seq_len, tokens, b, lora_rank, lora_experts, mlp_chunk_tokens, quantization
+                ),
             )
         )
 
@@ -458,7 +465,7 @@ def model_costs(
             name=name,
             fwd_flops=float(c["fwd_flops"]),
             bwd_flops=float(c["bwd_flops"]),
-            param_bytes=int(c["params"] * b),
+            param_bytes=int(c.get("param_bytes", c["params"] * b)),
             trainable_params=int(c["trainable"]),
             act_in_bytes=int(c["act_in"]),
             work_bytes=int(c["work"]),
@@ -485,18 +492,20 @@ def model_totals(costs: list[LayerCost]) -> dict[str, int | float]:
     """Whole-model sums: unique parameters (tied weights once), trainable parameters, host bytes.
 
     ``host_bytes`` is what the CPU holds for the model state: the pinned compute-dtype copy of every
-    unique parameter, fp32 gradient accumulators and AdamW state of the trainable ones (saved
-    activations come on top, ``act_in_bytes`` per stage start per microbatch).
+    unique parameter (compressed where the layer keeps it so: its ``param_bytes``), fp32 gradient
+    accumulators and AdamW state of the trainable ones (saved activations come on top,
+    ``act_in_bytes`` per stage start per microbatch).
     """
     b = DTYPE_BYTES[costs[0].dtype] if costs else 2
     params = sum(c.params - c.tied_params for c in costs)
+    weights = sum(c.param_bytes - c.tied_params * b for c in costs)
     trainable = sum(c.optimizer_bytes for c in costs) // OPTIMIZER_BYTES_PER_PARAM
     return {
         "params": params,
         "trainable_params": trainable,
         "fwd_flops": sum(c.fwd_flops for c in costs),
         "bwd_recompute_flops": sum(c.bwd_recompute_flops for c in costs),
-        "host_bytes": params * b + sum(c.grad_host_bytes + c.optimizer_bytes for c in costs),
+        "host_bytes": weights + sum(c.grad_host_bytes + c.optimizer_bytes for c in costs),
     }
 
 

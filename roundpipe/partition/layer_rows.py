@@ -62,6 +62,7 @@ def layer_rows(
     head_shards: int = 1,
     label_fraction: float = 1.0,
     mlp_chunk_tokens: int | None = None,
+    quantization: str | None = None,
 ) -> list[LayerRow]:
     """The cost model's numbers for every layer of ``model`` on one GPU of ``hardware``.
 
@@ -82,6 +83,7 @@ def layer_rows(
         label_fraction=label_fraction,
         fp16_accumulation=fp16_accumulation,
         mlp_chunk_tokens=mlp_chunk_tokens,
+        quantization=quantization,
     )
     return [_row(c, hw, fp16_accumulation) for c in costs]
 

@@ -319,6 +319,7 @@ def _plan_with_shards(
     target_bubble: float,
     label_fraction: float,
     mlp_chunk_tokens: int | None,
+    quantization: str | None,
 ) -> tuple[PartitionPlan, list[LayerCost], PartitionResult, PartitionResult]:
     costs = model_costs(
         config,
@@ -331,6 +332,7 @@ def _plan_with_shards(
         lora_experts=lora_experts,
         label_fraction=label_fraction,
         mlp_chunk_tokens=mlp_chunk_tokens,
+        quantization=quantization,
     )
     fwd_t, bwd_t = layer_times(costs, hw, efficiency=efficiency, times=times)
     notes = []
@@ -417,6 +419,7 @@ def plan_partitions(
     target_bubble: float = DEFAULT_TARGET_BUBBLE,
     label_fraction: float = 1.0,
     mlp_chunk_tokens: int | None = None,
+    quantization: str | None = None,
 ) -> PartitionPlan:
     """PartitionPlan forward and backward partitions of ``model`` on ``hardware`` (one device kind).
 
@@ -438,6 +441,7 @@ def plan_partitions(
     efficiency; ``times`` are measured per-layer ``(forward_s, backward_s)`` overrides.
     ``label_fraction``: the share of tokens with a label; the head works on those only.
     ``mlp_chunk_tokens``: the blocks run their MLP in token chunks (``model_costs``).
+    ``quantization``: the blocks' frozen weights kept compressed (``model_costs``; LoRA only).
 
     Raises :class:`PlanError` when nothing fits (the message names the layer, the bytes, the budget
     and the levers), :class:`ConfigError` on bad arguments.
@@ -470,6 +474,7 @@ def plan_partitions(
         target_bubble=target_bubble,
         label_fraction=label_fraction,
         mlp_chunk_tokens=mlp_chunk_tokens,
+        quantization=quantization,
     )
     if head_shards != "auto":
         if not isinstance(head_shards, int) or head_shards < 1:

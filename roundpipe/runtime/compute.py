@@ -121,6 +121,7 @@ class TaskCompute:
                     for i in flow.layers_fwd:
                         where["layer"] = self.setup.adapter.layers[i].name
                         x = self._run_layer(step, i, weights, x, ctx, t.microbatch, checks)
+                        self.shells.unbind(range(i, i + 1))  # no graph: its weights can go now
                         got = ctx.router_logits.pop(i, None)
                         if got:
                             stats.append(step.router_totals().loss.stats(got, ctx.inputs.attention_mask))

@@ -20,5 +20,6 @@ def cost_settings(model: nn.Module, config: RunConfig) -> tuple[dict, dict]:
         head_chunk_tokens=config.head_chunk_tokens,
         fp16_accumulation=config.fp16_accumulation,
         mlp_chunk_tokens=config.mlp_chunk_tokens,
+        quantization=config.quantization,
     )
     return (base.to_dict() if base is not None else {}), settings

@@ -76,7 +76,8 @@ class Pipeline:
         self.backend = make_backend(self.config.devices, self.config.device_capacity, self.config.sanitize)
         if self.config.fp16_accumulation:
             self.backend.use_fp16_accumulation()
-        self.backend.attach(*cost_settings(model, self.config))
+        model_config, settings = cost_settings(model, self.config)
+        self.backend.attach(model_config, settings)
         if weights is None and self.backend.host_device.type == "meta":
             from roundpipe.backend.virtual import ShapesOnly
 
@@ -90,9 +91,10 @@ class Pipeline:
                 double_buffer=self.config.optimizer_mode == "async",
                 host_memory=self.config.host_memory,
                 weights=weights,
+                quantization=self.config.quantization,
             )
             self.backend.host_buffers = self.store.host.pool  # where downloads land
-            self._planner = Planner(self.config, self.adapter, self.store, self.backend)
+            self._planner = Planner(self.config, self.adapter, self.store, self.backend, settings)
             self._planner.check_capacity()
             # Hand-offs (activations, gradients) held on the CPU.
             self.host_memory = MemoryLedger("host", None)

@@ -48,8 +48,9 @@ class Planner:
     choice), the decision per batch shape, and the device the next rotating deal starts on.
     """
 
-    def __init__(self, config: RunConfig, adapter, store: ParameterStore, backend):
+    def __init__(self, config: RunConfig, adapter, store: ParameterStore, backend, cost_settings: dict):
         self.config = config
+        self.cost_settings = cost_settings  # what the cost model needs of the run (runtime/cost_settings.py)
         self.names = [layer.name for layer in adapter.layers]
         self.kinds = [layer.kind for layer in adapter.layers]
         self.model_config = adapter.config
@@ -290,13 +291,10 @@ class Planner:
         token labelled: the head's bound), or None when it cannot read the config or its layers are
         not the adapter's (then only the store's bytes are known)."""
         if tokens not in self._analytic:
-            shards = sum(1 for k in self.kinds if k == "head")
             try:
                 costs = model_costs(
-                    ConfigView(self.model_config), seq_len=max(tokens, 1), dtype=self.config.dtype,
-                    head_shards=shards, head_chunk_tokens=self.config.head_chunk_tokens,
-                    mlp_chunk_tokens=self.config.mlp_chunk_tokens,
-                )  # fmt: skip
+                    ConfigView(self.model_config), seq_len=max(tokens, 1), **self.cost_settings
+                )
             except (ConfigError, TypeError, ValueError):
                 costs = None
             if costs is not None and [c.kind for c in costs] != list(self.kinds):

@@ -3,7 +3,8 @@
 A worker runs a layer by binding the device copies of its weights into a shell of the layer (every
 parameter and buffer on the meta device otherwise) and unbinding them once the layer's work, and
 its autograd graph, is done: a shell that kept them would keep every layer the device has ever run
-alive on it. ``device_tensors`` lists what a value holds on a device, for the memory ledger.
+alive on it. A weight kept compressed (``RunConfig.quantization``) is unpacked as it is bound, so
+its full-precision copy lives exactly as long as the binding. ``device_tensors`` lists what a value holds on a device, for the memory ledger.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from roundpipe.models.base import ModelAdapter
+from roundpipe.runtime.quantized import Tables, unpack
 from roundpipe.runtime.store import ParameterStore, Piece
 
 
@@ -77,9 +79,15 @@ class LayerShells:
                 for b in self.store.bindings[layer]
             ]
         bound = self._shells[layer]
+        entries, key = self.store.entries, self.store.tables_key
+        tables = Tables(weights[(key, None)]) if key is not None and (key, None) in weights else None
         for _, mod, attr, is_buffer, piece in bound:
+            t = weights[piece]
+            quant = entries[piece[0]].quant
+            if quant is not None:  # kept compressed: unpacked here, on the compute stream
+                t = unpack(t, quant, self.store.dtype, tables)
             # the device tensor itself is bound, not a Parameter: torch types _parameters as Parameters
-            (mod._buffers if is_buffer else mod._parameters)[attr] = weights[piece]  # type: ignore[assignment]
+            (mod._buffers if is_buffer else mod._parameters)[attr] = t  # type: ignore[assignment]
         return bound[0][0] if bound else self.adapter.layers[layer].module
 
     def unbind(self, layers: range) -> None:

@@ -6,6 +6,12 @@ For each distinct parameter (tied weights are one entry used by two layers):
 - frozen: no master, no gradient; one compute copy in the run dtype (a float tensor in another
   dtype is converted); a tensor already in the run dtype is stored once: the model's own tensor is
   re-pointed at its compute copy.
+- compressed (``quantization``, ``RunConfig.quantization``): a frozen weight of a decoder block
+  that ``runtime/quantized.py`` keeps packed (an ``nn.Linear``'s weight, fused experts) has one
+  uint8 compute copy in the layout of ``partition/quant_layout.py`` (``Entry.quant``), filled from
+  the model's tensor or, on meta, from ``weights`` one tensor at a time; the model's meta tensor
+  stays on meta. One more frozen entry, the unpacking tables, is bound into every block layer that
+  holds a compressed weight, so each device gets them with the layer's weights.
 Buffers (e.g. Gemma's embedding scale) are frozen entries too.
 
 Host memory (``host_memory``, see ``roundpipe.backend.host_memory``): every compute copy -- and
@@ -47,6 +53,8 @@ from roundpipe.backend.host_memory import HostMemory
 from roundpipe.errors import CheckpointError, ConfigError
 from roundpipe.models.base import ModelAdapter
 from roundpipe.optim import master_of
+from roundpipe.partition.quant_layout import QuantLayout, quant_layout
+from roundpipe.runtime.quantized import TABLES_NAME, pack, quantizable, table_bytes
 
 
 class Weights(Protocol):
@@ -75,6 +83,7 @@ class Entry:
     users: list[int] = field(default_factory=list)  # layer indices that use it
     read: int = 0
     source: str | None = None  # the name it was loaded by from ``weights`` (None: copied from the model)
+    quant: QuantLayout | None = None  # kept compressed (``RunConfig.quantization``): buffers hold the bytes
 
     @property
     def compute(self) -> torch.Tensor:
@@ -132,8 +141,10 @@ class ParameterStore:
         *,
         host_memory: str = "arena",
         weights: Weights | None = None,
+        quantization: str | None = None,
     ):
         self.dtype = dtype
+        self.quantization = quantization
         self.double_buffer = double_buffer
         self.weights = weights
         for name, b in adapter.context_module.named_buffers():
@@ -161,11 +172,19 @@ class ParameterStore:
                             continue
                         e = by_id.get(id(t))
                         if e is None:
+                            packed = (
+                                quantization is not None
+                                and layer.kind == "block"
+                                and not is_buffer
+                                and not t.requires_grad
+                                and quantizable(module, attr, t)
+                            )
                             e, plan = self._plan_entry(
                                 len(self.entries),
                                 names.get(id(t)) or [f"{layer.name}.{mpath}.{attr}"],
                                 t,
                                 is_buffer,
+                                quantization if packed else None,
                             )
                             by_id[id(t)] = e
                             self.entries.append(e)
@@ -175,6 +194,15 @@ class ParameterStore:
                         rows = None if is_buffer else row_slices.get(f"{mpath}.{attr}" if mpath else attr)
                         binds.append(Binding(mpath, attr, is_buffer, e.key, rows))
             self.bindings.append(binds)
+        self.tables_key: int | None = None
+        if quantization is not None:
+            plans.append(self._add_tables())
+        if quantization is not None and not any(e.quant for e in self.entries):
+            raise ConfigError(
+                f"quantization={quantization!r} keeps frozen weights of the decoder blocks compressed, "
+                f"and this model has none (every block weight trains: full fine-tuning); train LoRA "
+                f"adapters (peft) on the frozen model, or leave quantization unset"
+            )
         self._allocate_and_fill(plans)
         self.layer_bytes = [
             sum(self.piece_bytes(p) for p in self.layer_pieces(i)) for i in range(len(self.bindings))
@@ -185,9 +213,16 @@ class ParameterStore:
     # the master), "convert" (a frozen tensor in another dtype), "own" (a frozen tensor already in the
     # run dtype: stored once, the model's tensor re-pointed at the copy); for meta tensors see
     # _plan_loaded_entry. ``names``: every name of the tensor in the model, the first is the entry's.
+    # ``packed``: a frozen weight kept compressed in this format ("pack": the bytes of its layout,
+    # filled from the model's tensor, or from the weights when it is on meta).
     def _plan_entry(
-        self, key: int, names: list[str], t: torch.Tensor, is_buffer: bool
+        self, key: int, names: list[str], t: torch.Tensor, is_buffer: bool, packed: str | None = None
     ) -> tuple[Entry, list[str]]:
+        if packed is not None:
+            source = self._source_name(names) if t.is_meta else None
+            e = Entry(key, names[0], t, False, is_buffer, [], source=source)
+            e.quant = quant_layout(packed, tuple(t.shape))
+            return e, ["pack"]
         if t.is_meta:
             return self._plan_loaded_entry(key, names, t, is_buffer)
         name = names[0]
@@ -257,6 +292,8 @@ class ParameterStore:
         self.weights.fill(source, out)
 
     def _copy_dtype(self, e: Entry, role: str) -> torch.dtype:
+        if role == "pack":
+            return torch.uint8
         if role in ("master", "load_master"):
             return torch.float32
         if role in ("from_master", "convert") or (role == "load" and e.tensor.is_floating_point()):
@@ -266,7 +303,7 @@ class ParameterStore:
     def _allocate_and_fill(self, plans: list[list[str]]) -> None:
         """One allocation of every planned compute copy, then the copies filled in."""
         specs = [
-            (tuple(e.tensor.shape), self._copy_dtype(e, role))
+            ((e.quant.nbytes,) if e.quant else tuple(e.tensor.shape), self._copy_dtype(e, role))
             for e, plan in zip(self.entries, plans)
             for role in plan
         ]
@@ -288,6 +325,9 @@ class ParameterStore:
                     elif role == "load":
                         self._read(e.source, buf)
                         _repoint(e.tensor, buf)
+                    elif role == "pack":
+                        assert e.quant is not None
+                        pack(self._full_precision(e), e.quant, buf)
                     else:
                         buf.copy_(data)
                         if role == "own":
@@ -295,6 +335,27 @@ class ParameterStore:
                     e.buffers.append(buf)
                 if e.trainable:
                     e.grad = torch.zeros_like(master_of(e).data)  # pageable
+
+    def _add_tables(self) -> list[str]:
+        """The entry of the unpacking tables (``runtime/quantized.py``), bound as a buffer of the
+        root of every block layer that holds a compressed weight; returns its plan."""
+        key = self.tables_key = len(self.entries)
+        e = Entry(key, TABLES_NAME, table_bytes(), False, True, [])
+        for i, binds in enumerate(self.bindings):
+            if any(self.entries[b.key].quant for b in binds):
+                binds.append(Binding("", TABLES_NAME.replace(".", "_"), True, key))
+                e.users.append(i)
+        self.entries.append(e)
+        return ["own"]
+
+    def _full_precision(self, e: Entry) -> torch.Tensor:
+        """The weight an entry kept compressed holds: the model's tensor, or (on meta) the tensor read
+        from the weights into a temporary of the model's dtype, dropped once packed."""
+        if not e.tensor.is_meta:
+            return e.tensor.detach()
+        out = torch.empty(e.tensor.shape, dtype=e.tensor.dtype, device=self.host_device)
+        self._read(e.source, out)
+        return out
 
     def host_memory_stats(self) -> dict:
         """Host bytes requested and reserved by the compute copies (``static_*``) and the hand-off

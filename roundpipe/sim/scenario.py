@@ -26,12 +26,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 from roundpipe.errors import ConfigError, PlanError, RoundpipeError, ScheduleError
-from roundpipe.partition.cost import (
+from roundpipe.partition.cost import layer_times, model_costs
+from roundpipe.partition.cost_checks import (
     check_fp16_accumulation,
     check_label_fraction,
     check_mlp_chunk_tokens,
-    layer_times,
-    model_costs,
+    check_quantized_lora,
 )
 from roundpipe.partition.model_plan import HEAD_SHARD_CANDIDATES, plan_partitions
 from roundpipe.partition.positions import check_positions
@@ -75,6 +75,7 @@ class Scenario:
     label_fraction: float = 1.0  # share of tokens with a label: the head computes only those
     fp16_accumulation: bool = False  # fp16 matmuls accumulate in fp16 (RunConfig(fp16_accumulation=True))
     mlp_chunk_tokens: int | None = None  # the blocks' MLP in token chunks (RunConfig.mlp_chunk_tokens)
+    quantization: str | None = None  # frozen block weights kept compressed (RunConfig.quantization)
 
     @property
     def model_name(self) -> str:
@@ -121,6 +122,7 @@ def check_scenario(s: Scenario) -> tuple[Server, int, int]:
             raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer, got {v!r}")
     check_label_fraction(s.label_fraction)
     check_mlp_chunk_tokens(s.mlp_chunk_tokens)
+    check_quantized_lora(s.quantization, s.lora_rank)
     if s.lora_rank is not None and (not isinstance(s.lora_rank, int) or s.lora_rank < 1):
         raise ConfigError(
             f"lora rank must be a positive integer (or omitted for full fine-tuning), got {s.lora_rank!r}"
@@ -164,14 +166,15 @@ def _round(s: Scenario) -> dict:
     return {"round_size": s.round_size}
 
 
-def _cost_args(s: Scenario) -> dict:
-    """The scenario's settings that shape every layer's cost."""
+def cost_args(s: Scenario) -> dict:
+    """The scenario's settings that shape every layer's cost (``model_costs``'s keywords)."""
     return dict(
         dtype=s.dtype,
         lora_rank=s.lora_rank,
         label_fraction=s.label_fraction,
         fp16_accumulation=s.fp16_accumulation,
         mlp_chunk_tokens=s.mlp_chunk_tokens,
+        quantization=s.quantization,
     )
 
 
@@ -183,7 +186,7 @@ def _classic_partition(
     shard_options = [s.head_shards] if s.head_shards != "auto" else list(HEAD_SHARD_CANDIDATES[:8])
     best = None
     for k in shard_options:
-        costs = model_costs(config, s.seq_len, mbs, **_cost_args(s), head_shards=k)
+        costs = model_costs(config, s.seq_len, mbs, **cost_args(s), head_shards=k)
         if n_stages > len(costs):
             continue
         f, b = layer_times(costs, hw, efficiency=s.efficiency, times=s.times)
@@ -215,7 +218,7 @@ def prepare(s: Scenario) -> Prepared:
                 f"{s.policy} uses one partition for forward and backward: give the same bounds twice"
             )
         shards = s.head_shards if isinstance(s.head_shards, int) else 1
-        costs = model_costs(config, s.seq_len, mbs, **_cost_args(s), head_shards=shards)
+        costs = model_costs(config, s.seq_len, mbs, **cost_args(s), head_shards=shards)
         if forward.num_layers != len(costs):
             raise ConfigError(
                 f"the partitions cut {forward.num_layers} layers but the model has {len(costs)} with "
@@ -238,9 +241,10 @@ def prepare(s: Scenario) -> Prepared:
             times=s.times,
             label_fraction=s.label_fraction,
             mlp_chunk_tokens=s.mlp_chunk_tokens,
+            quantization=s.quantization,
         )
         forward, backward, shards = p.forward, p.backward, p.head_shards
-        costs = model_costs(config, s.seq_len, mbs, **_cost_args(s), head_shards=shards)
+        costs = model_costs(config, s.seq_len, mbs, **cost_args(s), head_shards=shards)
         notes += list(p.notes)
         table = build_table(s.policy, forward, backward, n_dev, m, **_round(s))
     else:

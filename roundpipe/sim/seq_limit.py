@@ -37,7 +37,7 @@ from roundpipe.schedule import PROVISIONAL_POLICY
 from roundpipe.schedule.table import Partition
 from roundpipe.sim.options import SimOptions
 from roundpipe.sim.result import SimResult
-from roundpipe.sim.scenario import Scenario, check_scenario, failed_result, prepare
+from roundpipe.sim.scenario import Scenario, check_scenario, cost_args, failed_result, prepare
 from roundpipe.sim.search import microbatch_candidates, overflows_host, round_size_for_host, stage_options
 from roundpipe.sim.simulator import simulate
 
@@ -171,11 +171,7 @@ def finest_plan_bytes(base: Scenario, config: Mapping[str, Any], seq_len: int) -
     """The memory rule's peak for one layer per stage, forward and backward, at the smallest
     microbatch (one sequence): no partition of the model needs less on a device."""
     hw, _, _ = check_scenario(base)
-    costs = model_costs(
-        config, seq_len, 1, dtype=base.dtype, lora_rank=base.lora_rank,
-        label_fraction=base.label_fraction, fp16_accumulation=base.fp16_accumulation,
-        mlp_chunk_tokens=base.mlp_chunk_tokens,
-    )  # fmt: skip
+    costs = model_costs(config, seq_len, 1, **cost_args(base))
     singles = Partition(tuple(range(len(costs) + 1)))
     return pair_peak_bytes(costs, singles, singles, device_reserve_bytes(hw))
 
@@ -194,6 +190,7 @@ def max_seq_len(
     fp16_accumulation: bool = False,
     optimizer: str = "sync",
     mlp_chunk_tokens: int | None = None,
+    quantization: str | None = None,
 ) -> SeqLimit:
     """The longest sequence (a multiple of ``grain``) that some plan of ``policy`` fits on the
     GPUs and the host, its fastest plan there and the limit that binds (module docstring)."""
@@ -202,6 +199,7 @@ def max_seq_len(
         model, hardware, policy, seq_len=grain, global_batch=global_batch, lora_rank=lora_rank,
         dtype=dtype, num_devices=num_devices, label_fraction=label_fraction,
         fp16_accumulation=fp16_accumulation, optimizer=optimizer, mlp_chunk_tokens=mlp_chunk_tokens,
+        quantization=quantization,
     )  # fmt: skip
     check_scenario(base)
     opts = SimOptions(record_timeline=False, optimizer=optimizer)

@@ -43,7 +43,7 @@ from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, TaskKind, build_tab
 from roundpipe.schedule.table import Partition, ScheduleTable
 from roundpipe.sim.options import SimOptions
 from roundpipe.sim.result import SimResult
-from roundpipe.sim.scenario import Prepared, Scenario, check_scenario, failed_result, prepare
+from roundpipe.sim.scenario import Prepared, Scenario, check_scenario, cost_args, failed_result, prepare
 from roundpipe.sim.search import (
     OBJECTIVE_GRAINS,
     Candidate,
@@ -87,10 +87,8 @@ def grain_alternatives(
     s, hw = prep.scenario, prep.hardware
     config = dict(s.model) if isinstance(s.model, Mapping) else load_model_config(s.model)
     costs = model_costs(
-        config, s.seq_len, prep.micro_batch_size, dtype=s.dtype, lora_rank=s.lora_rank,
-        label_fraction=s.label_fraction, fp16_accumulation=s.fp16_accumulation, head_shards=prep.head_shards,
-        mlp_chunk_tokens=s.mlp_chunk_tokens,
-    )  # fmt: skip
+        config, s.seq_len, prep.micro_batch_size, **cost_args(s), head_shards=prep.head_shards
+    )
     f, b = layer_times(costs, hw, efficiency=s.efficiency, times=s.times)
     try:
         choices = partitions(
@@ -359,6 +357,7 @@ def tune(
     fp16_accumulation: bool = False,
     head_shards: int | Literal["auto"] = "auto",
     mlp_chunk_tokens: int | None = None,
+    quantization: str | None = None,
 ) -> TuneResult:
     """Search policy x partition x microbatches x stage grain (head shards with the partition) and
     return the best plan and a ranked table of alternatives (see the module docstring).
@@ -375,6 +374,7 @@ def tune(
         model, hardware, PROVISIONAL_POLICY, seq_len=seq_len, global_batch=global_batch, lora_rank=lora_rank,
         dtype=dtype, optimizer=optimizer, num_devices=num_devices, label_fraction=label_fraction,
         fp16_accumulation=fp16_accumulation, head_shards=head_shards, mlp_chunk_tokens=mlp_chunk_tokens,
+        quantization=quantization,
     )  # fmt: skip
     hw, _, _ = check_scenario(base)
     config = dict(model) if isinstance(model, Mapping) else load_model_config(model)

@@ -1,0 +1,333 @@
+"""Frozen weights kept compressed (``RunConfig.quantization``): bitsandbytes' own formats, QLoRA that
+trains as plain PyTorch (and plain peft + bitsandbytes) does on the same quantized weights, the host
+bytes it saves, and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.quantized import dequantized, peft_qlora
+from support.reference import assert_exact, assert_same_run, pipeline_train, reference_train
+from support.tiny_models import make_batch, make_model
+
+import roundpipe
+from roundpipe.errors import ConfigError
+from roundpipe.partition import quant_layout as quant_layout_module
+from roundpipe.partition.quant_layout import TABLE_BYTES, quant_layout, quantized_bytes
+from roundpipe.runtime import quantized
+from roundpipe.runtime.quantized import dynamic_map, pack, unpack
+
+torch.set_num_threads(1)
+
+STEPS = 3
+# whole blocks, experts (rows of 64: bitsandbytes' native CPU unpacking reads a tensor of another
+# even row length in blocks per row, not the flat blocks its packing and its CUDA kernels use), a
+# short last block, an odd count
+SHAPES = [(128, 256), (4, 96, 64), (3, 100), (7, 37)]
+
+
+def _packed(w: torch.Tensor, fmt: str):
+    layout = quant_layout(fmt, tuple(w.shape))
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    pack(w, layout, buf)
+    return layout, buf
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_nf4_is_bitsandbytes_format_both_ways(shape):
+    """Our packing holds bitsandbytes' ``quantize_4bit(nf4, compress_statistics=True)``: the same
+    4-bit codes, mean and second-level scales; each block's absmax code is the nearest in the
+    dynamic map (bitsandbytes' native kernels search it approximately, so near 0 they may pick a
+    neighbour: ours is never further from the true absmax). Unpacking bitsandbytes' own bytes gives
+    its ``dequantize_4bit`` exactly: a checkpoint it wrote reads as it is."""
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    torch.manual_seed(0)
+    w = 0.05 * torch.randn(shape)
+    layout, buf = _packed(w, "nf4")
+    q, state = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+
+    def part(b, name, dtype=torch.uint8):
+        start, stop = layout.section(name)
+        return b[start:stop].view(dtype)
+
+    assert torch.equal(dynamic_map(), bnb.create_dynamic_map(signed=True))
+    assert torch.equal(part(buf, "codes"), q.reshape(-1))
+    assert torch.equal(part(buf, "absmax_scale", torch.float32), state.state2.absmax)
+    assert torch.equal(part(buf, "offset", torch.float32), state.offset.reshape(1))
+    ours, theirs = part(buf, "absmax"), state.absmax
+    assert float((ours != theirs).float().mean()) <= 0.02
+    true = (
+        torch.nn.functional.pad(w.reshape(-1), (0, -w.numel() % 64)).view(-1, 64).abs().amax(dim=1)
+        - state.offset
+    )
+    scale = state.state2.absmax.repeat_interleave(256)[: true.numel()]
+    code = dynamic_map()
+    assert ((code[ours.long()] * scale - true).abs() <= (code[theirs.long()] * scale - true).abs()).all()
+
+    theirs_buf = buf.clone()
+    part(theirs_buf, "absmax").copy_(state.absmax)
+    assert torch.equal(unpack(theirs_buf, layout, torch.float32), bnb.dequantize_4bit(q, state))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_packs_bitsandbytes_rows_and_scales(shape):
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    torch.manual_seed(1)
+    w = 0.05 * torch.randn(shape)
+    layout, buf = _packed(w, "int8")
+    cb, scb, _ = bnb.int8_vectorwise_quant(w.reshape(-1, shape[-1]))
+    a, b = layout.section("values")
+    assert torch.equal(buf[a:b].view(torch.int8), cb.reshape(-1))
+    a, b = layout.section("scales")
+    assert torch.equal(buf[a:b].view(torch.float32), scb)
+    got = unpack(buf, layout, torch.float32).reshape(-1, shape[-1])
+    assert torch.equal(got, bnb.int8_vectorwise_dequant(cb, scb))
+
+
+@pytest.mark.parametrize("fmt, worst", [("nf4", 0.16), ("int8", 0.004), ("fp8", 0.07)])
+def test_each_format_round_trips_within_its_resolution(fmt, worst):
+    """The largest error relative to the row's largest value: nf4's widest gap (0.72 to 1) is 0.28
+    of a block's absmax, so half of that at most, plus the 8-bit code of the absmax itself; int8
+    rounds to 1/254 of the row's; e4m3 keeps 3 mantissa bits (1/16 at most)."""
+    torch.manual_seed(2)
+    w = torch.randn(64, 192)
+    w[3] = 0.0  # a zero row: scales of 0 must not make NaNs
+    layout, buf = _packed(w, fmt)
+    got = unpack(buf, layout, torch.float32)
+    assert torch.isfinite(got).all() and torch.equal(got[3], torch.zeros(192))
+    err = (got - w).abs().amax(dim=1) / w.abs().amax(dim=1).clamp(min=1e-30)
+    assert float(err.max()) <= worst
+    assert unpack(buf, layout, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8", "fp8"])
+def test_unpacking_in_pieces_gives_the_whole(fmt, monkeypatch):
+    """A tensor larger than one piece is unpacked piece by piece (bounded transient) to the same
+    values: pieces of 2 second-level nf4 blocks (32,768 values) or of whole rows."""
+    torch.manual_seed(3)
+    w = torch.randn(3, 160, 256)  # 122,880 values: 4 pieces, the last one short
+    layout, buf = _packed(w, fmt)
+    whole = unpack(buf, layout, torch.float32)
+    monkeypatch.setattr(quant_layout_module, "UNPACK_VALUES", 2 * 64 * 256)
+    assert quantized._piece_values(layout) < layout.numel
+    assert torch.equal(unpack(buf, layout, torch.float32), whole)
+
+
+@pytest.mark.parametrize(
+    "family, lora, fmt",
+    [
+        ("llama", "default", "nf4"),
+        ("llama", "all-linear", "int8"),
+        ("qwen3", "default", "fp8"),
+        ("qwen3", "all-linear", "nf4"),
+        ("qwen3_moe", "default", "nf4"),
+        ("qwen3_moe", "default", "int8"),
+        ("qwen3_moe", "default", "fp8"),
+    ],
+)
+def test_qlora_trains_like_plain_pytorch_on_the_dequantized_weights(family, lora, fmt):
+    """fp32 compute on ``cpu:2``: losses to rtol 1e-5 and adapters by the float64 rule against
+    plain PyTorch whose frozen block weights hold what the packing holds (the MoE against plain
+    fp32: torch's grouped expert matmul has no float64)."""
+    model = make_model(family, lora=lora, num_layers=3)
+    batch = make_batch(batch=6, seq=12)
+    want = dequantized(model, fmt)
+    plain = reference_train(want, batch, STEPS)
+    got = pipeline_train(model, batch, STEPS, devices="cpu:2", num_microbatches=3, quantization=fmt)
+    if family == "qwen3_moe":
+        assert_same_run(got, plain)
+    else:
+        assert_exact(got, plain, reference_train(want.double(), batch, STEPS))
+    assert plain.losses != reference_train(model, batch, 1).losses[:1] * STEPS  # the weights did change
+
+
+@pytest.mark.parametrize("family, fmt", [("llama", "nf4"), ("qwen3", "nf4"), ("llama", "int8")])
+def test_qlora_trains_like_plain_peft_on_bitsandbytes(family, fmt, tmp_path):
+    """The reference QLoRA users run: transformers' BitsAndBytesConfig (nf4 with double
+    quantization, fp32 compute; or LLM.int8()) and peft's LoRA, trained by plain PyTorch. The same
+    weights and adapters through roundpipe with quantization=fmt give the same losses (rtol 1e-5)
+    and adapters."""
+    pytest.importorskip("bitsandbytes")
+    make_model(family, num_layers=3).save_pretrained(tmp_path)
+    model = make_model(family, lora="default", num_layers=3)
+    reference = peft_qlora(tmp_path, model, fmt)
+    batch = make_batch(batch=6, seq=12)
+    want = reference_train(reference, batch, STEPS)
+    got = pipeline_train(model, batch, STEPS, devices="cpu:2", num_microbatches=3, quantization=fmt)
+    if fmt == "int8":  # LLM.int8() multiplies in int8: a quantized activation, not our fp32 matmul
+        torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=2e-2, atol=0)
+        return
+    assert_same_run(got, want)
+
+
+def _frozen_bytes(pipe) -> tuple[int, list[str]]:
+    """Bytes the store really holds for its compressed entries (their buffers' storages)."""
+    packed = [e for e in pipe.store.entries if e.quant is not None]
+    return sum(b.untyped_storage().nbytes() for e in packed for b in e.buffers), [e.name for e in packed]
+
+
+def test_nf4_keeps_the_frozen_weights_in_under_a_third_of_bf16s_host_bytes():
+    """Measured on the store's buffers, against the same weights in a bf16 run (both pinned-free
+    ``pageable`` copies, so the bytes are the tensors' own)."""
+    model = make_model("qwen3", lora="default", num_layers=2)
+    run = dict(devices="cpu:1", dtype="bf16", host_memory="pageable")
+    with roundpipe.wrap(model, roundpipe.RunConfig(quantization="nf4", **run)) as pipe:
+        nf4, names = _frozen_bytes(pipe)
+        entries = {e.name: e for e in pipe.store.entries}
+    with roundpipe.wrap(model, roundpipe.RunConfig(**run)) as pipe:
+        bf16 = sum(
+            b.untyped_storage().nbytes() for e in pipe.store.entries if e.name in names for b in e.buffers
+        )
+    assert len(names) == 2 * 7  # q, k, v, o, gate, up, down of each block; norms and LoRA stay
+    assert all(".lora_" not in n and "norm" not in n for n in names)
+    assert nf4 == sum(quantized_bytes("nf4", tuple(entries[n].tensor.shape)) for n in names)
+    assert nf4 <= 0.3 * bf16, f"nf4 {nf4} bytes against bf16 {bf16}"
+
+
+def test_quantization_of_a_model_that_trains_every_weight_is_refused():
+    with pytest.raises(ConfigError, match="full fine-tuning.*LoRA.*or leave quantization unset"):
+        roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(devices="cpu:1", quantization="nf4"))
+
+
+def test_an_unknown_quantization_is_refused_naming_the_formats():
+    with pytest.raises(ConfigError, match="nf4, int8, fp8"):
+        roundpipe.RunConfig(quantization="nf2")
+
+
+def test_a_checkpoint_is_packed_tensor_by_tensor_as_it_is_read(tmp_path):
+    """A model built on meta (``roundpipe train``'s loading) gets its compressed weights straight
+    from the files: the model's own tensor of each stays on meta (no full-precision copy on the
+    host), and the run trains as the same model given in memory does."""
+    from roundpipe.train.config import LoraConfig, ModelConfig
+    from roundpipe.train.loading import build_model
+
+    make_model("qwen3", num_layers=2).save_pretrained(tmp_path)
+    lora = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules="all-linear")
+    batch = make_batch(batch=4, seq=10)
+    run = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, quantization="nf4")
+
+    def losses(pipe):
+        pipe.configure_optimizer(lr=1e-3)
+        out = []
+        for _ in range(2):
+            out.append(pipe.forward_backward(batch["input_ids"], labels=batch["labels"]).loss)
+            pipe.step()
+        return out
+
+    loaded = build_model(ModelConfig(path=str(tmp_path)), lora, seed=0)
+    in_memory = build_model(ModelConfig(path=str(tmp_path)), lora, seed=0)
+    for name, p in in_memory.model.named_parameters():
+        if p.is_meta:  # filled from the same files
+            data = torch.empty(p.shape, dtype=p.dtype)
+            in_memory.weights.fill(name, data)
+            torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+    with roundpipe.wrap(loaded.model, run, weights=loaded.weights) as pipe:
+        packed = [e for e in pipe.store.entries if e.quant is not None]
+        assert packed and all(e.tensor.is_meta and e.source for e in packed)
+        got = losses(pipe)
+    with roundpipe.wrap(in_memory.model, run) as pipe:
+        assert losses(pipe) == got
+
+
+# ----------------------------------------------------------------------------- what it costs
+def test_the_cost_model_counts_the_bytes_the_store_holds():
+    """One layout rule for both: each block's device bytes in the cost model are what the store
+    holds for it (byte for byte on a dense model; the bytes compression saves on fused experts
+    within a few bytes of scales: the model fuses gate and up, the cost model counts them apart),
+    and a block's saved bytes grow by its unpacked weights."""
+    from roundpipe.partition.cost import model_costs
+
+    for family, slack in (("llama", 0), ("qwen3_moe", 16)):
+        model = make_model(family, lora="all-linear", num_layers=2)
+        config = model.base_model.model.config.to_dict()
+        plain = model_costs(config, 16, lora_rank=4, dtype="bf16")
+        held = {}
+        for fmt in (None, "nf4", "int8", "fp8"):
+            with roundpipe.wrap(
+                model, roundpipe.RunConfig(devices="cpu:1", dtype="bf16", quantization=fmt)
+            ) as pipe:
+                held[fmt] = pipe.store.layer_bytes
+        for fmt in ("nf4", "int8", "fp8"):
+            costs = model_costs(config, 16, lora_rank=4, dtype="bf16", quantization=fmt)
+            for i, (c, p) in enumerate(zip(costs, plain)):
+                if c.kind != "block":
+                    assert c.param_bytes == p.param_bytes == held[fmt][i]
+                    continue
+                if family == "llama":
+                    assert c.param_bytes == held[fmt][i]
+                # what compression saves (peft's LoRA on fused experts differs from the model's)
+                saved = p.param_bytes - c.param_bytes
+                assert abs(saved - (held[None][i] - held[fmt][i])) <= slack, (family, fmt, c.name)
+                assert c.saved_bytes - p.saved_bytes == _unpacked(config, c)
+
+
+def _unpacked(config, cost) -> int:
+    """bf16 bytes of a block's compressed weights: every linear's weight but the router's."""
+    from roundpipe.partition.shape import model_shape
+
+    shape = model_shape(config)
+    i = int(cost.name.split(".")[1])
+    h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
+    attention = h * q + 2 * h * kv + q * h
+    mlp = 3 * shape.num_experts * h * shape.expert_width if shape.is_moe(i) else 3 * h * shape.dense_width
+    return 2 * (attention + mlp)
+
+
+def test_a_plan_bounds_the_device_memory_of_unpacked_weights():
+    """One layer per stage on ``cpu:1``, weights four times the activations: the live peak of a
+    step stays within the plan's figure (compressed weights resident, a layer's unpacked copy while
+    it runs, a backward stage's kept until it ends), which is no more than 20% above it; nf4's
+    peak is below the run's without compression (the prefetched layer is compressed too)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    import peft
+
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    peaks = {}
+    for fmt in (None, "nf4", "int8", "fp8"):
+        run = roundpipe.RunConfig(
+            devices="cpu:1", num_microbatches=1, policy="roundpipe", partition=None, quantization=fmt
+        )
+        with roundpipe.wrap(model, run) as pipe:
+            pipe.configure_optimizer(lr=1e-3)
+            pipe.forward_backward(ids, labels=ids)
+            live = pipe.stats()["devices"][0]["peak_bytes"]
+            planned = pipe._planner.planned_peaks(pipe.last_plan.table, 1, tuple(ids.shape))[0].nbytes
+        assert live <= planned <= 1.2 * live, (fmt, live, planned)
+        peaks[fmt] = live
+    assert peaks["nf4"] < peaks[None]
+
+
+def test_host_bytes_and_pcie_of_a_plan_shrink_with_compression():
+    """The simulator's host state and upload bytes for Qwen3-32B LoRA: nf4 below 0.35x of bf16's
+    weights, int8 and fp8 near half (the adapters, norms, embedding and head stay bf16)."""
+    from roundpipe.partition.cost import model_costs, model_totals
+    from roundpipe.presets import load_model_config
+
+    config = load_model_config("qwen3-32b")
+    host = {
+        fmt: model_totals(model_costs(config, 4096, lora_rank=16, dtype="bf16", quantization=fmt))[
+            "host_bytes"
+        ]
+        for fmt in (None, "nf4", "int8", "fp8")
+    }
+    assert host["nf4"] < 0.35 * host[None]
+    assert 0.45 * host[None] < host["int8"] < 0.56 * host[None]
+    assert host["fp8"] == host["int8"]
+    with pytest.raises(ConfigError, match="full fine-tuning.*LoRA rank"):
+        model_costs(config, 4096, dtype="bf16", quantization="nf4")
+
+
+def test_the_tables_are_the_size_the_cost_model_counts():
+    assert quantized.table_bytes().numel() == TABLE_BYTES
