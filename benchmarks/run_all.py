@@ -68,6 +68,7 @@ BENCHMARKS = (
     Bench("family_tester_coverage", "whether families built from transformers' own tester configs, dropout on, train exactly and replay it", quick=None, results=("models.md",)),
     Bench("host_syncs", "device values a steady step reads on the host, per model family (CUDA's clock)"),
     Bench("long_context_bytes", "where a long sequence's bytes go on a GPU and the host: Qwen3-32B and Qwen3-235B-A22B", quick=()),
+    Bench("quantization", "frozen weights kept in nf4, int8 or fp8: host RAM, PCIe and time against bf16 (235B on 256 GiB, 32B on one GPU)"),
     Bench("sim_speed", "how long one simulation takes", quick=("--repeats", "1")),
     Bench("choice_speed", "how long the runtime's automatic choice takes", quick=("--repeats", "1")),
     Bench("readiness_virtual", "readiness-first against fixed order on a virtual 4x RTX 4090 server, against the simulator"),

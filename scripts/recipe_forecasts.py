@@ -21,17 +21,21 @@ BEGIN = "# --- forecast: written by scripts/recipe_forecasts.py; do not edit by 
 END = "# --- end of forecast ---"
 GIB = 1 << 30
 
-# recipe file -> (model preset with the recipe's architecture, server preset)
+# recipe file -> (model preset with the recipe's architecture, server preset, host RAM in GiB or
+# None for the preset's)
 RECIPES = {
-    "qwen3-8b-lora-8x4090.yaml": ("qwen3-8b", "8xrtx4090"),
-    "qwen3-32b-full-8x4090.yaml": ("qwen3-32b", "8xrtx4090"),
-    "qwen3-235b-a22b-lora-8x4090.yaml": ("qwen3-235b-a22b", "8xrtx4090"),
-    "llama3.1-8b-full-8x4090.yaml": ("llama3.1-8b", "8xrtx4090"),
-    "qwen3-235b-a22b-lora-32k-8x4090.yaml": ("qwen3-235b-a22b", "8xrtx4090"),
+    "qwen3-8b-lora-8x4090.yaml": ("qwen3-8b", "8xrtx4090", None),
+    "qwen3-32b-full-8x4090.yaml": ("qwen3-32b", "8xrtx4090", None),
+    "qwen3-235b-a22b-lora-8x4090.yaml": ("qwen3-235b-a22b", "8xrtx4090", None),
+    "llama3.1-8b-full-8x4090.yaml": ("llama3.1-8b", "8xrtx4090", None),
+    "qwen3-235b-a22b-lora-32k-8x4090.yaml": ("qwen3-235b-a22b", "8xrtx4090", None),
+    "qwen3-235b-a22b-qlora-8x4090.yaml": ("qwen3-235b-a22b", "8xrtx4090", 256),
+    "qwen3-32b-qlora-1x4090.yaml": ("qwen3-32b", "1xrtx4090", 64e9 / 2**30),
 }
 
 
-def forecast_lines(recipe: Path, model: str, hardware: str) -> list[str]:
+def forecast_lines(recipe: Path, model: str, hardware: str, host_gib: float | None = None) -> list[str]:
+    from roundpipe.presets import load_hardware
     from roundpipe.sim.scenario import Scenario, safe_run
     from roundpipe.train.recipe import load_recipe
 
@@ -39,10 +43,11 @@ def forecast_lines(recipe: Path, model: str, hardware: str) -> list[str]:
     cfg = load_recipe(recipe, ["model.path=MODEL_DIR"])
     run = cfg.run
     microbatches = run.num_microbatches if isinstance(run.num_microbatches, int) else None
+    server = load_hardware(hardware, **({} if host_gib is None else {"host_memory_bytes": int(host_gib * GIB)}))
     r = safe_run(
         Scenario(
             model,
-            hardware,
+            server,
             run.policy,
             seq_len=cfg.data.max_length,
             global_batch=run.batch_size,
@@ -52,12 +57,18 @@ def forecast_lines(recipe: Path, model: str, hardware: str) -> list[str]:
             optimizer=run.optimizer_mode,
             round_size=run.options.get("round_size"),
             mlp_chunk_tokens=run.mlp_chunk_tokens,
+            quantization=run.quantization,
+            # peft's target_modules adapt no expert of a fused-experts MoE unless they name them
+            lora_experts="experts" in str(cfg.lora.target_modules),
         )
     )
     what = f"LoRA r={cfg.lora.rank}" if cfg.lora.enabled else "full fine-tuning"
+    if run.quantization is not None:
+        what += f", {run.quantization} base weights"
+    host = "" if host_gib is None else f" with {host_gib:.0f} GiB of host RAM"
     lines = [
         BEGIN,
-        f"# Simulated for {model} ({what}) on {hardware}: policy {run.policy}, batches of {run.batch_size} x "
+        f"# Simulated for {model} ({what}) on {hardware}{host}: policy {run.policy}, batches of {run.batch_size} x "
         f"{cfg.data.max_length} tokens in {run.num_microbatches} microbatches, {run.dtype}, {run.optimizer_mode} optimizer.",
     ]
     if r.fits:
@@ -86,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when a header is stale instead of writing")
     args = ap.parse_args(argv)
     stale = []
-    for name, (model, hardware) in RECIPES.items():
+    for name, (model, hardware, host_gib) in RECIPES.items():
         path = ROOT / "recipes" / name
         text = path.read_text(encoding="utf-8")
-        new = with_header(text, forecast_lines(path, model, hardware))
+        new = with_header(text, forecast_lines(path, model, hardware, host_gib))
         if new != text:
             stale.append(name)
             if not args.check:

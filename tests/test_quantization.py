@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.quantized import dequantized, peft_qlora
+from support.quantized import dequantized, peft_qlora, same_absmax_codes
 from support.reference import assert_exact, assert_same_run, pipeline_train, reference_train
 from support.tiny_models import make_batch, make_model
 
@@ -331,3 +331,107 @@ def test_host_bytes_and_pcie_of_a_plan_shrink_with_compression():
 
 def test_the_tables_are_the_size_the_cost_model_counts():
     assert quantized.table_bytes().numel() == TABLE_BYTES
+
+
+# ----------------------------------------------------------------------------- exports
+def _trained(model, fmt: str, batch):
+    """``model`` trained 2 steps with its base weights kept compressed; returns the pipeline's
+    unpacked base values too (the exports merge on them)."""
+    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, quantization=fmt)) as pipe:
+        pipe.configure_optimizer(lr=1e-2)
+        for _ in range(2):
+            pipe.forward_backward(batch["input_ids"], labels=batch["labels"])
+            pipe.step()
+        pipe.export_to(model)
+        return {n: pipe.store.unpacked_weights().get(id(p)) for n, p in model.named_parameters()}
+
+
+def test_the_adapter_loads_on_the_quantized_base_with_plain_peft(tmp_path):
+    """Trained with nf4 here and exported with ``export_adapter``, the adapter loads with peft's
+    ``PeftModel.from_pretrained`` onto the base transformers quantizes with BitsAndBytesConfig: the
+    same model as our trained adapters put on that base (every adapter weight, the same loss), and
+    the loss of the trained model on the dequantized weights to 1e-4 (bitsandbytes' CPU matmuls are
+    not ours: its untrained base alone is ~3e-6 off)."""
+    pytest.importorskip("bitsandbytes")
+    import peft
+    import transformers
+
+    from roundpipe.train.export import export_adapter
+
+    make_model("llama", num_layers=2).save_pretrained(tmp_path / "base")
+    model = make_model("llama", lora="default", num_layers=2)
+    batch = make_batch(batch=4, seq=10)
+    _trained(model, "nf4", batch)
+    export_adapter(model, tmp_path / "adapter")
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base", quantization_config=config, dtype=torch.float32, device_map="cpu"
+    )
+    same_absmax_codes(base, transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"))
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").train()
+    ours = peft_qlora(tmp_path / "base", model, "nf4")
+    theirs = dict(loaded.named_parameters())
+    lora = [(n, p) for n, p in ours.named_parameters() if "lora_" in n]
+    assert lora and all(torch.equal(p, theirs[n]) for n, p in lora)
+    got = loaded(**batch).loss.item()
+    assert got == ours(**batch).loss.item()
+    assert got == pytest.approx(dequantized(model, "nf4")(**batch).loss.item(), rel=1e-4)
+
+
+def test_a_merged_export_merges_into_the_dequantized_weights_in_bf16(tmp_path):
+    """The merged file holds, for each compressed weight, bf16(unpacked + LoRA update), says so in
+    config.json, and loads with transformers alone."""
+    import transformers
+
+    from roundpipe.train.export import export_merged
+
+    model = make_model("qwen3", lora="default", num_layers=2)
+    batch = make_batch(batch=4, seq=10)
+    unpacked = _trained(model, "int8", batch)
+    values = {id(p): unpacked[n] for n, p in model.named_parameters() if unpacked[n] is not None}
+    export_merged(model, tmp_path, dtype=torch.bfloat16, base_values=values, merged_from="int8")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert "int8" in merged.config.roundpipe_merged_from
+    want = dequantized(model, "int8").merge_and_unload()
+    for name, p in merged.named_parameters():
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(p, want.get_parameter(name).to(torch.bfloat16), rtol=0, atol=0, msg=name)
+
+
+def test_a_virtual_qlora_step_moves_and_computes_what_the_simulator_says():
+    """Two Llama-3.1-8B blocks with LoRA and nf4 on a virtual RTX 4090 (no data, modelled time):
+    the runtime uploads the compressed bytes the simulator counts, its modelled compute includes
+    the unpacking the cost model times, and its device memory follows the memory model."""
+    import peft
+    from test_virtual_server import MEMORY_TOLERANCE, _meta_llama
+
+    from roundpipe.sim import SimOptions, simulate
+
+    model = peft.get_peft_model(_meta_llama(2), peft.LoraConfig(r=16, target_modules="all-linear"))
+    rows, seq, microbatches = 4, 4096, 2
+    run = roundpipe.RunConfig(
+        devices="virtual:1xrtx4090", dtype="bf16", num_microbatches=microbatches, quantization="nf4"
+    )
+    with roundpipe.wrap(model, run) as pipe:
+        pipe.configure_optimizer(lr=1e-4)
+        ids = torch.randint(0, 1000, (rows, seq))
+        for _ in range(2):
+            before = pipe.backend.modelled()
+            pipe.forward_backward(ids, ids)
+            pipe.step()
+        after = pipe.backend.modelled()
+        workload = pipe.backend.costs._workload(rows // microbatches, seq)
+        sim = simulate(pipe.last_plan.table, workload, pipe.backend.server, SimOptions(optimizer="sync"))
+        busy = [a - b for a, b in zip(after["compute_busy_s"], before["compute_busy_s"])]
+        assert busy == pytest.approx(list(sim.compute_busy_s), rel=0.01)
+        assert after["h2d_bytes"] - before["h2d_bytes"] == pytest.approx(sim.h2d_bytes, rel=0.01)
+        packed = sum(b.nbytes for e in pipe.store.entries if e.quant is not None for b in e.buffers)
+        assert packed < 0.27 * sum(2 * e.tensor.numel() for e in pipe.store.entries if e.quant is not None)
+        low, high = MEMORY_TOLERANCE
+        for dev, planned in zip(pipe.backend.devices, sim.peak_gpu_bytes):
+            assert low * planned <= dev.memory.peak <= high * planned

@@ -57,6 +57,13 @@ def add_model_args(ap: argparse.ArgumentParser, *, seq_required: bool = False) -
         "(QLoRA; RunConfig.quantization; needs --lora-rank): nf4 about 0.52 bytes a weight, int8 and "
         "fp8 about 1",
     )
+    ap.add_argument(
+        "--no-lora-experts",
+        dest="lora_experts",
+        action="store_false",
+        help="LoRA on the attention (and dense MLPs, routers) but not on each expert of a MoE: what "
+        "peft's target_modules give a model whose experts are fused tensors (default: every linear)",
+    )
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument(
         "--fp16-accumulation",
@@ -161,4 +168,5 @@ def model_settings(args: argparse.Namespace) -> dict:
         fp16_accumulation=args.fp16_accumulation,
         mlp_chunk_tokens=args.mlp_chunk_tokens,
         quantization=args.quantization,
+        lora_experts=args.lora_experts,
     )

@@ -41,7 +41,9 @@ The model's own parameters are not touched during training; ``export_to`` writes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -54,7 +56,7 @@ from roundpipe.errors import CheckpointError, ConfigError
 from roundpipe.models.base import ModelAdapter
 from roundpipe.optim import master_of
 from roundpipe.partition.quant_layout import QuantLayout, quant_layout
-from roundpipe.runtime.quantized import TABLES_NAME, pack, quantizable, table_bytes
+from roundpipe.runtime.quantized import TABLES_NAME, pack, quantizable, table_bytes, unpack
 
 
 class Weights(Protocol):
@@ -214,7 +216,8 @@ class ParameterStore:
     # run dtype: stored once, the model's tensor re-pointed at the copy); for meta tensors see
     # _plan_loaded_entry. ``names``: every name of the tensor in the model, the first is the entry's.
     # ``packed``: a frozen weight kept compressed in this format ("pack": the bytes of its layout,
-    # filled from the model's tensor, or from the weights when it is on meta).
+    # filled from the model's tensor, or from the weights when it is on meta). The unpacking
+    # tables' entry is "tables" (copied in, nothing re-pointed: _add_tables).
     def _plan_entry(
         self, key: int, names: list[str], t: torch.Tensor, is_buffer: bool, packed: str | None = None
     ) -> tuple[Entry, list[str]]:
@@ -346,7 +349,7 @@ class ParameterStore:
                 binds.append(Binding("", TABLES_NAME.replace(".", "_"), True, key))
                 e.users.append(i)
         self.entries.append(e)
-        return ["own"]
+        return ["tables"]  # copied in; nothing of the model's to re-point
 
     def _full_precision(self, e: Entry) -> torch.Tensor:
         """The weight an entry kept compressed holds: the model's tensor, or (on meta) the tensor read
@@ -356,6 +359,11 @@ class ParameterStore:
         out = torch.empty(e.tensor.shape, dtype=e.tensor.dtype, device=self.host_device)
         self._read(e.source, out)
         return out
+
+    def unpacked_weights(self) -> dict[int, Callable[[], torch.Tensor]]:
+        """For each weight kept compressed, keyed by ``id`` of the model's own tensor: how to make
+        (on the CPU, in fp32) the weight the run computes with -- what an export merges into."""
+        return {id(e.tensor): partial(unpack, e.compute, e.quant, torch.float32) for e in self.entries if e.quant}
 
     def host_memory_stats(self) -> dict:
         """Host bytes requested and reserved by the compute copies (``static_*``) and the hand-off

@@ -76,6 +76,7 @@ class Scenario:
     fp16_accumulation: bool = False  # fp16 matmuls accumulate in fp16 (RunConfig(fp16_accumulation=True))
     mlp_chunk_tokens: int | None = None  # the blocks' MLP in token chunks (RunConfig.mlp_chunk_tokens)
     quantization: str | None = None  # frozen block weights kept compressed (RunConfig.quantization)
+    lora_experts: bool = True  # LoRA on each expert too (False: peft's target_modules on a fused MoE)
 
     @property
     def model_name(self) -> str:
@@ -175,6 +176,7 @@ def cost_args(s: Scenario) -> dict:
         fp16_accumulation=s.fp16_accumulation,
         mlp_chunk_tokens=s.mlp_chunk_tokens,
         quantization=s.quantization,
+        lora_experts=s.lora_experts,
     )
 
 
@@ -242,6 +244,7 @@ def prepare(s: Scenario) -> Prepared:
             label_fraction=s.label_fraction,
             mlp_chunk_tokens=s.mlp_chunk_tokens,
             quantization=s.quantization,
+            lora_experts=s.lora_experts,
         )
         forward, backward, shards = p.forward, p.backward, p.head_shards
         costs = model_costs(config, s.seq_len, mbs, **cost_args(s), head_shards=shards)

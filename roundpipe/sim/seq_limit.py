@@ -191,6 +191,7 @@ def max_seq_len(
     optimizer: str = "sync",
     mlp_chunk_tokens: int | None = None,
     quantization: str | None = None,
+    lora_experts: bool = True,
 ) -> SeqLimit:
     """The longest sequence (a multiple of ``grain``) that some plan of ``policy`` fits on the
     GPUs and the host, its fastest plan there and the limit that binds (module docstring)."""
@@ -199,7 +200,7 @@ def max_seq_len(
         model, hardware, policy, seq_len=grain, global_batch=global_batch, lora_rank=lora_rank,
         dtype=dtype, num_devices=num_devices, label_fraction=label_fraction,
         fp16_accumulation=fp16_accumulation, optimizer=optimizer, mlp_chunk_tokens=mlp_chunk_tokens,
-        quantization=quantization,
+        quantization=quantization, lora_experts=lora_experts,
     )  # fmt: skip
     check_scenario(base)
     opts = SimOptions(record_timeline=False, optimizer=optimizer)

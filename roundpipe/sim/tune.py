@@ -358,6 +358,7 @@ def tune(
     head_shards: int | Literal["auto"] = "auto",
     mlp_chunk_tokens: int | None = None,
     quantization: str | None = None,
+    lora_experts: bool = True,
 ) -> TuneResult:
     """Search policy x partition x microbatches x stage grain (head shards with the partition) and
     return the best plan and a ranked table of alternatives (see the module docstring).
@@ -374,7 +375,7 @@ def tune(
         model, hardware, PROVISIONAL_POLICY, seq_len=seq_len, global_batch=global_batch, lora_rank=lora_rank,
         dtype=dtype, optimizer=optimizer, num_devices=num_devices, label_fraction=label_fraction,
         fp16_accumulation=fp16_accumulation, head_shards=head_shards, mlp_chunk_tokens=mlp_chunk_tokens,
-        quantization=quantization,
+        quantization=quantization, lora_experts=lora_experts,
     )  # fmt: skip
     hw, _, _ = check_scenario(base)
     config = dict(model) if isinstance(model, Mapping) else load_model_config(model)

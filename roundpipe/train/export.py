@@ -31,7 +31,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,8 @@ def export_merged(
     dtype: torch.dtype | None = None,
     *,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    base_values: Mapping[int, Callable[[], torch.Tensor]] | None = None,
+    merged_from: str | None = None,
 ) -> Path:
     """Write ``model`` as a full HF model directory, LoRA merged, without modifying ``model``.
 
@@ -87,6 +89,11 @@ def export_merged(
         dtype: the dtype of every floating tensor written (e.g. ``torch.bfloat16``); None keeps
             each one's dtype in ``model``. ``config.json`` records it.
         max_shard_bytes: the most bytes of tensors per safetensors file.
+        base_values: for tensors of ``model`` that do not hold the values the run trained on (its
+            weights kept compressed: ``ParameterStore.unpacked_weights``), keyed by ``id`` of the
+            model's tensor, how to make those values; the LoRA update is merged into them.
+        merged_from: what those values are (e.g. ``"nf4"``), recorded in ``config.json`` as
+            ``roundpipe_merged_from``: the merged weights are the dequantized ones plus the update.
 
     Returns:
         The directory, loadable with ``AutoModelForCausalLM.from_pretrained``.
@@ -97,7 +104,7 @@ def export_merged(
             ``modules_to_save``) or LoRA on a tied weight (merging would untie it).
     """
     base = model.get_base_model() if _is_peft(model) else model
-    tensors = _merged_tensors(base, dtype)
+    tensors = _merged_tensors(base, dtype, base_values or {})
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     check_filled_dir(directory, "checkpoint.export", value=directory)  # HF writes config.json & co
@@ -118,7 +125,7 @@ def export_merged(
             "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard},
         }
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    _save_config(base, directory, {t.dtype for t in tensors if t.dtype.is_floating_point})
+    _save_config(base, directory, {t.dtype for t in tensors if t.dtype.is_floating_point}, merged_from)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
     return directory
@@ -208,7 +215,9 @@ def _lora_targets(base: nn.Module) -> tuple[dict[int, list[tuple[nn.Module, str]
     return targets, lora_params
 
 
-def _merged_tensors(base: nn.Module, dtype: torch.dtype | None) -> list[OutTensor]:
+def _merged_tensors(
+    base: nn.Module, dtype: torch.dtype | None, base_values: Mapping[int, Callable[[], torch.Tensor]]
+) -> list[OutTensor]:
     """Every tensor of the exported model in file order, each made on demand."""
     targets, lora_params = _lora_targets(base)
     seen: dict[int, str] = {}  # id(tensor) -> the name it is written under (tied weights: once)
@@ -225,7 +234,7 @@ def _merged_tensors(base: nn.Module, dtype: torch.dtype | None) -> list[OutTenso
             continue
         seen[id(t)] = file_key(name)
         out_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        make = _maker(t, targets.get(id(t), []), out_dtype)
+        make = _maker(t, targets.get(id(t), []), out_dtype, base_values.get(id(t)))
         key = file_key(name)
         parts = split_fused_experts(key, tuple(t.shape))
         if parts is None:
@@ -239,13 +248,17 @@ def _merged_tensors(base: nn.Module, dtype: torch.dtype | None) -> list[OutTenso
 
 
 def _maker(
-    t: torch.Tensor, adapters: list[tuple[nn.Module, str]], dtype: torch.dtype
+    t: torch.Tensor,
+    adapters: list[tuple[nn.Module, str]],
+    dtype: torch.dtype,
+    value: Callable[[], torch.Tensor] | None = None,
 ) -> Callable[[], torch.Tensor]:
     def make() -> torch.Tensor:
         with torch.no_grad():
+            base = t.detach() if value is None else value()
             if not adapters:
-                return t.detach().to(dtype)
-            merged = t.detach().to(torch.float32, copy=True)
+                return base.to(dtype)
+            merged = base.to(torch.float32, copy=True)
             for module, adapter in adapters:
                 merged += module.get_delta_weight(adapter).to(torch.float32)
             return merged.to(dtype)
@@ -288,8 +301,14 @@ def _shards(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
     return shards
 
 
-def _save_config(base: nn.Module, directory: Path, float_dtypes: set[torch.dtype]) -> None:
+def _save_config(
+    base: nn.Module, directory: Path, float_dtypes: set[torch.dtype], merged_from: str | None = None
+) -> None:
     config = copy.deepcopy(base.config)
+    if merged_from is not None:
+        config.roundpipe_merged_from = f"LoRA merged into {merged_from}-dequantized base weights"
+    elif hasattr(config, "roundpipe_merged_from"):
+        del config.roundpipe_merged_from
     if len(float_dtypes) == 1:
         config.dtype = str(next(iter(float_dtypes))).removeprefix("torch.")
     config.architectures = [type(base).__name__]

@@ -512,7 +512,16 @@ class Trainer:
             tokenizer.save_pretrained(str(out["adapter"]))
         if kind in ("merged", "both"):
             out["merged"] = self.run_dir / "export" / "merged"
-            export_merged(model, out["merged"], tokenizer=tokenizer)
+            # a base kept compressed merges on what the run computed with, written in bf16
+            unpacked = pipe.store.unpacked_weights()
+            export_merged(
+                model,
+                out["merged"],
+                tokenizer=tokenizer,
+                dtype=torch.bfloat16 if unpacked else None,
+                base_values=unpacked,
+                merged_from=pipe.config.quantization if unpacked else None,
+            )
         for name, path in out.items():
             self.log(f"export ({name}): {path}")
         return out

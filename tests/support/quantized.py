@@ -47,6 +47,8 @@ def peft_qlora(directory, like, fmt: str = "nf4"):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, quantization_config=config, dtype=torch.float32, device_map="cpu"
     )
+    if fmt == "nf4":
+        same_absmax_codes(model, transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32))
     model.train()
     model = peft.get_peft_model(model, copy.deepcopy(like.peft_config["default"]))
     lora = {n: p for n, p in like.named_parameters() if p.requires_grad}
@@ -56,3 +58,23 @@ def peft_qlora(directory, like, fmt: str = "nf4"):
                 p.copy_(lora.pop(n))
     assert not lora, f"LoRA parameters missing from the bitsandbytes model: {sorted(lora)}"
     return model
+
+
+def same_absmax_codes(quantized, original) -> None:
+    """Give each 4-bit weight of ``quantized`` (bitsandbytes) the absmax codes our packing of
+    ``original``'s weight holds. bitsandbytes' native search of the dynamic map picks a neighbouring
+    code in a few blocks near 0 (see test_quantization); every other byte is already the same, which
+    this checks, so afterwards both hold the same quantized weights."""
+    weights = dict(original.named_parameters())
+    for name, module in quantized.named_modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is None:
+            continue
+        w = weights[f"{name}.weight"]
+        layout = quant_layout("nf4", tuple(w.shape))
+        buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+        pack(w, layout, buf)
+        a, b = layout.section("codes")
+        assert torch.equal(buf[a:b], module.weight.data.reshape(-1)), name
+        a, b = layout.section("absmax")
+        state.absmax.copy_(buf[a:b])
