@@ -43,7 +43,9 @@ def forecast_lines(recipe: Path, model: str, hardware: str, host_gib: float | No
     cfg = load_recipe(recipe, ["model.path=MODEL_DIR"])
     run = cfg.run
     microbatches = run.num_microbatches if isinstance(run.num_microbatches, int) else None
-    server = load_hardware(hardware, **({} if host_gib is None else {"host_memory_bytes": int(host_gib * GIB)}))
+    server = load_hardware(
+        hardware, **({} if host_gib is None else {"host_memory_bytes": int(host_gib * GIB)})
+    )
     r = safe_run(
         Scenario(
             model,

@@ -337,7 +337,9 @@ def test_the_tables_are_the_size_the_cost_model_counts():
 def _trained(model, fmt: str, batch):
     """``model`` trained 2 steps with its base weights kept compressed; returns the pipeline's
     unpacked base values too (the exports merge on them)."""
-    with roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, quantization=fmt)) as pipe:
+    with roundpipe.wrap(
+        model, roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, quantization=fmt)
+    ) as pipe:
         pipe.configure_optimizer(lr=1e-2)
         for _ in range(2):
             pipe.forward_backward(batch["input_ids"], labels=batch["labels"])

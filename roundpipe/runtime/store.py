@@ -363,7 +363,9 @@ class ParameterStore:
     def unpacked_weights(self) -> dict[int, Callable[[], torch.Tensor]]:
         """For each weight kept compressed, keyed by ``id`` of the model's own tensor: how to make
         (on the CPU, in fp32) the weight the run computes with -- what an export merges into."""
-        return {id(e.tensor): partial(unpack, e.compute, e.quant, torch.float32) for e in self.entries if e.quant}
+        return {
+            id(e.tensor): partial(unpack, e.compute, e.quant, torch.float32) for e in self.entries if e.quant
+        }
 
     def host_memory_stats(self) -> dict:
         """Host bytes requested and reserved by the compute copies (``static_*``) and the hand-off

@@ -48,7 +48,9 @@ def peft_qlora(directory, like, fmt: str = "nf4"):
         directory, quantization_config=config, dtype=torch.float32, device_map="cpu"
     )
     if fmt == "nf4":
-        same_absmax_codes(model, transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32))
+        same_absmax_codes(
+            model, transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        )
     model.train()
     model = peft.get_peft_model(model, copy.deepcopy(like.peft_config["default"]))
     lora = {n: p for n, p in like.named_parameters() if p.requires_grad}
