@@ -1,7 +1,9 @@
 """Frozen weights kept compressed (``RunConfig.quantization``): what nf4, int8 and fp8 save in host
 RAM and over PCIe and what they cost in time, for Qwen3-235B-A22B LoRA on 8x RTX 4090 with 256 GiB
-of host RAM and Qwen3-32B LoRA on one RTX 4090 with 64 GB, against bf16; and the host bytes a
-store really holds for the compressed weights of a small model, measured on this machine.
+of host RAM and Qwen3-32B LoRA on one RTX 4090 with 64 GB, against bf16; AdamW's moments in bf16
+or 8-bit blocks for Qwen3-32B full fine-tuning within 512 GiB; and, measured on this machine, the
+host bytes a store really holds for the compressed weights of a small model and the CPU time of an
+optimizer step with each kind of moments.
 
 Plans: ``roundpipe plan``'s search (``sim.tune.tune``) for each precision with the host's RAM as
 the limit (bf16 also with the preset's 1 TiB, to show what it would need); a what-if: nf4 with the
@@ -110,6 +112,77 @@ def plans(quick: bool) -> list[dict]:
     return rows
 
 
+def state_plans(quick: bool) -> list[dict]:
+    """Qwen3-32B full fine-tuning on 8x RTX 4090 with 512 GiB of host RAM: AdamW's moments in fp32,
+    bf16 and int8 (``optim.state_dtype``), the best plan of each."""
+    from roundpipe.sim.tune import tune
+
+    rows = []
+    for state in ("fp32", "bf16") if quick else ("fp32", "bf16", "int8"):
+        found = tune(
+            "qwen3-32b", server("8xrtx4090", 512.0), seq_len=SEQ, global_batch=64, dtype="bf16",
+            optimizer_state=state, time_budget_s=5.0 if quick else 15.0,
+        )  # fmt: skip
+        rows.append(
+            row(
+                f"Qwen3-32B full, 8x RTX 4090, 512 GiB: AdamW moments in {state}, best plan",
+                found.best.result,
+            )
+        )
+    return rows
+
+
+def measured_optimizer_step(quick: bool) -> list[dict]:
+    """One AdamW step over 16M fp32 parameters on this machine's CPU, the moments stored in each
+    dtype: medians of the steps after the first (which makes the state), side by side."""
+    import os
+    import statistics
+    import time
+
+    import torch
+
+    from roundpipe.optim import LayerwiseAdamW, OptimizerConfig
+
+    torch.set_num_threads(1)
+    n = (1 << 20) if quick else (1 << 24)
+    out = []
+    load = os.getloadavg()[0]
+    for state in ("fp32", "bf16", "int8"):
+        master = torch.nn.Parameter(torch.randn(n))
+        entry = _Entry(master, torch.randn(n) * 1e-3)
+        adamw = LayerwiseAdamW(_Store([entry]), OptimizerConfig(lr=1e-3, state_dtype=state))
+        times = []
+        for _ in range(3 if quick else 6):
+            entry.has_grad = True
+            t0 = time.perf_counter()
+            adamw.step_group(0)
+            times.append(time.perf_counter() - t0)
+        out.append(
+            {"state_dtype": state, "params": n, "median_s": statistics.median(times[1:]), "times_s": times}
+        )
+    for r in out:
+        r["vs_fp32"] = r["median_s"] / out[0]["median_s"]
+        r["load_average"] = load
+    return out
+
+
+class _Entry:
+    """One trainable tensor as ``LayerwiseAdamW`` sees it (``optim.SteppedEntry``)."""
+
+    key, name, trainable, owner = 0, "w", True, 0
+
+    def __init__(self, master, grad):
+        self.master, self.grad, self.has_grad = master, grad, True
+
+
+class _Store:
+    def __init__(self, entries):
+        self.entries = entries
+
+    def refresh_compute(self, keys, into=None) -> None:
+        pass
+
+
 def measured_host_bytes() -> list[dict]:
     """The store's buffers of the compressed weights (measured), against the same weights in bf16,
     for a Qwen3 of hidden 512 and 2 blocks (pageable host memory: the bytes are the tensors')."""
@@ -153,8 +226,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the 32B setting only, bf16 and nf4 (CI smoke)")
     args = ap.parse_args()
-    rows = plans(args.quick)
+    rows = plans(args.quick) + state_plans(args.quick)
     host = measured_host_bytes()
+    steps = measured_optimizer_step(args.quick)
     table = [
         [
             r["case"],
@@ -179,10 +253,29 @@ def main() -> None:
         ]
         for h in host
     ]
-    notes = NOTES
+    table += [
+        [
+            f"measured: one AdamW step over {st['params'] / 2**20:.0f}M parameters on this CPU (1 thread), "
+            f"moments in {st['state_dtype']}",
+            "",
+            f"{st['median_s']:.3f} ({st['vs_fp32']:.2f}x fp32)",
+            "",
+            "",
+            "",
+            "",
+        ]
+        for st in steps
+    ]
+    notes = NOTES + f"\nLoad average when the optimizer steps were timed: {steps[0]['load_average']:.2f}.\n"
     write_results(
         "quantization",
-        {"seq_len": SEQ, "plans": rows, "measured_host_bytes": host, "quick": args.quick},
+        {
+            "seq_len": SEQ,
+            "plans": rows,
+            "measured_host_bytes": host,
+            "optimizer_step": steps,
+            "quick": args.quick,
+        },
         table,
         ["case", "tokens/s", "step s", "busiest GPU computing s", "PCIe up GB/step", "GPU GiB", "host GiB"],
         notes,
@@ -214,6 +307,15 @@ weight). A row that does not fit shows that plan's figures for what it would nee
 weight as its packed bytes and nothing else, 0.258x of bf16 for nf4 (0.5 bytes per weight, a byte
 per 64 for the absmax codes, the second-level scales), about 0.5x for int8 and fp8 (a byte per
 weight and an fp32 scale per row of 512).
+
+AdamW's moments (`optim.state_dtype`, full fine-tuning): the model state of Qwen3-32B is 549 GiB
+with fp32 moments (2 bytes of bf16 weights, 4 of fp32 master, 4 of gradient and 8 of moments per
+parameter), which with the stage inputs does not fit 512 GiB; bf16 moments take 4 bytes off per
+parameter and int8 (8-bit blocks) 6, and both fit. The simulator times the CPU optimizer by an
+fp32 step's memory traffic for every state dtype; the measured rows show what coding the moments
+costs on the CPU (decoding to fp32 and encoding after the fused step; the int8 search for the
+nearest code is a binary search per value), which the plan's step hides only while the optimizer
+stays off the critical path.
 """
 
 

@@ -45,7 +45,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors.py", "presets/", "schedule/"),  # plain data and rules; no torch
     ("partition/",),  # costs and the partitioner; no torch
     ("sim/",),  # simulator, tuner, the automatic choice; no torch
-    ("backend/", "config.py", "models/", "optim/", "testing/"),  # what the runtime builds on
+    (
+        "backend/",
+        "config.py",
+        "models/",
+        "number_codes.py",
+        "optim/",
+        "testing/",
+    ),  # what the runtime builds on
     ("distributed/",),  # data parallelism's collectives, over the optimizer's master store
     ("runtime/",),  # the Pipeline (its data-parallel side: runtime/data_parallel.py)
     ("train/",),  # the training product

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from roundpipe.errors import ConfigError
-from roundpipe.partition.quant_layout import QUANTIZATIONS
+from roundpipe.partition.quant_layout import QUANTIZATIONS, STATE_DTYPES
 
 HOST_HELP = (
     "Host figures: --host-ram and --host-cores default to this machine's when it is the target (the "
@@ -56,6 +56,13 @@ def add_model_args(ap: argparse.ArgumentParser, *, seq_required: bool = False) -
         help="keep the blocks' frozen linear weights compressed on the host, over PCIe and on the GPUs "
         "(QLoRA; RunConfig.quantization; needs --lora-rank): nf4 about 0.52 bytes a weight, int8 and "
         "fp8 about 1",
+    )
+    ap.add_argument(
+        "--optimizer-state",
+        choices=STATE_DTYPES,
+        default="fp32",
+        help="AdamW's moments on the host: fp32 (8 bytes a trained parameter), bf16 (4) or int8 "
+        "(8-bit blocks, 2.03); the fp32 master comes on top (optim.state_dtype in a recipe)",
     )
     ap.add_argument(
         "--no-lora-experts",
@@ -169,4 +176,5 @@ def model_settings(args: argparse.Namespace) -> dict:
         mlp_chunk_tokens=args.mlp_chunk_tokens,
         quantization=args.quantization,
         lora_experts=args.lora_experts,
+        optimizer_state=args.optimizer_state,
     )

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from roundpipe.errors import ConfigError
+from roundpipe.optim.low_precision_state import STATE_DTYPES, LowPrecisionStateAdamW
 
 
 class SteppedEntry(Protocol):
@@ -94,6 +95,7 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     max_grad_norm: float | None = None
+    state_dtype: str = "fp32"  # the moments' storage (optim/low_precision_state.py)
 
     def __post_init__(self):
         if not (_finite(self.lr) and self.lr >= 0):
@@ -111,6 +113,11 @@ class OptimizerConfig:
         if self.max_grad_norm is not None and not (_finite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ConfigError(
                 f"max_grad_norm must be a finite number > 0, or None not to clip, got {self.max_grad_norm!r}"
+            )
+        if self.state_dtype not in STATE_DTYPES:
+            raise ConfigError(
+                f"state_dtype must be one of {', '.join(STATE_DTYPES)} (AdamW's moments on the host), "
+                f"got {self.state_dtype!r}"
             )
 
 
@@ -136,8 +143,11 @@ class LayerwiseAdamW:
 
     def _adamw(self, params: list) -> torch.optim.AdamW:
         c = self.config
+        options = dict(lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, fused=True)
+        if c.state_dtype != "fp32":
+            return LowPrecisionStateAdamW(params, state_dtype=c.state_dtype, **options)
         kind = MetaFusedAdamW if any(p.is_meta for p in params) else torch.optim.AdamW
-        return kind(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, fused=True)
+        return kind(params, **options)
 
     def step_group(self, layer: int, grad_factor: float = 1.0, publish_to: int | None = None) -> None:
         """Step the parameters owned by ``layer`` with their accumulated gradients times ``grad_factor``.

@@ -89,7 +89,7 @@ from roundpipe.partition.kernels import (
     memory,
     rates,
 )
-from roundpipe.partition.quant_layout import packed_weights
+from roundpipe.partition.quant_layout import moment_bytes_per_param, packed_weights
 from roundpipe.partition.shape import ModelShape, model_shape
 from roundpipe.presets import GPU, Server, normalize_dtype
 
@@ -352,6 +352,7 @@ def model_costs(
     fp16_accumulation: bool = False,
     mlp_chunk_tokens: int | None = None,
     quantization: str | None = None,
+    optimizer_state: str = "fp32",
 ) -> list[LayerCost]:
     """Per-layer costs ``[embed, layers.0 .. layers.{L-1}, head | head.0 .. head.{k-1}]``.
 
@@ -369,9 +370,12 @@ def model_costs(
     ``quantization``: the blocks' frozen linear weights kept compressed (``RunConfig.quantization``,
     LoRA only; ``quant_layout.py``): their bytes on the host, over PCIe and resident, their unpacked
     copies while a layer runs (kept by a backward stage) and the unpacking's memory traffic.
+    ``optimizer_state``: AdamW's moments on the host in ``"fp32"``, ``"bf16"`` or ``"int8"``
+    (``OptimizerConfig.state_dtype``): ``optimizer_bytes`` is the fp32 master plus their bytes.
     """
     check_mlp_chunk_tokens(mlp_chunk_tokens)
     check_quantized_lora(quantization, lora_rank)
+    adam_bytes = FP32 + moment_bytes_per_param(optimizer_state)  # master + moments, per parameter
     if seq_len < 1 or micro_batch_size < 1:
         raise ConfigError(f"seq_len and micro_batch_size must be >= 1, got {seq_len} and {micro_batch_size}")
     if lora_rank is not None and lora_rank < 1:
@@ -477,7 +481,7 @@ def model_costs(
             fwd_work_bytes=int(c["fwd_work"]),
             grad_device_bytes=int(c["trainable"] * DEVICE_GRAD_BYTES_PER_PARAM),
             grad_host_bytes=int(c["owned_trainable"] * GRAD_HOST_BYTES_PER_PARAM),
-            optimizer_bytes=int(c["owned_trainable"] * OPTIMIZER_BYTES_PER_PARAM),
+            optimizer_bytes=int(c["owned_trainable"] * adam_bytes),
             tokens=tokens,
             dtype=dt,
             fp16_accumulate=fp16_accumulation,
@@ -499,7 +503,7 @@ def model_totals(costs: list[LayerCost]) -> dict[str, int | float]:
     b = DTYPE_BYTES[costs[0].dtype] if costs else 2
     params = sum(c.params - c.tied_params for c in costs)
     weights = sum(c.param_bytes - c.tied_params * b for c in costs)
-    trainable = sum(c.optimizer_bytes for c in costs) // OPTIMIZER_BYTES_PER_PARAM
+    trainable = sum(c.grad_host_bytes for c in costs) // GRAD_HOST_BYTES_PER_PARAM
     return {
         "params": params,
         "trainable_params": trainable,

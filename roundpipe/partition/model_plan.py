@@ -320,6 +320,7 @@ def _plan_with_shards(
     label_fraction: float,
     mlp_chunk_tokens: int | None,
     quantization: str | None,
+    optimizer_state: str,
 ) -> tuple[PartitionPlan, list[LayerCost], PartitionResult, PartitionResult]:
     costs = model_costs(
         config,
@@ -333,6 +334,7 @@ def _plan_with_shards(
         label_fraction=label_fraction,
         mlp_chunk_tokens=mlp_chunk_tokens,
         quantization=quantization,
+        optimizer_state=optimizer_state,
     )
     fwd_t, bwd_t = layer_times(costs, hw, efficiency=efficiency, times=times)
     notes = []
@@ -420,6 +422,7 @@ def plan_partitions(
     label_fraction: float = 1.0,
     mlp_chunk_tokens: int | None = None,
     quantization: str | None = None,
+    optimizer_state: str = "fp32",
 ) -> PartitionPlan:
     """PartitionPlan forward and backward partitions of ``model`` on ``hardware`` (one device kind).
 
@@ -442,6 +445,7 @@ def plan_partitions(
     ``label_fraction``: the share of tokens with a label; the head works on those only.
     ``mlp_chunk_tokens``: the blocks run their MLP in token chunks (``model_costs``).
     ``quantization``: the blocks' frozen weights kept compressed (``model_costs``; LoRA only).
+    ``optimizer_state``: AdamW's moments on the host (``model_costs``).
 
     Raises :class:`PlanError` when nothing fits (the message names the layer, the bytes, the budget
     and the levers), :class:`ConfigError` on bad arguments.
@@ -475,6 +479,7 @@ def plan_partitions(
         label_fraction=label_fraction,
         mlp_chunk_tokens=mlp_chunk_tokens,
         quantization=quantization,
+        optimizer_state=optimizer_state,
     )
     if head_shards != "auto":
         if not isinstance(head_shards, int) or head_shards < 1:

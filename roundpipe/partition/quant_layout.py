@@ -150,3 +150,19 @@ def packed_weights(fmt: str, tensors: list[tuple[int, int]], b: int) -> PackedWe
         traffic_bytes=values * (UNPACK_TRAFFIC[fmt] + b),
         launches=sum(-(-n // UNPACK_VALUES) for n, _ in tensors) * UNPACK_LAUNCHES,
     )
+
+
+# AdamW's moments on the host (``OptimizerConfig.state_dtype``, ``optim/low_precision_state.py``):
+# fp32, bf16, or bitsandbytes' 8-bit blockwise state (a code per value, an fp32 absmax per block).
+STATE_DTYPES = ("fp32", "bf16", "int8")
+STATE_BLOCK = 256
+
+
+def moment_bytes_per_param(state_dtype: str) -> float:
+    """Host bytes of AdamW's two moments per parameter (the fp32 master comes on top)."""
+    if state_dtype not in STATE_DTYPES:
+        raise ConfigError(
+            f"optimizer state must be one of {', '.join(STATE_DTYPES)} (AdamW's moments on the host), "
+            f"got {state_dtype!r}"
+        )
+    return {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / STATE_BLOCK}[state_dtype]

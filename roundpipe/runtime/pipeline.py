@@ -145,16 +145,18 @@ class Pipeline:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         max_grad_norm: float | None = None,
+        state_dtype: str = "fp32",
     ) -> None:
         """AdamW on the fp32 CPU masters: ``torch.optim.AdamW(params, lr, betas, eps, weight_decay)``
         over every trainable parameter, parameter by parameter (fused CPU kernel), one with no
         gradient in a step skipped as torch skips a ``.grad`` of None; ``max_grad_norm`` clips as
-        ``torch.nn.utils.clip_grad_norm_`` does before the step.
+        ``torch.nn.utils.clip_grad_norm_`` does before the step. ``state_dtype``: the moments kept in
+        ``"bf16"`` or 8-bit blocks (``"int8"``) on the host (``optim/low_precision_state.py``).
 
         Raises:
             ConfigError: a setting torch would reject, or one that is not finite.
         """
-        self._updates.configure(OptimizerConfig(lr, weight_decay, betas, eps, max_grad_norm))
+        self._updates.configure(OptimizerConfig(lr, weight_decay, betas, eps, max_grad_norm, state_dtype))
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next ``step()``. In async mode an update may still be running

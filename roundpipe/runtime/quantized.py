@@ -19,11 +19,10 @@ server) as on any other.
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 from torch import nn
 
+from roundpipe.number_codes import NF4_VALUES, blockwise, dynamic_values, nearest
 from roundpipe.partition import quant_layout as rules
 from roundpipe.partition.quant_layout import (
     FP8_MAX,
@@ -34,41 +33,6 @@ from roundpipe.partition.quant_layout import (
     QuantLayout,
     quant_layout,
 )
-
-# The 16 values of 4-bit NormalFloat (QLoRA, Dettmers et al. 2023, appendix E), sorted.
-NF4_VALUES = (
-    -1.0,
-    -0.6961928009986877,
-    -0.5250730514526367,
-    -0.39491748809814453,
-    -0.28444138169288635,
-    -0.18477343022823334,
-    -0.09105003625154495,
-    0.0,
-    0.07958029955625534,
-    0.16093020141124725,
-    0.24611230194568634,
-    0.33791524171829224,
-    0.44070982933044434,
-    0.5626170039176941,
-    0.7229568362236023,
-    1.0,
-)
-
-
-@cache
-def _dynamic_values() -> tuple[float, ...]:
-    """bitsandbytes' signed 8-bit dynamic map (Dettmers 2015): for each of 7 decades
-    ``10**(j - 6)``, the midpoints of ``2**j + 1`` evenly spaced points in [0.1, 1] scaled by it,
-    both signs; then 0 and 1; sorted. Computed in fp32, as bitsandbytes does."""
-    values: list[float] = []
-    for j in range(7):
-        points = torch.linspace(0.1, 1, 2**j + 1, dtype=torch.float32)
-        mids = (points[:-1] + points[1:]) / 2.0
-        values += ((10 ** (j - 6)) * mids).tolist() + (-(10 ** (j - 6)) * mids).tolist()
-    values += [0.0, 1.0]
-    return tuple(sorted(values))
-
 
 TABLES_NAME = "roundpipe.quantization_tables"  # the store entry that carries them to each device
 
@@ -81,7 +45,7 @@ def table_bytes() -> torch.Tensor:
     nf4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
     byte = torch.arange(256)
     pairs = torch.stack((nf4[byte >> 4], nf4[byte & 0xF]), dim=1)  # high nibble first
-    dynamic = torch.tensor(_dynamic_values(), dtype=torch.float32)
+    dynamic = torch.tensor(dynamic_values(), dtype=torch.float32)
     return torch.cat((pairs.reshape(-1), dynamic)).view(torch.uint8)
 
 
@@ -97,22 +61,7 @@ class Tables:
 
 def dynamic_map() -> torch.Tensor:
     """The 256 fp32 values the ``nf4`` absmax codes index (bitsandbytes' ``create_dynamic_map()``)."""
-    return torch.tensor(_dynamic_values(), dtype=torch.float32)
-
-
-def _nearest(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest of the sorted ``values`` to each of ``x`` (ties to the upper one)."""
-    return torch.bucketize(x, (values[:-1] + values[1:]) / 2, out_int32=True).to(torch.uint8)
-
-
-def _blockwise(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (flat fp32) scaled into [-1, 1] per block of ``block`` values, and each block's absmax."""
-    n = x.numel()
-    pad = -n % block
-    blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, block)
-    absmax = blocks.abs().amax(dim=1)
-    scaled = (blocks * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(1)).clamp(-1, 1).reshape(-1)[:n]
-    return scaled, absmax
+    return torch.tensor(dynamic_values(), dtype=torch.float32)
 
 
 def _section(buf: torch.Tensor, layout: QuantLayout, name: str, dtype: torch.dtype = torch.uint8):
@@ -133,13 +82,13 @@ def pack(weight: torch.Tensor, layout: QuantLayout, out: torch.Tensor) -> None:
         return
     x = weight.detach().to(device=out.device, dtype=torch.float32).reshape(-1)
     if layout.format == "nf4":
-        scaled, absmax = _blockwise(x, NF4_BLOCK)
+        scaled, absmax = blockwise(x, NF4_BLOCK)
         tables = Tables(table_bytes().to(x.device))
-        codes = _nearest(torch.nn.functional.pad(scaled, (0, scaled.numel() % 2)), tables.nf4)
+        codes = nearest(torch.nn.functional.pad(scaled, (0, scaled.numel() % 2)), tables.nf4)
         _section(out, layout, "codes").copy_((codes[0::2] << 4) | codes[1::2])
         offset = absmax.mean()
-        nested, scale = _blockwise(absmax - offset, NESTED_BLOCK)
-        _section(out, layout, "absmax").copy_(_nearest(nested, tables.dynamic))
+        nested, scale = blockwise(absmax - offset, NESTED_BLOCK)
+        _section(out, layout, "absmax").copy_(nearest(nested, tables.dynamic))
         _section(out, layout, "absmax_scale", torch.float32).copy_(scale)
         _section(out, layout, "offset", torch.float32).copy_(offset.reshape(1))
         return

@@ -35,6 +35,7 @@ from roundpipe.partition.cost_checks import (
 )
 from roundpipe.partition.model_plan import HEAD_SHARD_CANDIDATES, plan_partitions
 from roundpipe.partition.positions import check_positions
+from roundpipe.partition.quant_layout import moment_bytes_per_param
 from roundpipe.presets import Server, load_hardware, load_model_config, normalize_dtype
 from roundpipe.schedule import POLICIES, PROVISIONAL_POLICY, build_table, policy_options
 from roundpipe.schedule.table import Partition, ScheduleTable
@@ -77,6 +78,7 @@ class Scenario:
     mlp_chunk_tokens: int | None = None  # the blocks' MLP in token chunks (RunConfig.mlp_chunk_tokens)
     quantization: str | None = None  # frozen block weights kept compressed (RunConfig.quantization)
     lora_experts: bool = True  # LoRA on each expert too (False: peft's target_modules on a fused MoE)
+    optimizer_state: str = "fp32"  # AdamW's moments on the host (OptimizerConfig.state_dtype)
 
     @property
     def model_name(self) -> str:
@@ -124,6 +126,7 @@ def check_scenario(s: Scenario) -> tuple[Server, int, int]:
     check_label_fraction(s.label_fraction)
     check_mlp_chunk_tokens(s.mlp_chunk_tokens)
     check_quantized_lora(s.quantization, s.lora_rank)
+    moment_bytes_per_param(s.optimizer_state)  # refuses an unknown one
     if s.lora_rank is not None and (not isinstance(s.lora_rank, int) or s.lora_rank < 1):
         raise ConfigError(
             f"lora rank must be a positive integer (or omitted for full fine-tuning), got {s.lora_rank!r}"
@@ -177,6 +180,7 @@ def cost_args(s: Scenario) -> dict:
         mlp_chunk_tokens=s.mlp_chunk_tokens,
         quantization=s.quantization,
         lora_experts=s.lora_experts,
+        optimizer_state=s.optimizer_state,
     )
 
 
@@ -245,6 +249,7 @@ def prepare(s: Scenario) -> Prepared:
             mlp_chunk_tokens=s.mlp_chunk_tokens,
             quantization=s.quantization,
             lora_experts=s.lora_experts,
+            optimizer_state=s.optimizer_state,
         )
         forward, backward, shards = p.forward, p.backward, p.head_shards
         costs = model_costs(config, s.seq_len, mbs, **cost_args(s), head_shards=shards)

@@ -192,6 +192,7 @@ def max_seq_len(
     mlp_chunk_tokens: int | None = None,
     quantization: str | None = None,
     lora_experts: bool = True,
+    optimizer_state: str = "fp32",
 ) -> SeqLimit:
     """The longest sequence (a multiple of ``grain``) that some plan of ``policy`` fits on the
     GPUs and the host, its fastest plan there and the limit that binds (module docstring)."""
@@ -201,6 +202,7 @@ def max_seq_len(
         dtype=dtype, num_devices=num_devices, label_fraction=label_fraction,
         fp16_accumulation=fp16_accumulation, optimizer=optimizer, mlp_chunk_tokens=mlp_chunk_tokens,
         quantization=quantization, lora_experts=lora_experts,
+        optimizer_state=optimizer_state,
     )  # fmt: skip
     check_scenario(base)
     opts = SimOptions(record_timeline=False, optimizer=optimizer)

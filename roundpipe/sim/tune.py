@@ -359,6 +359,7 @@ def tune(
     mlp_chunk_tokens: int | None = None,
     quantization: str | None = None,
     lora_experts: bool = True,
+    optimizer_state: str = "fp32",
 ) -> TuneResult:
     """Search policy x partition x microbatches x stage grain (head shards with the partition) and
     return the best plan and a ranked table of alternatives (see the module docstring).
@@ -376,6 +377,7 @@ def tune(
         dtype=dtype, optimizer=optimizer, num_devices=num_devices, label_fraction=label_fraction,
         fp16_accumulation=fp16_accumulation, head_shards=head_shards, mlp_chunk_tokens=mlp_chunk_tokens,
         quantization=quantization, lora_experts=lora_experts,
+        optimizer_state=optimizer_state,
     )  # fmt: skip
     hw, _, _ = check_scenario(base)
     config = dict(model) if isinstance(model, Mapping) else load_model_config(model)

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from roundpipe.errors import ConfigError
-from roundpipe.partition.cost import LayerCost, layer_times, model_totals
+from roundpipe.partition.cost import GRAD_HOST_BYTES_PER_PARAM, LayerCost, layer_times, model_totals
 from roundpipe.presets import GPU, Server
 from roundpipe.schedule.deps import TaskKey, TaskKind
 from roundpipe.schedule.flow import FUSED, FlowOp, device_flows, layers_of
@@ -121,7 +121,7 @@ def workload_from_costs(
                 saved_bytes=c.saved_bytes,
                 transient_bytes=c.transient_bytes,
                 fwd_work_bytes=c.fwd_work_bytes,
-                trainable_params=c.optimizer_bytes // 12,
+                trainable_params=c.grad_host_bytes // GRAD_HOST_BYTES_PER_PARAM,
                 flops=c.fwd_flops + c.bwd_flops,
             )
         )

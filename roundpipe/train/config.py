@@ -284,6 +284,11 @@ class OptimConfig:
         "Clip the global gradient norm to this (null: no clipping).",
         _finite(0, strict=True, note=", or null not to clip", null=True),
     )
+    state_dtype: Literal["fp32", "bf16", "int8"] = _f(
+        "fp32",
+        "AdamW's two moments on the host: fp32 (8 bytes a parameter), bf16 (4) or int8 (8-bit blocks "
+        "of 256, as bitsandbytes' 8-bit Adam: 2.03); the master stays fp32 (docs/quantization.md).",
+    )
 
 
 @dataclass

@@ -316,6 +316,7 @@ class Trainer:
             betas=tuple(cfg.optim.betas),
             eps=cfg.optim.eps,
             max_grad_norm=cfg.optim.max_grad_norm,
+            state_dtype=cfg.optim.state_dtype,
         )
 
     # ------------------------------------------------------------------ training
