@@ -143,7 +143,9 @@ class LayerwiseAdamW:
 
     def _adamw(self, params: list) -> torch.optim.AdamW:
         c = self.config
-        options: dict[str, Any] = dict(lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, fused=True)
+        options: dict[str, Any] = dict(
+            lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, fused=True
+        )
         if c.state_dtype != "fp32":
             return LowPrecisionStateAdamW(params, state_dtype=c.state_dtype, **options)
         kind = MetaFusedAdamW if any(p.is_meta for p in params) else torch.optim.AdamW
