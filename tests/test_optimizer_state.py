@@ -90,11 +90,17 @@ def test_the_8bit_state_is_bitsandbytes_blockwise_format():
     bnb = pytest.importorskip("bitsandbytes.functional")
     torch.manual_seed(0)
     for signed, x in ((True, torch.randn(3, 300) * 1e-3), (False, torch.rand(3, 300) * 1e-6)):
-        got = _encode(x, "int8", signed)
+        st = {
+            "m": torch.zeros(x.numel(), dtype=torch.uint8),
+            "m_absmax": torch.zeros(-(-x.numel() // STATE_BLOCK)),
+        }
+        _encode(x.reshape(-1), st, "m", "int8", signed, 0, x.numel())
         code = bnb.create_dynamic_map(signed=signed)
         _, state = bnb.quantize_blockwise(x, code=code, blocksize=STATE_BLOCK)
-        assert torch.equal(got["_absmax"], state.absmax)
-        back = _decode({"m": got[""], "m_absmax": got["_absmax"]}, "m", "int8", signed, x)
+        assert torch.equal(st["m_absmax"], state.absmax)
+        back = torch.empty(x.numel())
+        _decode(st, "m", "int8", signed, 0, x.numel(), back)
+        back = back.view(x.shape)
         # each value decodes to the nearest code of its block: within half the largest gap
         scale = state.absmax.repeat_interleave(STATE_BLOCK)[: x.numel()].view(x.shape)
         gaps = (code[1:] - code[:-1]).max()
@@ -121,3 +127,26 @@ def test_the_planner_counts_the_moments_in_their_bytes():
     params = model_totals(model_costs(config, 4096, dtype="bf16"))["params"]
     assert host["fp32"] - host["bf16"] == pytest.approx(4 * params, rel=1e-6)
     assert host["fp32"] - host["int8"] == pytest.approx((6 - 8 / STATE_BLOCK) * params, rel=1e-3)
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_a_step_in_chunks_is_the_step_in_one_piece(state_dtype, monkeypatch):
+    """A parameter larger than a chunk (and not a whole number of blocks) steps chunk by chunk to
+    the same weights and moments, bit for bit, as in one piece."""
+    from roundpipe.optim import low_precision_state
+    from roundpipe.optim.low_precision_state import LowPrecisionStateAdamW
+
+    def run(chunk: int):
+        monkeypatch.setattr(low_precision_state, "CHUNK", chunk)
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(3, 1000))
+        opt = LowPrecisionStateAdamW([p], state_dtype=state_dtype, lr=1e-2, weight_decay=0.1)
+        for _ in range(3):
+            p.grad = torch.randn_like(p) * 1e-2
+            opt.step()
+        return p.detach().clone(), opt.state[p]
+
+    whole, whole_state = run(1 << 20)
+    pieces, pieces_state = run(4 * STATE_BLOCK)
+    assert torch.equal(whole, pieces)
+    assert all(torch.equal(whole_state[k], pieces_state[k]) for k in whole_state)

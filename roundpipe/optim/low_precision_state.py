@@ -31,33 +31,60 @@ __all__ = ["STATE_BLOCK", "STATE_DTYPES", "LowPrecisionStateAdamW"]
 MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (state key, signed)
 
 
-def _encode(x: torch.Tensor, state_dtype: str, signed: bool) -> dict[str, torch.Tensor]:
-    if state_dtype == "bf16":
-        return {"": x.to(torch.bfloat16)}
-    if x.is_meta:  # a virtual run: shapes only
-        blocks = -(-x.numel() // STATE_BLOCK)
-        return {"": torch.empty(x.shape, dtype=torch.uint8, device="meta"), "_absmax": x.new_empty(blocks)}
-    scaled, absmax = blockwise(x.reshape(-1), STATE_BLOCK)
-    codes = nearest(scaled, torch.tensor(dynamic_values(signed), dtype=torch.float32))
-    return {"": codes.view(x.shape), "_absmax": absmax}
+CHUNK = 1 << 20  # values per pass: the fp32 moments of one chunk stay in cache, reused
 
 
-def _decode(state: dict, key: str, state_dtype: str, signed: bool, like: torch.Tensor) -> torch.Tensor:
-    stored = state[key]
-    if state_dtype == "bf16":
-        return stored.to(torch.float32)
-    if stored.is_meta:
-        return torch.empty_like(like)
-    table = torch.tensor(dynamic_values(signed), dtype=torch.float32)
-    values = torch.index_select(table, 0, stored.reshape(-1).to(torch.int32))
-    n = values.numel()
-    padded = torch.nn.functional.pad(values, (0, -n % STATE_BLOCK)).view(-1, STATE_BLOCK)
-    return (padded * state[f"{key}_absmax"].unsqueeze(1)).reshape(-1)[:n].view(like.shape)
+def _new_state(p: torch.Tensor, state_dtype: str) -> dict[str, torch.Tensor]:
+    """Zero moments in ``state_dtype`` for parameter ``p`` (flat), by state key."""
+    out = {}
+    for key, _ in MOMENTS:
+        if state_dtype == "bf16":
+            out[key] = torch.zeros(p.numel(), dtype=torch.bfloat16, device=p.device)
+        else:  # the zero code and an absmax of 0 decode to 0 whatever the map
+            out[key] = torch.zeros(p.numel(), dtype=torch.uint8, device=p.device)
+            out[f"{key}_absmax"] = torch.zeros(-(-p.numel() // STATE_BLOCK), device=p.device)
+    return out
+
+
+def _decode(state: dict, key: str, state_dtype: str, signed: bool, a: int, b: int, out: torch.Tensor) -> None:
+    """Values ``[a, b)`` of a moment into ``out`` (fp32; ``a`` on a block boundary)."""
+    stored = state[key][a:b]
+    if state_dtype == "bf16" or stored.is_meta:
+        out.copy_(stored)
+        return
+    torch.index_select(_table(signed), 0, stored.to(torch.int32), out=out)
+    absmax = state[f"{key}_absmax"][a // STATE_BLOCK : -(-b // STATE_BLOCK)]
+    full = (b - a) - (b - a) % STATE_BLOCK
+    out[:full].view(-1, STATE_BLOCK).mul_(absmax[: full // STATE_BLOCK].unsqueeze(1))
+    if full < b - a:
+        out[full:].mul_(absmax[-1])
+
+
+def _encode(
+    value: torch.Tensor, state: dict, key: str, state_dtype: str, signed: bool, a: int, b: int
+) -> None:
+    """Store fp32 ``value`` as values ``[a, b)`` of a moment."""
+    if state_dtype == "bf16" or value.is_meta:
+        state[key][a:b].copy_(value)
+        return
+    scaled, absmax = blockwise(value, STATE_BLOCK)
+    state[key][a:b].copy_(nearest(scaled, _table(signed)))
+    state[f"{key}_absmax"][a // STATE_BLOCK : -(-b // STATE_BLOCK)].copy_(absmax)
+
+
+_TABLES: dict[bool, torch.Tensor] = {}
+
+
+def _table(signed: bool) -> torch.Tensor:
+    if signed not in _TABLES:
+        _TABLES[signed] = torch.tensor(dynamic_values(signed), dtype=torch.float32)
+    return _TABLES[signed]
 
 
 class LowPrecisionStateAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW(fused=True)`` with the moments stored in ``state_dtype`` (module
-    docstring). State keys: ``step`` and, per moment, ``exp_avg`` / ``exp_avg_sq`` (the bf16
+    docstring), stepped in chunks of :data:`CHUNK` values so that the fp32 moments of a chunk stay
+    in cache. State keys: ``step`` and, per moment, ``exp_avg`` / ``exp_avg_sq`` (flat: the bf16
     values or the int8 codes) and, for int8, ``exp_avg_absmax`` / ``exp_avg_sq_absmax``."""
 
     def __init__(self, params, *, state_dtype: str, **kwargs):
@@ -75,16 +102,20 @@ class LowPrecisionStateAdamW(torch.optim.AdamW):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    for key, signed in MOMENTS:
-                        for suffix, t in _encode(torch.zeros_like(p), self.state_dtype, signed).items():
-                            state[key + suffix] = t
-                moments = [_decode(state, key, self.state_dtype, signed, p) for key, signed in MOMENTS]
+                    state.update(_new_state(p, self.state_dtype))
                 state["step"] += 1
-                torch._fused_adamw_(
-                    [p], [p.grad], [moments[0]], [moments[1]], [], [state["step"]], lr=group["lr"],
-                    beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                    amsgrad=False, maximize=False, grad_scale=getattr(self, "grad_scale", None),
-                )  # fmt: skip
-                for (key, signed), value in zip(MOMENTS, moments):
-                    for suffix, t in _encode(value, self.state_dtype, signed).items():
-                        state[key + suffix] = t
+                flat, grad, n = p.view(-1), p.grad.view(-1), p.numel()
+                m = torch.empty(min(n, CHUNK), device=p.device)
+                v = torch.empty_like(m)
+                for a in range(0, n, CHUNK):
+                    b = min(n, a + CHUNK)
+                    mc, vc = m[: b - a], v[: b - a]
+                    _decode(state, "exp_avg", self.state_dtype, True, a, b, mc)
+                    _decode(state, "exp_avg_sq", self.state_dtype, False, a, b, vc)
+                    torch._fused_adamw_(
+                        [flat[a:b]], [grad[a:b]], [mc], [vc], [], [state["step"]], lr=group["lr"],
+                        beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                        amsgrad=False, maximize=False, grad_scale=getattr(self, "grad_scale", None),
+                    )  # fmt: skip
+                    _encode(mc, state, "exp_avg", self.state_dtype, True, a, b)
+                    _encode(vc, state, "exp_avg_sq", self.state_dtype, False, a, b)
