@@ -457,3 +457,26 @@ def test_the_235b_qlora_plan_fits_256_gib_where_bf16_does_not():
     assert nf4.fits and nf4.result.peak_host_bytes <= 256 * GIB
     assert not bf16.fits and roomy.fits and roomy.result.peak_host_bytes > 256 * GIB
     assert 0.6 * roomy.result.tokens_per_s < nf4.result.tokens_per_s < roomy.result.tokens_per_s
+
+
+def test_a_model_already_quantized_by_bitsandbytes_is_refused_at_wrap_with_what_to_do(tmp_path):
+    """Its packed uint8 weights were stored as if they were weights and the first forward failed in
+    a worker (StageError: AssertionError in F of stage 1); now it is refused before anything runs,
+    saying to load the model in bf16 and let roundpipe compress it."""
+    pytest.importorskip("bitsandbytes")
+    import peft
+    import transformers
+
+    from roundpipe.errors import UnsupportedModel
+
+    make_model("llama", num_layers=2).save_pretrained(tmp_path)
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=config, dtype=torch.float32, device_map="cpu"
+    )
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for fmt in (None, "nf4"):
+        with pytest.raises(
+            UnsupportedModel, match="holds uint8 values.*load the model in bf16.*quantization="
+        ):
+            roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", quantization=fmt))

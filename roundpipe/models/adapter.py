@@ -443,10 +443,23 @@ def adapt_model(model: nn.Module, head_shards: int = 1) -> ModelAdapter:
             f"{kind}: {sparse[0]} is a {sparse[1]} tensor; roundpipe streams dense weights. Store it "
             f"dense, or use an adapter with dense weights, such as LoRA"
         )
+    packed = next(
+        ((n, t.dtype) for n, t in causal_lm.named_parameters() if t.dtype not in PLAIN_FLOATS), None
+    )
+    if packed is not None:  # the store would convert the codes to the run dtype without their scales
+        raise UnsupportedModel(
+            f"{kind}: {packed[0]} holds {str(packed[1]).removeprefix('torch.')} values, a packed or scaled "
+            f"weight (a model quantized by BitsAndBytesConfig, an fp8 checkpoint): roundpipe keeps frozen "
+            f"weights compressed itself; load the model in bf16 and set RunConfig(quantization='nf4', "
+            f"'int8' or 'fp8') (run.quantization in a recipe)"
+        )
     layout = discover_layout(causal_lm)
     if spec is not None:
         layout = spec.adjust(layout, text_config(config))
     return DecoderOnlyAdapter(causal_lm, layout, spec, head_shards)
+
+
+PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def packing_refusal_of(model: nn.Module) -> str | None:
