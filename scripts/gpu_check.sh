@@ -7,7 +7,7 @@
 #   versions     python, torch (CUDA, cuDNN), transformers, peft, accelerate, GPU, memory, driver, git
 #   equivalence  every executable policy x {cuda:0x2, cuda:0} vs plain PyTorch (tests/test_cuda.py)
 #   memory       roundpipe policy, 386 MiB bf16 layers: measured peak vs the plan, every figure printed
-#   smoke        bf16 LoRA training and the ledger-vs-torch.cuda test
+#   smoke        bf16 LoRA training, QLoRA (nf4, int8, fp8) against plain PyTorch, and the ledger-vs-torch.cuda test
 #   clock        CUDA's clock (a closure runs when issued, the GPU behind): a slow-GPU LoRA run (a
 #                torch.cuda._sleep before every compute) with the embedding alone in a backward
 #                stage vs plain PyTorch; a warm step with an attention mask under
@@ -306,7 +306,7 @@ run_step equivalence 55 "${PYTEST[@]}" -k "trains_like_plain_pytorch and not cud
 
 run_step memory 95 "${PYTEST[@]}" -s -k "peak_memory"
 
-run_step smoke 30 "${PYTEST[@]}" -s -k "bf16 or ledger"
+run_step smoke 45 "${PYTEST[@]}" -s -k "bf16 or ledger or qlora"
 
 run_step clock 55 "${PYTEST[@]}" -s -k "cudas_clock"
 
@@ -327,7 +327,7 @@ if ((!DRY)) && [[ -n "$KEEP" ]]; then # what it wrote into benchmarks/results, b
 fi
 
 # Each lane's busy seconds in a small run on one GPU, beside the virtual server's prediction for it.
-run_step lanes 60 "$PY" benchmarks/virtual_server.py --lanes "$D1"
+run_step lanes 45 "$PY" benchmarks/virtual_server.py --lanes "$D1"
 
 TRAIN_ARGS=(--set "run.devices=$D2" --set run.max_steps=20 --set eval.every=10 --set "run.output_dir=${TMPDIR:-/tmp}/roundpipe-gpu-check-train"
     --set "data.train=${TMPDIR:-/tmp}/roundpipe-gpu-check-train/data/train.jsonl" --set "data.eval=${TMPDIR:-/tmp}/roundpipe-gpu-check-train/data/eval.jsonl"

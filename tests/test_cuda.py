@@ -182,6 +182,24 @@ def test_bf16_lora_training_lowers_the_loss():
     assert got.losses[-1] < got.losses[0]
 
 
+@pytest.mark.parametrize("fmt", ["nf4", "int8", "fp8"])
+def test_qlora_on_the_gpu_matches_plain_pytorch_on_the_dequantized_weights(fmt):
+    """Frozen weights kept compressed (RunConfig.quantization), unpacked on the GPU's compute
+    stream with the tables each layer carries: fp32 compute against plain PyTorch on the CPU on the
+    same dequantized weights."""
+    from support.quantized import dequantized
+
+    model = build_or_skip(
+        "tests/support/tiny_models.make_model('llama')", lambda: make_model("llama", lora="all-linear")
+    )
+    batch = make_batch(batch=6, padding="left")
+    want = reference_train(dequantized(model, fmt), batch, STEPS)
+    got = pipeline_train(
+        model, batch, STEPS, devices=devices("cuda:0x2"), num_microbatches=3, quantization=fmt
+    )
+    assert_same_run(got, want, **GPU_TOLERANCES)
+
+
 def test_the_ledger_peak_bounds_what_is_really_allocated():
     """The ledger counts what the runtime places (weights, activations, gradients); the real peak
     (torch.cuda's allocator; the cpu devices' measured live bytes in a dry run) adds the compute's
