@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from roundpipe.errors import ConfigError
-from roundpipe.optim.low_precision_state import STATE_DTYPES, LowPrecisionStateAdamW
+from roundpipe.optim.low_precision_state import STATE_DTYPES, LowPrecisionStateAdamW, fused_adamw
 
 
 class SteppedEntry(Protocol):
@@ -280,10 +280,5 @@ class MetaFusedAdamW(torch.optim.AdamW):
                 sqs.append(state["exp_avg_sq"])
                 steps.append(state["step"])
             if params:
-                beta1, beta2 = group["betas"]
                 torch._foreach_add_(steps, 1)
-                torch._fused_adamw_(
-                    params, grads, avgs, sqs, [], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
-                    weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-                    grad_scale=getattr(self, "grad_scale", None),
-                )  # fmt: skip
+                fused_adamw(params, grads, avgs, sqs, steps, group, getattr(self, "grad_scale", None))

@@ -81,6 +81,17 @@ def _table(signed: bool) -> torch.Tensor:
     return _TABLES[signed]
 
 
+def fused_adamw(params, grads, avgs, sqs, steps, group: dict, grad_scale) -> None:
+    """torch's fused AdamW kernel, as ``torch.optim.AdamW(fused=True)`` runs it, on tensors whose
+    ``steps`` were already counted, with the options of parameter group ``group``."""
+    beta1, beta2 = group["betas"]
+    torch._fused_adamw_(
+        params, grads, avgs, sqs, [], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+        weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+        grad_scale=grad_scale,
+    )  # fmt: skip
+
+
 class LowPrecisionStateAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW(fused=True)`` with the moments stored in ``state_dtype`` (module
     docstring), stepped in chunks of :data:`CHUNK` values so that the fp32 moments of a chunk stay
@@ -95,7 +106,6 @@ class LowPrecisionStateAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -112,10 +122,14 @@ class LowPrecisionStateAdamW(torch.optim.AdamW):
                     mc, vc = m[: b - a], v[: b - a]
                     _decode(state, "exp_avg", self.state_dtype, True, a, b, mc)
                     _decode(state, "exp_avg_sq", self.state_dtype, False, a, b, vc)
-                    torch._fused_adamw_(
-                        [flat[a:b]], [grad[a:b]], [mc], [vc], [], [state["step"]], lr=group["lr"],
-                        beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                        amsgrad=False, maximize=False, grad_scale=getattr(self, "grad_scale", None),
-                    )  # fmt: skip
+                    fused_adamw(
+                        [flat[a:b]],
+                        [grad[a:b]],
+                        [mc],
+                        [vc],
+                        [state["step"]],
+                        group,
+                        getattr(self, "grad_scale", None),
+                    )
                     _encode(mc, state, "exp_avg", self.state_dtype, True, a, b)
                     _encode(vc, state, "exp_avg_sq", self.state_dtype, False, a, b)
