@@ -4,10 +4,12 @@ bytes it saves, and what it refuses."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from support.quantized import dequantized, peft_qlora, same_absmax_codes
-from support.reference import assert_exact, assert_same_run, pipeline_train, reference_train
+from support.reference import EPS, LR, assert_exact, assert_same_run, pipeline_train, reference_train
 from support.tiny_models import make_batch, make_model
 
 import roundpipe
@@ -480,3 +482,97 @@ def test_a_model_already_quantized_by_bitsandbytes_is_refused_at_wrap_with_what_
             UnsupportedModel, match="holds uint8 values.*load the model in bf16.*quantization="
         ):
             roundpipe.wrap(model, roundpipe.RunConfig(devices="cpu:1", quantization=fmt))
+
+
+def _saved_by_bitsandbytes(directory, family: str, fmt: str):
+    """A tiny ``family`` model quantized by transformers' BitsAndBytesConfig and saved: its packed
+    codes and quant states are what the files hold."""
+    import transformers
+
+    # LLM.int8() quantizes the fp16 weight: the plain checkpoint is fp16, so packing it here starts
+    # from the same values
+    make_model(family, num_layers=2, dtype=torch.float16 if fmt == "int8" else torch.float32).save_pretrained(
+        directory / "plain"
+    )
+    if fmt == "nf4":
+        config = transformers.BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
+    else:
+        config = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory / "plain", quantization_config=config, dtype=torch.float32, device_map="cpu"
+    )
+    model.save_pretrained(directory / "packed")
+    return directory / "packed"
+
+
+def test_a_checkpoint_saved_by_bitsandbytes_trains_as_it_is(tmp_path):
+    """Saved after BitsAndBytesConfig (nf4, double quantization), read by ``roundpipe train``'s loader:
+    the stored codes and scales become the store's buffers unchanged, and the run trains like plain
+    peft QLoRA on that same saved model (rtol 1e-5); without quantization='nf4' it is refused."""
+    pytest.importorskip("bitsandbytes")
+    import peft
+    import transformers
+
+    from roundpipe.train.config import LoraConfig, ModelConfig
+    from roundpipe.train.loading import build_model
+
+    saved = _saved_by_bitsandbytes(tmp_path, "llama", "nf4")
+    lora = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(ConfigError, match="packed in nf4.*set quantization='nf4'"):
+        loaded = build_model(ModelConfig(path=str(saved)), lora, seed=0)
+        roundpipe.wrap(loaded.model, roundpipe.RunConfig(devices="cpu:1"), weights=loaded.weights)
+    loaded = build_model(ModelConfig(path=str(saved)), lora, seed=0)
+    batch = make_batch(batch=6, seq=12)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        saved, dtype=torch.float32, device_map="cpu"
+    )
+    reference = peft.get_peft_model(reference.train(), copy.deepcopy(loaded.model.peft_config["default"]))
+    ours = dict(loaded.model.named_parameters())
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "lora_" in name:
+                p.copy_(ours[name])
+    want = reference_train(reference, batch, STEPS)
+    run = roundpipe.RunConfig(devices="cpu:2", num_microbatches=3, quantization="nf4")
+    with roundpipe.wrap(loaded.model, run, weights=loaded.weights) as pipe:
+        packed = [e for e in pipe.store.entries if e.quant is not None]
+        assert packed and all(e.tensor.is_meta for e in packed)
+        pipe.configure_optimizer(lr=LR, eps=EPS, weight_decay=0.0)
+        losses = []
+        for _ in range(STEPS):
+            losses.append(
+                pipe.forward_backward(
+                    batch["input_ids"], labels=batch["labels"], attention_mask=batch["attention_mask"]
+                ).loss
+            )
+            pipe.step()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want.losses), rtol=1e-5, atol=0)
+
+
+def test_an_int8_checkpoint_saved_by_bitsandbytes_trains_as_packing_it_here_does(tmp_path):
+    """LLM.int8()'s saved rows and SCB are the bytes roundpipe's int8 packing makes of the same
+    weights: the run from the saved int8 checkpoint and the run from the unquantized one with
+    quantization='int8' have the same losses, exactly."""
+    pytest.importorskip("bitsandbytes")
+    from roundpipe.train.config import LoraConfig, ModelConfig
+    from roundpipe.train.loading import build_model
+
+    saved = _saved_by_bitsandbytes(tmp_path, "qwen3", "int8")
+    lora = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules="all-linear")
+    batch = make_batch(batch=4, seq=10)
+    losses = []
+    for directory in (saved, tmp_path / "plain"):
+        loaded = build_model(ModelConfig(path=str(directory)), lora, seed=0)
+        run = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, quantization="int8")
+        with roundpipe.wrap(loaded.model, run, weights=loaded.weights) as pipe:
+            pipe.configure_optimizer(lr=1e-3)
+            losses.append([])
+            for _ in range(2):
+                losses[-1].append(pipe.forward_backward(batch["input_ids"], labels=batch["labels"]).loss)
+                pipe.step()
+    assert losses[0] == losses[1]

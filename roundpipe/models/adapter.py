@@ -450,8 +450,9 @@ def adapt_model(model: nn.Module, head_shards: int = 1) -> ModelAdapter:
         raise UnsupportedModel(
             f"{kind}: {packed[0]} holds {str(packed[1]).removeprefix('torch.')} values, a packed or scaled "
             f"weight (a model quantized by BitsAndBytesConfig, an fp8 checkpoint): roundpipe keeps frozen "
-            f"weights compressed itself; load the model in bf16 and set RunConfig(quantization='nf4', "
-            f"'int8' or 'fp8') (run.quantization in a recipe)"
+            f"weights compressed itself; load the model in bf16 (or build it on meta and pass its saved "
+            f"directory as weights=SafetensorsWeights(dir), as roundpipe train does: packed files are read "
+            f"as they are) and set RunConfig(quantization='nf4', 'int8' or 'fp8') (run.quantization)"
         )
     layout = discover_layout(causal_lm)
     if spec is not None:

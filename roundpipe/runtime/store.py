@@ -223,10 +223,27 @@ class ParameterStore:
     ) -> tuple[Entry, list[str]]:
         if packed is not None:
             source = self._source_name(names) if t.is_meta else None
+            stored = self._stored_packed(source)
+            if stored not in (None, packed):
+                raise ConfigError(
+                    f"the weights hold {names[0]} packed in {stored} (saved by bitsandbytes) and the run "
+                    f"keeps weights in {packed}: set quantization={stored!r} (run.quantization)"
+                )
             e = Entry(key, names[0], t, False, is_buffer, [], source=source)
             e.quant = quant_layout(packed, tuple(t.shape))
             return e, ["pack"]
         if t.is_meta:
+            stored = self._stored_packed(self._source_name(names))
+            if stored is not None:
+                raise ConfigError(
+                    f"the weights hold {names[0]} packed in {stored} (saved by bitsandbytes): "
+                    + (
+                        f"set quantization={stored!r} (run.quantization) to train on it as it is"
+                        if self.quantization is None
+                        else "roundpipe keeps only the decoder blocks' frozen linear weights compressed; "
+                        "save the model with this one unquantized (BitsAndBytesConfig's llm_int8_skip_modules)"
+                    )
+                )
             return self._plan_loaded_entry(key, names, t, is_buffer)
         name = names[0]
         trainable = (not is_buffer) and t.requires_grad
@@ -328,6 +345,8 @@ class ParameterStore:
                     elif role == "load":
                         self._read(e.source, buf)
                         _repoint(e.tensor, buf)
+                    elif role == "pack" and self._stored_packed(e.source) is not None:
+                        self.weights.fill_packed(e.source, e.quant, buf)  # type: ignore[union-attr]
                     elif role == "pack":
                         assert e.quant is not None
                         pack(self._full_precision(e), e.quant, buf)
@@ -350,6 +369,12 @@ class ParameterStore:
                 e.users.append(i)
         self.entries.append(e)
         return ["tables"]  # copied in; nothing of the model's to re-point
+
+    def _stored_packed(self, source: str | None) -> str | None:
+        """The format the weights store tensor ``source`` packed in (a checkpoint saved by
+        bitsandbytes: ``SafetensorsWeights.packed_format``), or None."""
+        ask = getattr(self.weights, "packed_format", None)
+        return None if source is None or ask is None else ask(source)
 
     def _full_precision(self, e: Entry) -> torch.Tensor:
         """The weight an entry kept compressed holds: the model's tensor, or (on meta) the tensor read

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from roundpipe.errors import CheckpointError, ConfigError
+from roundpipe.number_codes import NF4_VALUES, dynamic_values
 from roundpipe.train.config import LoraConfig, ModelConfig
 
 SINGLE_FILE = "model.safetensors"
@@ -133,6 +134,14 @@ def read_header(path: Path) -> dict[str, TensorRecord]:
     return records
 
 
+NF4_STATE = ".quant_state.bitsandbytes__nf4"  # bitsandbytes' JSON quant state beside a packed weight
+
+
+def _scb(key: str) -> str:
+    """Where bitsandbytes saves an int8 weight's row scales: beside the module's ``weight``."""
+    return key.removesuffix(".weight") + ".SCB"
+
+
 class SafetensorsWeights:
     """The tensors of a HF model directory's ``model.safetensors`` or sharded
     ``model.safetensors.index.json``, read on demand into buffers the caller owns.
@@ -203,6 +212,60 @@ class SafetensorsWeights:
                 raise CheckpointError(
                     f"{name}: expert {e}'s parts have {row} rows in {self.directory}, the model's {out.shape[1]}"
                 )
+
+    def packed_format(self, name: str) -> str | None:
+        """The format tensor ``name`` is stored packed in by bitsandbytes (transformers'
+        ``BitsAndBytesConfig``, then ``save_pretrained``): ``"nf4"`` (a 4-bit quant state beside it)
+        or ``"int8"`` (int8 rows and the module's ``SCB``); None for a tensor stored as it is."""
+        key = file_key(name)
+        if key + NF4_STATE in self.records:
+            return "nf4"
+        return "int8" if _scb(key) in self.records and self.records[key].dtype == torch.int8 else None
+
+    def fill_packed(self, name: str, layout, out: torch.Tensor) -> None:
+        """Write the packed tensor ``name`` into ``out`` (uint8, ``layout.nbytes``) in roundpipe's
+        layout of it (``partition/quant_layout.py``): the same codes and scales bitsandbytes
+        stored, moved into their sections, after checking they are the format roundpipe unpacks.
+
+        Raises:
+            CheckpointError: another 4-bit type, block size or code table, or a shape that
+                disagrees with the model's.
+        """
+        key = file_key(name)
+        fmt = self.packed_format(name)
+        if fmt != layout.format:
+            raise CheckpointError(f"{name} is stored as {fmt or 'unpacked'}, not {layout.format}")
+
+        def section(part: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+            a, b = layout.section(part)
+            return out[a:b].view(dtype)
+
+        if fmt == "int8":
+            self._read(key, section("values", torch.int8).view(layout.rows, -1), what=name)
+            self._read(_scb(key), section("scales", torch.float32), what=name)
+            return
+        raw = torch.empty(self.records[key + NF4_STATE].shape, dtype=torch.uint8)
+        self._read(key + NF4_STATE, raw)
+        state = json.loads(bytes(raw.tolist()).decode())
+        want = {"quant_type": "nf4", "blocksize": 64, "nested_blocksize": 256, "shape": list(layout.shape)}
+        got = {k: state.get(k) for k in want}
+        if got != want or "nested_offset" not in state:
+            raise CheckpointError(
+                f"{name}: {self.directory} stores it as {got}; roundpipe reads nf4 with blocks of 64, double "
+                f"quantization in blocks of 256, shape {list(layout.shape)} (BitsAndBytesConfig(load_in_4bit=True, "
+                f"bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True)); or load the unquantized checkpoint"
+            )
+        for table, values in ((".quant_map", NF4_VALUES), (".nested_quant_map", dynamic_values())):
+            stored = torch.empty(len(values))
+            self._read(key + table, stored, what=name)
+            if not torch.equal(stored, torch.tensor(values, dtype=torch.float32)):
+                raise CheckpointError(
+                    f"{name}: {self.directory} packs it with another {table[1:]} than nf4's"
+                )
+        self._read(key, section("codes").view(self.records[key].shape), what=name)
+        self._read(key + ".absmax", section("absmax"), what=name)
+        self._read(key + ".nested_absmax", section("absmax_scale", torch.float32), what=name)
+        section("offset", torch.float32).fill_(float(state["nested_offset"]))
 
     def _expert_parts(self, key: str) -> list[list[str]] | None:
         """Per part, the per-expert file names a fused expert tensor is made of (None: not one)."""
