@@ -576,3 +576,28 @@ def test_an_int8_checkpoint_saved_by_bitsandbytes_trains_as_packing_it_here_does
                 losses[-1].append(pipe.forward_backward(batch["input_ids"], labels=batch["labels"]).loss)
                 pipe.step()
     assert losses[0] == losses[1]
+
+
+def test_roundpipe_train_runs_a_qlora_recipe_and_exports_both(tmp_path):
+    """A recipe with ``run.quantization: nf4`` and ``optim.state_dtype: bf16`` trains (the loss
+    falls) and exports the adapter and a bf16 merged model that says what it was merged into."""
+    import transformers
+    from test_train import _quiet, _recipe
+
+    from roundpipe.train.recipe import config_from_dict
+    from roundpipe.train.trainer import Trainer
+
+    recipe = _recipe(
+        tmp_path,
+        lora={"enabled": True, "rank": 4, "alpha": 8},
+        run={"quantization": "nf4"},
+        optim={"lr": 1e-2, "state_dtype": "bf16"},
+        checkpoint={"export": "both"},
+    )
+    result = Trainer(config_from_dict(recipe), log=_quiet).fit()
+    losses = result.train_losses
+    assert len(losses) == 6 and sum(losses[-2:]) < sum(losses[:2])
+    assert (result.exports["adapter"] / "adapter_config.json").exists()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(result.exports["merged"])
+    assert "nf4" in merged.config.roundpipe_merged_from
+    assert all(p.dtype == torch.bfloat16 for p in merged.parameters())
