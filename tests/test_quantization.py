@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from support.quantized import dequantized, peft_qlora, same_absmax_codes
+from support.quantized import bnb_config, dequantized, peft_qlora, same_absmax_codes
 from support.reference import EPS, LR, assert_exact, assert_same_run, pipeline_train, reference_train
 from support.tiny_models import make_batch, make_model
 
@@ -494,17 +494,8 @@ def _saved_by_bitsandbytes(directory, family: str, fmt: str):
     make_model(family, num_layers=2, dtype=torch.float16 if fmt == "int8" else torch.float32).save_pretrained(
         directory / "plain"
     )
-    if fmt == "nf4":
-        config = transformers.BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )
-    else:
-        config = transformers.BitsAndBytesConfig(load_in_8bit=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory / "plain", quantization_config=config, dtype=torch.float32, device_map="cpu"
+        directory / "plain", quantization_config=bnb_config(fmt), dtype=torch.float32, device_map="cpu"
     )
     model.save_pretrained(directory / "packed")
     return directory / "packed"

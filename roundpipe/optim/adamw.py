@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from roundpipe.errors import ConfigError
-from roundpipe.optim.low_precision_state import STATE_DTYPES, LowPrecisionStateAdamW, fused_adamw
+from roundpipe.optim.low_precision_state import STATE_DTYPES, LowPrecisionStateAdamW, fused_adamw, stepped
 
 
 class SteppedEntry(Protocol):
@@ -264,21 +264,15 @@ class MetaFusedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        for group in self.param_groups:
-            params, grads, avgs, sqs, steps = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                params.append(p)
-                grads.append(p.grad)
-                avgs.append(state["exp_avg"])
-                sqs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
-            if params:
+        def zero_moments(p):
+            return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+        for group in self.param_groups:  # one fused call per group, as torch's
+            items = [(p, st) for g, p, st in stepped(self, zero_moments) if g is group]
+            if items:
+                steps = [st["step"] for _, st in items]
                 torch._foreach_add_(steps, 1)
-                fused_adamw(params, grads, avgs, sqs, steps, group, getattr(self, "grad_scale", None))
+                fused_adamw(
+                    [p for p, _ in items], [p.grad for p, _ in items], [st["exp_avg"] for _, st in items],
+                    [st["exp_avg_sq"] for _, st in items], steps, group, getattr(self, "grad_scale", None),
+                )  # fmt: skip

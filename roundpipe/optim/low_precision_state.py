@@ -21,6 +21,8 @@ planner counts the moments' bytes (``partition/quant_layout.py`` ``moment_bytes_
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from roundpipe.number_codes import blockwise, dynamic_values, nearest
@@ -81,6 +83,20 @@ def _table(signed: bool) -> torch.Tensor:
     return _TABLES[signed]
 
 
+def stepped(optimizer: torch.optim.Optimizer, new_state) -> Iterator[tuple[dict, torch.Tensor, dict]]:
+    """``(group, parameter, state)`` of each parameter with a gradient, as torch's AdamW steps them;
+    a parameter's first state is ``step`` 0 and ``new_state(parameter)``."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state.update(new_state(p))
+            yield group, p, state
+
+
 def fused_adamw(params, grads, avgs, sqs, steps, group: dict, grad_scale) -> None:
     """torch's fused AdamW kernel, as ``torch.optim.AdamW(fused=True)`` runs it, on tensors whose
     ``steps`` were already counted, with the options of parameter group ``group``."""
@@ -105,31 +121,18 @@ class LowPrecisionStateAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state.update(_new_state(p, self.state_dtype))
-                state["step"] += 1
-                flat, grad, n = p.view(-1), p.grad.view(-1), p.numel()
-                m = torch.empty(min(n, CHUNK), device=p.device)
-                v = torch.empty_like(m)
-                for a in range(0, n, CHUNK):
-                    b = min(n, a + CHUNK)
-                    mc, vc = m[: b - a], v[: b - a]
-                    _decode(state, "exp_avg", self.state_dtype, True, a, b, mc)
-                    _decode(state, "exp_avg_sq", self.state_dtype, False, a, b, vc)
-                    fused_adamw(
-                        [flat[a:b]],
-                        [grad[a:b]],
-                        [mc],
-                        [vc],
-                        [state["step"]],
-                        group,
-                        getattr(self, "grad_scale", None),
-                    )
-                    _encode(mc, state, "exp_avg", self.state_dtype, True, a, b)
-                    _encode(vc, state, "exp_avg_sq", self.state_dtype, False, a, b)
+        for group, p, state in stepped(self, lambda p: _new_state(p, self.state_dtype)):
+            state["step"] += 1
+            assert p.grad is not None  # stepped() yields parameters with a gradient only
+            flat, grad, n = p.view(-1), p.grad.view(-1), p.numel()
+            m = torch.empty(min(n, CHUNK), device=p.device)
+            v = torch.empty_like(m)
+            scale = getattr(self, "grad_scale", None)
+            for a in range(0, n, CHUNK):
+                b = min(n, a + CHUNK)
+                mc, vc = m[: b - a], v[: b - a]
+                _decode(state, "exp_avg", self.state_dtype, True, a, b, mc)
+                _decode(state, "exp_avg_sq", self.state_dtype, False, a, b, vc)
+                fused_adamw([flat[a:b]], [grad[a:b]], [mc], [vc], [state["step"]], group, scale)
+                _encode(mc, state, "exp_avg", self.state_dtype, True, a, b)
+                _encode(vc, state, "exp_avg_sq", self.state_dtype, False, a, b)

@@ -35,17 +35,8 @@ def peft_qlora(directory, like, fmt: str = "nf4"):
     import peft
     import transformers
 
-    if fmt == "nf4":
-        config = transformers.BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )
-    else:
-        config = transformers.BitsAndBytesConfig(load_in_8bit=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, quantization_config=config, dtype=torch.float32, device_map="cpu"
+        directory, quantization_config=bnb_config(fmt), dtype=torch.float32, device_map="cpu"
     )
     if fmt == "nf4":
         same_absmax_codes(
@@ -80,3 +71,18 @@ def same_absmax_codes(quantized, original) -> None:
         assert torch.equal(buf[a:b], module.weight.data.reshape(-1)), name
         a, b = layout.section("absmax")
         state.absmax.copy_(buf[a:b])
+
+
+def bnb_config(fmt: str):
+    """transformers' BitsAndBytesConfig for ``fmt``: nf4 with double quantization and fp32 compute,
+    or LLM.int8()."""
+    import transformers
+
+    if fmt == "nf4":
+        return transformers.BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
+    return transformers.BitsAndBytesConfig(load_in_8bit=True)
