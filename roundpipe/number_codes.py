@@ -47,6 +47,12 @@ def dynamic_values(signed: bool = True) -> tuple[float, ...]:
     return tuple(sorted(values))
 
 
+@cache
+def dynamic_map(signed: bool = True) -> torch.Tensor:
+    """:func:`dynamic_values` as an fp32 CPU tensor (made once; read, never written)."""
+    return torch.tensor(dynamic_values(signed), dtype=torch.float32)
+
+
 def nearest(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Index of the nearest of the sorted ``values`` to each of ``x`` (ties to the upper one)."""
     return torch.bucketize(x, (values[:-1] + values[1:]) / 2, out_int32=True).to(torch.uint8)

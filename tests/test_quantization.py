@@ -14,10 +14,11 @@ from support.tiny_models import make_batch, make_model
 
 import roundpipe
 from roundpipe.errors import ConfigError
+from roundpipe.number_codes import dynamic_map
 from roundpipe.partition import quant_layout as quant_layout_module
 from roundpipe.partition.quant_layout import TABLE_BYTES, quant_layout, quantized_bytes
 from roundpipe.runtime import quantized
-from roundpipe.runtime.quantized import dynamic_map, pack, unpack
+from roundpipe.runtime.quantized import pack, unpack
 
 torch.set_num_threads(1)
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from roundpipe.number_codes import blockwise, dynamic_values, nearest
+from roundpipe.number_codes import blockwise, dynamic_map, nearest
 from roundpipe.partition.quant_layout import STATE_BLOCK, STATE_DTYPES
 
 __all__ = ["STATE_BLOCK", "STATE_DTYPES", "LowPrecisionStateAdamW"]
@@ -54,7 +54,7 @@ def _decode(state: dict, key: str, state_dtype: str, signed: bool, a: int, b: in
     if state_dtype == "bf16" or stored.is_meta:
         out.copy_(stored)
         return
-    torch.index_select(_table(signed), 0, stored.to(torch.int32), out=out)
+    torch.index_select(dynamic_map(signed), 0, stored.to(torch.int32), out=out)
     absmax = state[f"{key}_absmax"][a // STATE_BLOCK : -(-b // STATE_BLOCK)]
     full = (b - a) - (b - a) % STATE_BLOCK
     out[:full].view(-1, STATE_BLOCK).mul_(absmax[: full // STATE_BLOCK].unsqueeze(1))
@@ -70,17 +70,8 @@ def _encode(
         state[key][a:b].copy_(value)
         return
     scaled, absmax = blockwise(value, STATE_BLOCK)
-    state[key][a:b].copy_(nearest(scaled, _table(signed)))
+    state[key][a:b].copy_(nearest(scaled, dynamic_map(signed)))
     state[f"{key}_absmax"][a // STATE_BLOCK : -(-b // STATE_BLOCK)].copy_(absmax)
-
-
-_TABLES: dict[bool, torch.Tensor] = {}
-
-
-def _table(signed: bool) -> torch.Tensor:
-    if signed not in _TABLES:
-        _TABLES[signed] = torch.tensor(dynamic_values(signed), dtype=torch.float32)
-    return _TABLES[signed]
 
 
 def stepped(optimizer: torch.optim.Optimizer, new_state) -> Iterator[tuple[dict, torch.Tensor, dict]]:

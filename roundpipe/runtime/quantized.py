@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from roundpipe.number_codes import NF4_VALUES, blockwise, dynamic_values, nearest
+from roundpipe.number_codes import NF4_VALUES, blockwise, dynamic_map, nearest
 from roundpipe.partition import quant_layout as rules
 from roundpipe.partition.quant_layout import (
     FP8_MAX,
@@ -31,7 +31,6 @@ from roundpipe.partition.quant_layout import (
     NF4_BLOCK,
     TABLE_VALUES,
     QuantLayout,
-    quant_layout,
 )
 
 TABLES_NAME = "roundpipe.quantization_tables"  # the store entry that carries them to each device
@@ -45,7 +44,7 @@ def table_bytes() -> torch.Tensor:
     nf4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
     byte = torch.arange(256)
     pairs = torch.stack((nf4[byte >> 4], nf4[byte & 0xF]), dim=1)  # high nibble first
-    dynamic = torch.tensor(dynamic_values(), dtype=torch.float32)
+    dynamic = dynamic_map()
     return torch.cat((pairs.reshape(-1), dynamic)).view(torch.uint8)
 
 
@@ -59,19 +58,10 @@ class Tables:
         self.dynamic = values[512:TABLE_VALUES]
 
 
-def dynamic_map() -> torch.Tensor:
-    """The 256 fp32 values the ``nf4`` absmax codes index (bitsandbytes' ``create_dynamic_map()``)."""
-    return torch.tensor(dynamic_values(), dtype=torch.float32)
-
-
 def _section(buf: torch.Tensor, layout: QuantLayout, name: str, dtype: torch.dtype = torch.uint8):
     a, b = layout.section(name)
     part = buf[a:b]
     return part if dtype == torch.uint8 else part.view(dtype)
-
-
-def layout_of(t: torch.Tensor, fmt: str) -> QuantLayout:
-    return quant_layout(fmt, tuple(t.shape))
 
 
 @torch.no_grad()

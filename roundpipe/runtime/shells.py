@@ -79,12 +79,14 @@ class LayerShells:
                 for b in self.store.bindings[layer]
             ]
         bound = self._shells[layer]
-        entries, key = self.store.entries, self.store.tables_key
-        tables = Tables(weights[(key, None)]) if key is not None and (key, None) in weights else None
+        entries = self.store.entries
+        tables: Tables | None = None
         for _, mod, attr, is_buffer, piece in bound:
             t = weights[piece]
             quant = entries[piece[0]].quant
             if quant is not None:  # kept compressed: unpacked here, on the compute stream
+                # the layer's own uploaded tables (the store binds them beside every packed weight)
+                tables = tables or Tables(weights[(self.store.tables_key, None)])  # type: ignore[index]
                 t = unpack(t, quant, self.store.dtype, tables)
             # the device tensor itself is bound, not a Parameter: torch types _parameters as Parameters
             (mod._buffers if is_buffer else mod._parameters)[attr] = t  # type: ignore[assignment]
