@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -247,15 +248,17 @@ LANES_CASE = Case("lanes", "qwen3-1.7b", "", 8, 4, 1, layers=4, seq=2048)
 
 def lane_breakdown(pipe) -> dict:
     """The last step's wall time and, per device, the seconds each lane was busy (the union of its
-    spans: CUDA events on a GPU, modelled time on the virtual server)."""
+    spans: CUDA events on a GPU, modelled time on the virtual server), the compute lane's gaps (the
+    step's time it was not busy), and the host lane's busy seconds (optimizer steps, gradient
+    accumulation: measured on the host either way)."""
+    from roundpipe.schedule.timeline import HOST_DEVICE
+
     timeline, step_s = pipe.last_timeline(), pipe.stats()["step_s"]
-    return {
-        "step_s": step_s,
-        "devices": [
-            {lane: timeline.busy(d, lane) for lane in timeline.lanes(d)}
-            for d in range(len(pipe.backend.devices))
-        ],
-    }
+    devices = []
+    for d in range(len(pipe.backend.devices)):
+        busy = {lane: timeline.busy(d, lane) for lane in timeline.lanes(d)}
+        devices.append({**busy, "compute_idle": max(0.0, step_s - busy.get("compute", 0.0))})
+    return {"step_s": step_s, "devices": devices, "host": timeline.busy(HOST_DEVICE, "host")}
 
 
 def lanes(device: str, steps: int = 3) -> dict:
@@ -288,16 +291,20 @@ def lanes(device: str, steps: int = 3) -> dict:
     def progress(what: str) -> None:  # where the time goes, in the log of a run cut short
         print(f"lanes: {what} at {time.perf_counter() - t0:.1f} s", flush=True)
 
-    for name, spec in (("real", device), ("virtual", f"virtual:{preset}")):
+    for name, run_on in (("real", device), ("virtual", f"virtual:{preset}")):
         if name == "virtual":
             model = meta_model(case)
+        elif spec.kind == "cuda":  # random init on the GPU: on the host it takes most of a minute
+            with torch.device("cuda"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
+            model = model.cpu()
         else:
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
         progress(f"{name} model built")
         # The wrap-time proof runs on a tiny twin: on the model itself (0.4-0.5B parameters, under
         # the size at which the proof goes tiny by itself) it takes minutes of host CPU time.
         run = roundpipe.RunConfig(
-            devices=spec,
+            devices=run_on,
             dtype="bf16",
             policy="roundpipe",
             num_microbatches=case.microbatches,
@@ -306,22 +313,33 @@ def lanes(device: str, steps: int = 3) -> dict:
         )
         with roundpipe.wrap(model, run) as pipe:
             pipe.configure_optimizer(lr=1e-5)
-            progress(f"{name} model wrapped on {spec}")
+            progress(f"{name} model wrapped on {run_on}")
             for i in range(steps):
+                t_step = time.perf_counter()
                 pipe.forward_backward(ids, ids)
                 pipe.step()
+                wall = time.perf_counter() - t_step
                 progress(f"{name} step {i + 1} of {steps}")
-            out[name] = lane_breakdown(pipe)
+            out[name] = {**lane_breakdown(pipe), "wall_s": wall}
     return out
 
 
 def print_lanes(r: dict) -> None:
     print(f"lanes of the last step: {r['device']} against {r['virtual_spec']} ({r['preset_from']})")
-    print(f"  step s: {r['real']['step_s']:.3f} real, {r['virtual']['step_s']:.3f} virtual")
+    print(
+        f"  step s: {r['real']['step_s']:.3f} real, {r['virtual']['step_s']:.3f} virtual (forward_backward)"
+    )
+    print(
+        f"  wall s: {r['real']['wall_s']:.3f} real, {r['virtual']['wall_s']:.3f} virtual (with the optimizer step)"
+    )
+    print(
+        f"  host         busy s: {r['real'].get('host', 0.0):.3f} real, {r['virtual'].get('host', 0.0):.3f} virtual"
+    )
     for d, (real, virt) in enumerate(zip(r["real"]["devices"], r["virtual"]["devices"])):
         for lane in sorted(set(real) | set(virt)):
             print(
-                f"  device {d} {lane:12s} busy s: {real.get(lane, 0.0):.3f} real, {virt.get(lane, 0.0):.3f} virtual"
+                f"  device {d} {lane:12s} {'idle' if lane == 'compute_idle' else 'busy'} s: "
+                f"{real.get(lane, 0.0):.3f} real, {virt.get(lane, 0.0):.3f} virtual"
             )
 
 
@@ -354,8 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--lanes", metavar="DEVICE", help="only the per-lane breakdown of a small run on DEVICE (e.g. cuda:0) "
-        "beside the virtual server's prediction for it; prints, writes no results"
+        "beside the virtual server's prediction for it; prints, and writes no results unless --json is given"
     )  # fmt: skip
+    parser.add_argument(
+        "--json", metavar="PATH", help="with --lanes: also write the breakdown to PATH as JSON"
+    )
     parser.add_argument(
         "--without-token", nargs="*", default=[], metavar="NAME",
         help="also run these cases with the issue token off (roundpipe/backend/issue_token.py), before "
@@ -364,7 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.lanes:
-        print_lanes(lanes(args.lanes))
+        breakdown = lanes(args.lanes)
+        print_lanes(breakdown)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(breakdown, f, indent=1)
         return 0
     cases = (QUICK,) if args.quick else tuple(c for c in CASES if not args.cases or c.name in args.cases)
     steps = 2 if args.quick else args.steps

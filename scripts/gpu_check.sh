@@ -131,15 +131,17 @@ run_step() {
 
 # Prints the versions, and writes them as JSON to argv[1] for the final JSON object.
 cat >"$LOGDIR/versions.py" <<'PYEOF'
-import importlib, importlib.util, json, os, platform, shutil, subprocess, sys
+import importlib, importlib.metadata, importlib.util, json, os, platform, shutil, subprocess, sys
 
 found = {"python": sys.version.split()[0], "executable": sys.executable, "platform": platform.platform(),
          "dry_run": os.environ.get("ROUNDPIPE_GPU_CHECK_DRY_RUN") == "1"}
 print("python      ", found["python"], found["executable"], found["platform"])
 print("dry run     ", found["dry_run"])
+# Versions from the installed metadata, not by importing: a cold import of datasets alone (pyarrow,
+# pandas) outlasted this step's 20 s on a fresh machine.
 for name in ("torch", "transformers", "peft", "accelerate", "pytest", "packaging", "datasets"):
     try:
-        found[name] = importlib.import_module(name).__version__
+        found[name] = importlib.metadata.version(name)
     except Exception as e:
         found[name] = f"not importable: {type(e).__name__}: {e}"
     print(f"{name:<12}", found[name])
@@ -282,6 +284,7 @@ out = {
     "memory": memory,
     "smoke": smoke,
     "throughput": throughput,
+    "lanes": load("lanes.json"),
     "train": train[-4:],
 }
 text = json.dumps(compact(out), separators=(",", ":"), default=str)
@@ -293,7 +296,7 @@ PYEOF
 PYTEST=("$PY" -m pytest tests/test_cuda.py -p no:cacheprovider -o addopts="" -m cuda -v -rsfE --tb=short --durations=5)
 
 echo "=== gpu_check $( ((DRY)) && echo "--dry-run (cpu backend)" || echo "(cuda)"), python: $PY, budget ${BUDGET}s"
-run_step versions 20 "$PY" "$LOGDIR/versions.py" "$LOGDIR/versions.json"
+run_step versions 25 "$PY" "$LOGDIR/versions.py" "$LOGDIR/versions.json"
 if command -v git >/dev/null 2>&1 && timeout 10 git rev-parse HEAD >/dev/null 2>&1; then
     GIT="$(git rev-parse HEAD) ($(timeout 10 git status --porcelain 2>/dev/null | wc -l) changed paths)"
 else
@@ -302,13 +305,13 @@ fi
 echo "git          $GIT"
 
 # (the slow-GPU equivalence case is the clock step's)
-run_step equivalence 55 "${PYTEST[@]}" -k "trains_like_plain_pytorch and not cudas_clock"
+run_step equivalence 60 "${PYTEST[@]}" -k "trains_like_plain_pytorch and not cudas_clock"
 
-run_step memory 95 "${PYTEST[@]}" -s -k "peak_memory"
+run_step memory 115 "${PYTEST[@]}" -s -k "peak_memory"
 
 run_step smoke 45 "${PYTEST[@]}" -s -k "bf16 or ledger or qlora"
 
-run_step clock 55 "${PYTEST[@]}" -s -k "cudas_clock"
+run_step clock 40 "${PYTEST[@]}" -s -k "cudas_clock"
 
 # The benchmark keeps to its own budget, 30 s (scaled) under the step's timeout for its imports and
 # its summary, so that it ends with its figures rather than being killed; it also rewrites its JSON
@@ -327,13 +330,13 @@ if ((!DRY)) && [[ -n "$KEEP" ]]; then # what it wrote into benchmarks/results, b
 fi
 
 # Each lane's busy seconds in a small run on one GPU, beside the virtual server's prediction for it.
-run_step lanes 45 "$PY" benchmarks/virtual_server.py --lanes "$D1"
+run_step lanes 40 "$PY" benchmarks/virtual_server.py --lanes "$D1" --json "$LOGDIR/lanes.json"
 
 TRAIN_ARGS=(--set "run.devices=$D2" --set run.max_steps=20 --set eval.every=10 --set "run.output_dir=${TMPDIR:-/tmp}/roundpipe-gpu-check-train"
     --set "data.train=${TMPDIR:-/tmp}/roundpipe-gpu-check-train/data/train.jsonl" --set "data.eval=${TMPDIR:-/tmp}/roundpipe-gpu-check-train/data/eval.jsonl"
     --set "data.synthetic_samples=[2000,64]" --set logging.progress=false)
 if "$PY" -c 'import datasets' 2>/dev/null; then
-    run_step train 35 "$PY" -m roundpipe.cli train recipes/demo.yaml --overwrite "${TRAIN_ARGS[@]}"
+    run_step train 30 "$PY" -m roundpipe.cli train recipes/demo.yaml --overwrite "${TRAIN_ARGS[@]}"
 else
     note SKIP train "this python has no datasets (the training product reads data with it)"
 fi
@@ -342,13 +345,13 @@ fi
 # the controls and the roundpipe policy's equivalence cases; with under 45 s left it could only time
 # out, so it is skipped and says why.
 SANITIZED=(-k "sanitizer or (trains_like_plain_pytorch and roundpipe-)")
-if (($(step_limit 70) < 45 * SCALE)); then
+if (($(step_limit 65) < 45 * SCALE)); then
     note SKIP sanitizer "only $((BUDGET - SECONDS))s of the ${BUDGET}s budget left, under the $((45 * SCALE))s it needs"
 elif ((DRY)); then
     # No CUDA here: TORCH_CUDA_SANITIZER is never set; the cpu backend's own checks flag the control.
-    run_step sanitizer 70 "${PYTEST[@]}" -s "${SANITIZED[@]}"
+    run_step sanitizer 65 "${PYTEST[@]}" -s "${SANITIZED[@]}"
 elif "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch.cuda._sanitizer") is None)' 2>/dev/null; then
-    run_step sanitizer 70 env TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}" -s "${SANITIZED[@]}"
+    run_step sanitizer 65 env TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}" -s "${SANITIZED[@]}"
 else
     note SKIP sanitizer "this torch has no torch.cuda._sanitizer"
 fi
