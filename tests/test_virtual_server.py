@@ -131,6 +131,35 @@ def test_host_work_costs_an_in_place_operation_one_read_and_one_write():
     assert work.moved_bytes == 12 * n
 
 
+def test_host_work_costs_an_overwrite_its_writes_alone():
+    """An operation that overwrites its destination whole (``copy_``, ``zero_``, ``fill_``) does
+    not read it: fp32 ``a.copy_(b)`` moves 8 bytes per element, ``a.zero_()`` 4."""
+    from roundpipe.backend.virtual import HostWork
+    from roundpipe.presets import load_hardware
+
+    n = 1 << 20
+    a, b = torch.empty(n, device="meta"), torch.empty(n, device="meta")
+    h = torch.empty(n, device="meta", dtype=torch.float16)
+    for op, want in (
+        (lambda: a.copy_(b), 8),
+        (lambda: h.copy_(a), 6),
+        (a.zero_, 4),
+        (lambda: a.fill_(1.0), 4),
+    ):
+        with HostWork(load_hardware("rtx4090")) as work:
+            op()
+        assert work.moved_bytes == want * n
+
+
+def test_the_host_lane_moves_what_the_simulator_charges(virtual_run):
+    """The runtime's host jobs of a steady step (adding the downloaded gradients, the finiteness
+    check of fp16's loss scaling, AdamW, the refresh of the fp16 copies), priced by the bytes they
+    move, against the simulator's host lane for the same table (``sim/host_traffic.py``)."""
+    pipe, steps, sim = virtual_run
+    before, after, _, _, _ = steps[-1]
+    assert after["host_work_s"] - before["host_work_s"] == pytest.approx(sim.host_busy_s, rel=0.01)
+
+
 def test_the_gradient_check_reads_each_gradient_once():
     """The optimizer's finiteness check of the host gradients (fp16 runs, every step) moves each
     gradient's bytes once (``torch.isfinite`` moved about five times as many); on real tensors it

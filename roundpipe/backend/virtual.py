@@ -373,7 +373,8 @@ class HostWork(TorchDispatchMode):
             raise
         if func.is_view or func.overloadpacket in _NO_TRAFFIC:  # metadata or an allocation: no bytes move
             return out
-        n = _bytes_of(args) + _new_bytes(out, args) + _written_bytes(func, args)
+        read = args[1:] if func.overloadpacket in _OVERWRITES else args  # the destination is not read
+        n = _bytes_of(read) + _new_bytes(out, args) + _written_bytes(func, args)
         self.moved_bytes += n
         if n:
             self.owed += n / self.rate
@@ -394,6 +395,10 @@ class HostWork(TorchDispatchMode):
 _NO_TRAFFIC = frozenset(
     {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided, torch.ops.aten.detach}
 )
+
+
+# In-place operations that overwrite their first argument whole, without reading it.
+_OVERWRITES = frozenset({torch.ops.aten.copy_, torch.ops.aten.zero_, torch.ops.aten.fill_})
 
 
 def _written_bytes(func, args) -> int:

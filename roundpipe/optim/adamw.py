@@ -37,6 +37,10 @@ class SteppedEntry(Protocol):
 
     has_grad: bool
 
+    def discard_grad(self) -> None:
+        """The gradient is spent: ``has_grad`` false, ``grad`` reads as zero from now on."""
+        ...
+
     @property
     def key(self) -> int: ...
     @property
@@ -157,7 +161,8 @@ class LayerwiseAdamW:
         A parameter without a gradient (``has_grad`` false) is handed to ``torch.optim.AdamW`` with
         ``.grad`` None, which leaves it and its state untouched. ``grad_factor`` is applied inside
         the fused kernel (its ``grad_scale``, which divides the gradients as it reads them), not by
-        a pass of its own over the gradients. Zeroes the gradients afterwards and copies the masters
+        a pass of its own over the gradients. Discards the gradients afterwards (``discard_grad``: read
+        as zero, overwritten by the next) and copies the masters
         into compute copy ``publish_to`` (all copies when None) for the uploads that read it next
         (also the untouched ones: in async mode that copy may still hold the weights from before
         the previous update).
@@ -178,10 +183,8 @@ class LayerwiseAdamW:
             setattr(optimizer, "grad_scale", None)  # noqa: B010
         for k in keys:
             e = self.store.entries[k]
-            master, grad = master_of(e), grad_of(e)
-            master.grad = None
-            grad.zero_()
-            e.has_grad = False
+            master_of(e).grad = None
+            e.discard_grad()
         self.store.refresh_compute(keys, publish_to)
 
     def grad_norm_sq(self, groups=None) -> float:

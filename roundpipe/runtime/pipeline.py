@@ -309,12 +309,13 @@ class Pipeline:
             # one computes on the other copy (staleness exactly 1).
             self._updates.queue_update(self._hostq, publish_to=self._updates_run)
         else:
-            if not self._stepped_eagerly:
-                if self._ranks is not None:
-                    with self._ranks.failing("step"):
+            if not self._stepped_eagerly:  # on this thread, costed as host work (virtual devices)
+                with self.backend.host_work():
+                    if self._ranks is not None:
+                        with self._ranks.failing("step"):
+                            self._updates.deferred_step()
+                    else:
                         self._updates.deferred_step()
-                else:
-                    self._updates.deferred_step()
             self._updates.partial = 0
         self._updates_run += 1
         self._grads_pending = False

@@ -124,16 +124,19 @@ class StepRun:
         """Host thread: add gradients into the fp32 buffers; step groups that became final.
 
         ``host_grads.value`` is keyed by piece ``(entry key, rows)``: a gradient of rows
-        ``[start, stop)`` only (a vocabulary shard's) goes into those rows of the whole buffer.
+        ``[start, stop)`` only (a chunk of the download, or a vocabulary shard's) goes into those
+        rows of the whole buffer.
         """
         updates = self._updates
         with updates.recorder.host_span(f"acc:{updates.names[layers.start]}", "accumulate"):
             store = updates.store
+            pieces: dict[int, list] = {}
             for (k, rows), g in (host_grads.value or {}).items():
-                entry = store.entries[k]
-                (entry.grad if rows is None else entry.grad[rows[0] : rows[1]]).add_(g)
-                entry.has_grad = True  # autograd made a gradient for it (a piece is absent otherwise)
-                store.host.pool.release(g)  # added: the download buffer is free again
+                pieces.setdefault(k, []).append((rows, g))
+            for k, got in pieces.items():
+                store.entries[k].add_grads(got)  # autograd made one for it (a piece is absent otherwise)
+                for _, g in got:
+                    store.host.pool.release(g)  # added: the download buffer is free again
             for k in store.trainable_keys(layers):
                 self.remaining[k] -= contributions
                 if self.remaining[k] == 0:

@@ -77,11 +77,14 @@ class Entry:
     is_buffer: bool
     buffers: list[torch.Tensor]  # compute copies in the run dtype; uploads read buffers[read]
     master: nn.Parameter | None = None
-    grad: torch.Tensor | None = None
+    grad_buffer: torch.Tensor | None = None  # the fp32 accumulator; read it as ``grad``
     # A backward produced a gradient for it since the gradients were last zeroed: autograd's
-    # ``.grad is not None``. ``grad`` stays zero otherwise, and AdamW must then skip the entry, not
+    # ``.grad is not None``. ``grad`` reads zero otherwise, and AdamW must then skip the entry, not
     # step it with a zero gradient (set by the host thread as it adds a downloaded gradient).
     has_grad: bool = False
+    # The buffer still holds a spent gradient (``discard_grad``): not zeroed after the update, a
+    # pass over host memory saved; it is zeroed when read (``grad``) or overwritten by the next.
+    grad_stale: bool = False
     users: list[int] = field(default_factory=list)  # layer indices that use it
     read: int = 0
     source: str | None = None  # the name it was loaded by from ``weights`` (None: copied from the model)
@@ -91,6 +94,39 @@ class Entry:
     def compute(self) -> torch.Tensor:
         """The copy uploads read this iteration (async mode alternates between two)."""
         return self.buffers[self.read]
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The accumulated fp32 gradient (zero when no backward made one since the last update)."""
+        if self.grad_stale:
+            assert self.grad_buffer is not None
+            self.grad_buffer.zero_()
+            self.grad_stale = False
+        return self.grad_buffer
+
+    def add_grads(self, pieces: list[tuple[tuple[int, int] | None, torch.Tensor]]) -> None:
+        """Host thread: add one download's gradient, ``(rows, gradient)`` pieces: the whole tensor
+        (rows None) or disjoint row ranges ``[start, stop)`` (its chunks, or a vocabulary shard's).
+        When they cover the whole tensor and no gradient is there since the update, they are copied
+        in: no zeroed buffer is read (and none was zeroed after the update)."""
+        buf = self.grad_buffer
+        assert buf is not None
+        whole = buf.shape[0] if buf.dim() else 1
+        covered = sum(whole if rows is None else rows[1] - rows[0] for rows, _ in pieces)
+        fresh = not self.has_grad and covered == whole
+        grad = buf if fresh else self.grad  # ``grad`` zeroes a spent gradient first
+        assert grad is not None
+        for rows, g in pieces:
+            part = grad if rows is None else grad[rows[0] : rows[1]]
+            part.copy_(g) if fresh else part.add_(g)
+        if fresh:
+            self.grad_stale = False
+        self.has_grad = True
+
+    def discard_grad(self) -> None:
+        """The gradient is spent (stepped, or dropped): it reads as zero from now on."""
+        self.has_grad = False
+        self.grad_stale = self.grad_buffer is not None
 
     @property
     def owner(self) -> int:
@@ -356,7 +392,7 @@ class ParameterStore:
                             e.tensor.data = buf  # stored once: the model's tensor now lives here
                     e.buffers.append(buf)
                 if e.trainable:
-                    e.grad = torch.zeros_like(master_of(e).data)  # pageable
+                    e.grad_buffer = torch.zeros_like(master_of(e).data)  # pageable
 
     def _add_tables(self) -> list[str]:
         """The entry of the unpacking tables (``runtime/quantized.py``), bound as a buffer of the
@@ -464,9 +500,7 @@ class ParameterStore:
     def zero_grads(self) -> None:
         """Zero every gradient and forget which entries got one (autograd's ``zero_grad()``)."""
         for e in self.entries:
-            if e.grad is not None:
-                e.grad.zero_()
-            e.has_grad = False
+            e.discard_grad()
 
 
 def _qualified_names(model: nn.Module) -> dict[int, list[str]]:

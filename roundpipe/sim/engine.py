@@ -58,12 +58,12 @@ from roundpipe.errors import ConfigError
 from roundpipe.presets import Server
 from roundpipe.schedule.table import ScheduleTable
 from roundpipe.schedule.timeline import HOST_DEVICE
+from roundpipe.sim.host_traffic import accumulate_bytes, update_bytes
 from roundpipe.sim.operations import P_ACT, P_WEIGHT, P_WGRAD, Operations, OpState
 from roundpipe.sim.options import SimOptions
 from roundpipe.sim.ready import ReadyOrder
 from roundpipe.sim.workload import Workload
 
-ADAMW_BYTES_PER_PARAM = 30  # fused fp32 AdamW: read grad, master, m, v; write master, m, v, bf16 copy
 _INF = math.inf
 
 # A device's memory classes (indexes of ``_Sim.mem[d]``): weights, activations, working sets, gradients.
@@ -142,8 +142,7 @@ class _Sim:
         self.h2d = [_Lane(d, "h2d", links[(d // per_switch, "h2d")]) for d in range(self.n_dev)]
         self.d2h = [_Lane(d, "d2h", links[(d // per_switch, "d2h")]) for d in range(self.n_dev)]
         self.moved = {"h2d": 0, "d2h": 0}
-        rate = hw.host_work_bw / ADAMW_BYTES_PER_PARAM
-        self.opt_rate = rate if opts.optimizer_time else _INF
+        self.host_rate = hw.host_work_bw if opts.optimizer_time else _INF  # bytes/s (host_traffic.py)
         self.staleness = 1 if opts.optimizer == "async" else 0
         self.mem = [[0, 0, 0, 0] for _ in range(self.n_dev)]  # per device, bytes by _WEIGHTS, _ACTS, ...
         self.mem_peak = [0] * self.n_dev
@@ -152,7 +151,8 @@ class _Sim:
         self.stash = [0] * self.n_dev
         self.stash_peak = [0] * self.n_dev
         self.busy = [0.0] * self.n_dev
-        self.opt_busy = 0.0
+        self.opt_busy = 0.0  # the host thread's seconds: updates, gradient additions
+        self.acc_busy = 0.0
         self.iter_end = [0.0] * len(tables)
         built = Operations(tables, work, opts)
         self.act_bytes, self.ops, self.groups = built.act_bytes, built.ops, built.groups
@@ -162,7 +162,11 @@ class _Sim:
         # 2 once the weights are on the device.
         self.resident: list[dict[tuple[int, int], int]] = [{} for _ in range(self.n_dev)]
         self.eligible = [0] * self.n_dev  # groups [0, eligible) have been made eligible
+        # The host thread's jobs, (step, layer) each: gradient additions first (the runtime lets them
+        # pass a queued update), then updates; ``accumulated``: the keys with a gradient added.
+        self.acc_queue: deque[tuple[int, int]] = deque()
         self.opt_queue: deque[tuple[int, int]] = deque()
+        self.accumulated: set[tuple[int, int]] = set()
         self.opt_running = False
         self.opt_start = 0.0
         self.step_done: set[tuple[int, int]] = set()
@@ -529,34 +533,48 @@ class _Sim:
         self._grads_final(c.owner)
 
     def _grads_final(self, st: OpState) -> None:
-        for i in st.cost.trainable:
-            key = (st.it, i)
-            if key in self.grad_count:
-                self.grad_count[key] -= 1
-                if self.grad_count[key] == 0:
-                    self.opt_queue.append(key)
+        """A task's weight gradients are on the host: the host thread adds each layer's in."""
+        self.acc_queue.extend(key for i in st.cost.trainable if (key := (st.it, i)) in self.grad_count)
         self._opt_next()
 
-    # ------------------------------------------------------------------ optimizer
+    # ------------------------------------------------------------------ the host thread
     def _opt_next(self) -> None:
-        if self.opt_running or not self.opt_queue:
+        """Start the host thread's next job: an addition, else an update (``host_traffic.py``)."""
+        if self.opt_running or not (self.acc_queue or self.opt_queue):
             return
-        key = self.opt_queue.popleft()
+        adding = bool(self.acc_queue)
+        key = (self.acc_queue if adding else self.opt_queue).popleft()
+        params = self.w.layers[key[1]].trainable_params
+        if adding:
+            nbytes = accumulate_bytes(params, first=key not in self.accumulated)
+            self.accumulated.add(key)
+        else:
+            nbytes = update_bytes(params, self.w.dtype)
         self.opt_running = True
         self.opt_start = self.now
-        dur = self.w.layers[key[1]].trainable_params / self.opt_rate if self.opt_rate != _INF else 0.0
-        self._at(self.now + dur, _OPT_END, key)
+        dur = nbytes / self.host_rate if self.host_rate != _INF else 0.0
+        self._at(self.now + dur, _OPT_END, (adding, key))
 
-    def _opt_end(self, key: tuple[int, int]) -> None:
+    def _opt_end(self, job: tuple[bool, tuple[int, int]]) -> None:
+        adding, key = job
         self.opt_running = False
-        self.opt_busy += self.now - self.opt_start
+        if adding:
+            self.acc_busy += self.now - self.opt_start
+        else:
+            self.opt_busy += self.now - self.opt_start
         if self.now > self.opt_start:
+            what, kind = ("acc", "accumulate") if adding else ("step", "optim")
             self._span(
-                HOST_DEVICE, "host", f"step:{self.w.layers[key[1]].name}", "optim", self.opt_start, self.now
+                HOST_DEVICE, "host", f"{what}:{self.w.layers[key[1]].name}", kind, self.opt_start, self.now
             )
-        self.step_done.add(key)
-        self._end(key[0])
-        for c in self.deferred.pop(key, ()):
-            self._alloc(c.dev, _WEIGHTS, c.nbytes, c.name)
-            self._enqueue(c)
+        if adding:
+            self.grad_count[key] -= 1
+            if self.grad_count[key] == 0:
+                self.opt_queue.append(key)
+        else:
+            self.step_done.add(key)
+            self._end(key[0])
+            for c in self.deferred.pop(key, ()):
+                self._alloc(c.dev, _WEIGHTS, c.nbytes, c.name)
+                self._enqueue(c)
         self._opt_next()

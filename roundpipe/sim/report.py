@@ -44,7 +44,7 @@ def result_table(r: SimResult, title: str = "") -> str:
         + ")",
         f"  peak host memory  {r.peak_host_bytes / GIB:.1f} GiB",
         f"  PCIe per step     {r.h2d_bytes / 1e9:.1f} GB up, {r.d2h_bytes / 1e9:.1f} GB down",
-        f"  CPU optimizer     {r.optimizer_busy_s:.2f} s busy per step",
+        f"  CPU optimizer     {r.optimizer_busy_s:.2f} s busy per step, {r.accumulate_busy_s:.2f} s adding gradients",
         f"  fits              {'yes' if r.fits else 'NO: ' + r.reason}",
     ]
     lines += [f"  note: {n}" for n in r.notes]

@@ -43,6 +43,7 @@ class SimResult:
     optimizer: str = "sync"
     notes: tuple[str, ...] = ()
     reordered: int = 0
+    accumulate_busy_s: float = 0.0  # the host thread adding downloaded gradients (host_traffic.py)
     raw_spans: list | None = field(default=None, compare=False, repr=False)  # Span fields, built lazily
     timeline_meta: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -52,6 +53,11 @@ class SimResult:
         if self.raw_spans is None:
             return None
         return Timeline([Span(*t) for t in self.raw_spans], dict(self.timeline_meta))
+
+    @property
+    def host_busy_s(self) -> float:
+        """Seconds per step the host thread is busy: the updates and the gradient additions."""
+        return self.optimizer_busy_s + self.accumulate_busy_s
 
     @property
     def peak_gpu(self) -> int:
@@ -74,6 +80,7 @@ class SimResult:
             "h2d_bytes": self.h2d_bytes,
             "d2h_bytes": self.d2h_bytes,
             "optimizer_busy_s": self.optimizer_busy_s,
+            "accumulate_busy_s": self.accumulate_busy_s,
             "optimizer": self.optimizer,
             "weights_streamed": list(self.weights_streamed),
             "fits": self.fits,

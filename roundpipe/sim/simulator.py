@@ -198,6 +198,7 @@ def simulate(
         optimizer=opts.optimizer,
         notes=tuple(said),
         reordered=sim.ready.moved if sim.ready is not None else 0,
+        accumulate_busy_s=sim.acc_busy / n_iter,
         raw_spans=sim.spans,
         timeline_meta=meta,
     )
