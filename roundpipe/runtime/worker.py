@@ -133,7 +133,7 @@ class Worker:
             flow = remaining.pop(self._pick_ready(step, remaining) if ready else 0)
             upcoming = None
             if self.setup.config.prefetch:
-                upcoming = next((f.layers for f in remaining if f.layers != flow.layers), None)
+                upcoming = next((f.layers for f in remaining if f.layers and f.layers != flow.layers), None)
             self._issue(step, flow, upcoming, remaining)
             self.tasks_done += 1
         self.grads.flush(step)
