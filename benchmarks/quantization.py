@@ -174,6 +174,9 @@ class _Entry:
     def __init__(self, master, grad):
         self.master, self.grad, self.has_grad = master, grad, True
 
+    def discard_grad(self) -> None:  # the gradient stays: every measured step reads the same one
+        self.has_grad = False
+
 
 class _Store:
     def __init__(self, entries):
