@@ -41,6 +41,16 @@ def _fb(pipe, batch):
     )
 
 
+def _weights_at_marks(trace):
+    """``(mark, names of the layers whose weights are placed)`` at each task's mark of a ledger trace."""
+    resident: set[str] = set()
+    for op, what, _nbytes, _in_use in trace:
+        if what.startswith("weights:"):
+            (resident.add if op == "reserve" else resident.discard)(what.removeprefix("weights:"))
+        elif op == "mark":
+            yield what, resident
+
+
 # ----------------------------------------------------------------------------- memory
 @pytest.mark.parametrize("microbatches", [1, 4])
 def test_a_worker_holds_only_the_running_layer_and_the_prefetched_one(microbatches):
@@ -54,20 +64,16 @@ def test_a_worker_holds_only_the_running_layer_and_the_prefetched_one(microbatch
         _fb(pipe, batch)
         flows = pipe.last_plan.flows[0]
         names = [layer.name for layer in pipe.adapter.layers]
-        resident: set[str] = set()
         k = 0
-        for op, what, _nbytes, _in_use in ledger.trace:
-            if what.startswith("weights:"):
-                (resident.add if op == "reserve" else resident.discard)(what.removeprefix("weights:"))
-            elif op == "mark":
-                flow = flows[k]
-                following = next((f.layers for f in flows[k + 1 :] if f.layers != flow.layers), range(0))
-                allowed = {names[i] for i in [*flow.layers, *following]}
-                assert {names[i] for i in flow.layers} <= resident, f"{what}: weights not resident"
-                assert resident <= allowed, (
-                    f"{what}: holds {sorted(resident - allowed)} besides the current and next layer"
-                )
-                k += 1
+        for what, resident in _weights_at_marks(ledger.trace):
+            flow = flows[k]
+            following = next((f.layers for f in flows[k + 1 :] if f.layers != flow.layers), range(0))
+            allowed = {names[i] for i in [*flow.layers, *following]}
+            assert {names[i] for i in flow.layers} <= resident, f"{what}: weights not resident"
+            assert resident <= allowed, (
+                f"{what}: holds {sorted(resident - allowed)} besides the current and next layer"
+            )
+            k += 1
         assert k == len(flows)
         assert ledger.in_use == 0, "everything placed on the device was released"
         largest_two = sum(sorted(pipe.store.layer_bytes)[-2:])
@@ -100,20 +106,16 @@ def test_the_next_stages_weights_are_uploaded_while_the_current_one_runs(backwar
         assert any(not f.layers for f in flows)  # the case this test is about: F1 runs no layer
         names = [layer.name for layer in pipe.adapter.layers]
         position = {f"compute {f.task}": k for k, f in enumerate(flows)}
-        resident: set[str] = set()
         marks = 0
-        for op, what, _nbytes, _in_use in ledger.trace:
-            if what.startswith("weights:"):
-                (resident.add if op == "reserve" else resident.discard)(what.removeprefix("weights:"))
-            elif op == "mark":
-                k = position[what]  # a task that runs no layer computes nothing: no mark
-                following = next(
-                    (f.layers for f in flows[k + 1 :] if f.layers and f.layers != flows[k].layers), None
-                )
-                if following is not None:
-                    missing = {names[i] for i in following} - resident
-                    assert not missing, f"{what}: the next stage's {sorted(missing)} not uploading yet"
-                marks += 1
+        for what, resident in _weights_at_marks(ledger.trace):
+            k = position[what]  # a task that runs no layer computes nothing: no mark
+            following = next(
+                (f.layers for f in flows[k + 1 :] if f.layers and f.layers != flows[k].layers), None
+            )
+            if following is not None:
+                missing = {names[i] for i in following} - resident
+                assert not missing, f"{what}: the next stage's {sorted(missing)} not uploading yet"
+            marks += 1
         assert marks == sum(1 for f in flows if f.layers)
 
 
