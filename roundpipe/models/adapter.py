@@ -19,6 +19,7 @@ facts it needs (which mask, the softcap value) are read from the config, which h
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -309,6 +310,15 @@ class DecoderOnlyAdapter(ModelAdapter):
             position_ids=position_ids,
             layer_inputs=layer_inputs,
             shift_labels=None if inputs.labels is None else shift_labels(inputs.labels),
+        )
+
+    def reuse_context(self, ctx: LayerContext, inputs: MicrobatchInputs) -> LayerContext:
+        _check_inputs(inputs)
+        return dataclasses.replace(
+            ctx,
+            inputs=inputs,
+            shift_labels=None if inputs.labels is None else shift_labels(inputs.labels),
+            router_logits={},
         )
 
 

@@ -149,3 +149,10 @@ class ModelAdapter(ABC):
         ``mask_facts``: padding and packing as the host copies of the mask and the position ids
         say (``models.mask_facts.MaskFacts``; None: unknown).
         """
+
+    @abstractmethod
+    def reuse_context(self, ctx: LayerContext, inputs: MicrobatchInputs) -> LayerContext:
+        """The context of ``inputs`` (on the device), a microbatch whose shape, attention mask and
+        position ids equal those of the microbatch ``ctx`` was built for: the layer arguments and
+        position ids are ``ctx``'s (``build_context`` reads nothing else of a microbatch), the
+        inputs and shifted labels ``inputs``'s own; ``ctx`` is not changed."""

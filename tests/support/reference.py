@@ -64,7 +64,10 @@ def pipeline_train(model, batch: dict, steps: int, *, max_grad_norm=None, **conf
         losses = []
         for _ in range(steps):
             out = pipe.forward_backward(
-                batch["input_ids"], labels=batch["labels"], attention_mask=batch.get("attention_mask")
+                batch["input_ids"],
+                labels=batch["labels"],
+                attention_mask=batch.get("attention_mask"),
+                position_ids=batch.get("position_ids"),
             )
             pipe.step()
             losses.append(out.loss)
