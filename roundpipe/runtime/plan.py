@@ -8,6 +8,7 @@ ops into the form the workers read. Keys are ``("act", boundary, microbatch)`` (
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -53,6 +54,10 @@ class FlowPlan:
     @property
     def num_layers(self) -> int:
         return self.table.forward.num_layers
+
+    @functools.cached_property
+    def forward_bounds(self) -> frozenset[int]:
+        return frozenset(self.table.forward.bounds)
 
 
 def build_flow_plan(table: ScheduleTable, fuse: bool = True, frozen: int = 0) -> FlowPlan:

@@ -18,6 +18,7 @@ from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.router_totals import router_pairs
 from roundpipe.runtime.task_errors import failing_as_task
 from roundpipe.runtime.worker_setup import WorkerSetup
+from roundpipe.schedule.flow import hand_off_first
 from roundpipe.testing import faults
 
 if TYPE_CHECKING:
@@ -101,34 +102,45 @@ class TaskOutputs:
         host_loss, host_stats, host_checks = Slot(), Slot(), Slot()  # filled by the download
 
         mb = flow.task.microbatch
-        # (device slot, what the ledger books it as, where its host copy goes)
-        outputs: list[tuple[Slot, str, Callable[[Any], None]]] = [
-            (slots.stats, f"router.{mb}", host_stats.fill)
-        ]
-        outputs += [
-            (s, f"{key[0]}[{key[1]}].{key[2]}", host_out[key].fill) for key, s in slots.produced.items()
-        ]
-        outputs += [
+        # (device slot, what the ledger books it as, where its host copy goes), in two downloads:
+        # the hand-offs the next compute waits for first, then what waits longer (saved stage
+        # inputs, the loss, statistics and flags); one download when nothing waits longer
+        bounds = step.flow_plan.forward_bounds
+        first = [key for key in slots.produced if hand_off_first(key, bounds)]
+        later = [key for key in slots.produced if key not in first]
+        groups: list[list[tuple[Slot, str, Callable[[Any], None]]]] = [[], []]
+        for k, keys in enumerate((first, later)):
+            groups[k] += [
+                (slots.produced[key], f"{key[0]}[{key[1]}].{key[2]}", host_out[key].fill) for key in keys
+            ]
+        groups[1] += [
+            (slots.stats, f"router.{mb}", host_stats.fill),
             (slots.loss, f"loss.{mb}", host_loss.fill),
             (slots.checks_flags, f"checks.{mb}", host_checks.fill),
         ]
+        if not later:
+            groups = [groups[0] + groups[1]]
+        events = []
+        for k, outputs in enumerate(groups):
 
-        def download():
-            with failing_as_task(
-                dev,
-                lambda e: f"download after {label} failed: {e}",
-                dict(task=label, microbatch=flow.task.microbatch, step=step.index),
-            ):
-                faults.point("download", step=step.index, device=dev.name)
-                for slot, _, fill in outputs:
-                    if slot.value is not None:
-                        fill(dev.to_host(slot.value))
+            def download(outputs=outputs, fault=k == 0):
+                with failing_as_task(
+                    dev,
+                    lambda e: f"download after {label} failed: {e}",
+                    dict(task=label, microbatch=flow.task.microbatch, step=step.index),
+                ):
+                    if fault:
+                        faults.point("download", step=step.index, device=dev.name)
+                    for slot, _, fill in outputs:
+                        if slot.value is not None:
+                            fill(dev.to_host(slot.value))
 
-        streams["d2h"].submit(download, (f"out:{label}", "download"))
-        done = streams["d2h"].record_event()
+            streams["d2h"].submit(download, (f"out:{label}", "download"))
+            events.append(streams["d2h"].record_event())
+        done = events[-1]  # the stream's order: every download of the task is done
         # The device outputs stay until compute has waited for this download (``drop``): freed in
         # compute order, their memory is reused by compute with no record_stream.
-        self.waiting.append((done, [(slot, what) for slot, what, _ in outputs]))
+        self.waiting.append((done, [(slot, what) for outputs in groups for slot, what, _ in outputs]))
         # The host reads the task's flags (and adds its loss) in queue order, before any update
         # that could carry a non-finite value: queued before the outputs reach another device.
         if flow.layers_bwd and flow.layers_bwd.stop == self.setup.num_layers:
@@ -137,7 +149,7 @@ class TaskOutputs:
         if step.router is not None and (pairs := router_pairs(self.setup.adapter, flow)):
             step.router.put(pairs, host_stats, done)
         for key, s in host_out.items():
-            step.exchange.put(key, s, done, step.flow_plan.consumers[key])
+            step.exchange.put(key, s, events[0] if key in first else done, step.flow_plan.consumers[key])
         return done
 
     def drop(self, keep: int) -> None:

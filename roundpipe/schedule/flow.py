@@ -228,6 +228,15 @@ def device_flows(
     return out
 
 
+def hand_off_first(key: tuple, forward_bounds) -> bool:
+    """Whether a produced hand-off (``(name, boundary, ...)``) goes down in a task's first download:
+    a gradient, or the output of a forward stage (``boundary`` in ``forward_bounds``), which the
+    next stage's compute waits for; the other activations a task produces are backward stages'
+    inputs saved for their recompute, downloaded after, so that the next stage does not wait for
+    them (the simulator's two download groups, the runtime's two downloads)."""
+    return key[0] == "grad" or key[1] in forward_bounds
+
+
 def consumer_counts(flows: list[list[FlowOp]]) -> Counter:
     """How many ops consume each hand-off key: when its host copy can be freed."""
     return Counter(k for row in flows for op in row for k in op.consumes)
@@ -241,6 +250,7 @@ __all__ = [
     "consumer_counts",
     "device_flows",
     "fused_pairs",
+    "hand_off_first",
     "layers_of",
     "stage_work",
 ]

@@ -22,7 +22,7 @@ from collections import defaultdict
 
 from roundpipe.partition.memory import task_bytes
 from roundpipe.schedule.deps import TaskKind
-from roundpipe.schedule.flow import StageWork, device_flows
+from roundpipe.schedule.flow import StageWork, device_flows, hand_off_first
 from roundpipe.schedule.table import ScheduleTable, Task
 from roundpipe.sim.options import SimOptions
 from roundpipe.sim.variability import TaskNoise
@@ -185,8 +185,8 @@ class Operations:
     def _out_groups(self, work: StageWork, fwd_bounds: set[int]) -> tuple:
         """``work``'s downloads: hand-offs a compute waits for (gradients and forward-stage outputs)
         go first, saved stage inputs after; ``((name, boundary)s, priority, copy kind, bytes)`` each."""
-        urgent = tuple(k for k in work.produces if k[0] == "grad" or k[1] in fwd_bounds)
-        later = tuple(k for k in work.produces if not (k[0] == "grad" or k[1] in fwd_bounds))
+        urgent = tuple(k for k in work.produces if hand_off_first(k, fwd_bounds))
+        later = tuple(k for k in work.produces if not hand_off_first(k, fwd_bounds))
         return tuple(
             (keys, prio, kind, sum(self.act_bytes[b] for _, b in keys))
             for keys, prio, kind in ((urgent, P_ACT, "act"), (later, P_STASH, "stash"))
