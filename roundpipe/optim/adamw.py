@@ -155,8 +155,15 @@ class LayerwiseAdamW:
         kind = MetaFusedAdamW if any(p.is_meta for p in params) else torch.optim.AdamW
         return kind(params, **options)
 
-    def step_group(self, layer: int, grad_factor: float = 1.0, publish_to: int | None = None) -> None:
-        """Step the parameters owned by ``layer`` with their accumulated gradients times ``grad_factor``.
+    def step_group(
+        self,
+        layer: int,
+        grad_factor: float = 1.0,
+        publish_to: int | None = None,
+        part: list[int] | None = None,
+    ) -> None:
+        """Step the parameters owned by ``layer`` (only the entries ``part``, when given) with their
+        accumulated gradients times ``grad_factor``.
 
         A parameter without a gradient (``has_grad`` false) is handed to ``torch.optim.AdamW`` with
         ``.grad`` None, which leaves it and its state untouched. ``grad_factor`` is applied inside
@@ -165,9 +172,10 @@ class LayerwiseAdamW:
         as zero, overwritten by the next) and copies the masters
         into compute copy ``publish_to`` (all copies when None) for the uploads that read it next
         (also the untouched ones: in async mode that copy may still hold the weights from before
-        the previous update).
+        the previous update). AdamW steps each parameter on its own, so stepping a group in parts
+        is stepping it whole.
         """
-        keys = self.groups[layer]
+        keys = self.groups[layer] if part is None else part
         for k in keys:
             e = self.store.entries[k]
             if e.has_grad:

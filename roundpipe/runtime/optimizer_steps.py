@@ -24,6 +24,12 @@ from roundpipe.runtime.report import Recorder
 from roundpipe.runtime.store import ParameterStore
 from roundpipe.testing import faults
 
+# The most fp32 master bytes one host job of an async update steps: a group (a layer) is cut into
+# runs of its parameters up to this size, a larger parameter alone, so that a gradient addition into
+# the group waits for the part running when it arrives, not for the whole layer (a Qwen3-32B layer:
+# ~125 ms of update, its largest parameter ~33 ms, on the preset host).
+UPDATE_PART_BYTES = 256 << 20
+
 
 def grads_of(owner: int) -> tuple[str, int]:
     """What a host job touches when it reads or writes the gradients of ``owner``'s group."""
@@ -106,14 +112,18 @@ class OptimizerSteps:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def step_group(self, owner: int, factor: float = 1.0, publish_to: int | None = None) -> None:
-        """Step one layer's group (host or caller's thread); errors name the layer."""
+    def step_group(
+        self, owner: int, factor: float = 1.0, publish_to: int | None = None, part: list[int] | None = None
+    ) -> None:
+        """Step one layer's group, or ``part`` of its entries (host or caller's thread); errors name
+        the layer."""
         name = self.names[owner]
         try:
-            faults.point("optimizer", layer=name)
+            if part is None or part == self.update_parts(owner)[0]:  # a group's fault point: once
+                faults.point("optimizer", layer=name)
             self.partial += 1  # counted before: a failure inside may have updated part of the group
             with self.recorder.host_span(f"optim:{name}", "optim"):
-                self.require("step").step_group(owner, factor, publish_to)
+                self.require("step").step_group(owner, factor, publish_to, part)
         except BaseException as e:
             raise OptimizerError(
                 f"{type(e).__name__} while stepping layer {name}: {e}", layer=name, device="host"
@@ -153,18 +163,33 @@ class OptimizerSteps:
         def prepare() -> None:
             decided["factor"] = self.prepare_step()
 
-        def step(owner: int) -> Callable[[], None]:
+        def step(owner: int, part: list[int]) -> Callable[[], None]:
             def run() -> None:
                 factor = decided["factor"]
                 if factor is not None:
-                    self.step_group(owner, factor, publish_to)
+                    self.step_group(owner, factor, publish_to, part)
 
             return run
 
         hostq.submit(prepare, background=True)
         for owner in self.step_order():
-            hostq.submit(step(owner), touches=[grads_of(owner)], background=True)
+            for part in self.update_parts(owner):
+                hostq.submit(step(owner, part), touches=[grads_of(owner)], background=True)
         hostq.submit(ended, touches=(), background=True)  # background jobs keep their order
+
+    def update_parts(self, owner: int) -> list[list[int]]:
+        """``owner``'s group cut into runs of its entries of at most ``UPDATE_PART_BYTES`` of fp32
+        masters each (an entry larger than that alone): the host jobs of an async update."""
+        parts: list[list[int]] = [[]]
+        size = 0
+        for k in self.require("step").groups[owner]:
+            n = 4 * self.store.entries[k].tensor.numel()
+            if parts[-1] and size + n > UPDATE_PART_BYTES:
+                parts.append([])
+                size = 0
+            parts[-1].append(k)
+            size += n
+        return parts
 
     def step_order(self) -> list[int]:
         """The groups a deferred step steps, in the order the next step's backward adds into them:
