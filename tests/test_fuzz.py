@@ -228,6 +228,8 @@ def recipe_dir(tmp_path_factory):
         },
     }
 )
+@example({**BASE, "model": {"config": {"\x85": None}}})  # found: dumped raw in single quotes by
+@example({**BASE, "data": {**BASE["data"], "prompt_template": "a\x85b"}})  # PyYAML, read back as a space
 @example({**BASE, "run": {"epochs": math.nan}})  # found: loaded; the trainer's math.floor failed
 @example({**BASE, "run": {"epochs": math.inf}})
 @example({**BASE, "run": {"options": {"polcy": "1f1b"}}})  # found: loaded; the trainer's RunConfig(**

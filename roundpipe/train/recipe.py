@@ -224,6 +224,10 @@ def dump_recipe(cfg: TrainConfig) -> str:
     data = {group: dataclasses.asdict(getattr(cfg, group)) for group in group_types()}
     try:
         body = yaml.dump(data, Dumper=_RecipeDumper, sort_keys=False, allow_unicode=True, width=100)
+        # PyYAML writes some line-break characters (U+0085, U+2028, U+2029) raw into a quoted
+        # scalar, where they read back as a space: such a text is written with escapes instead.
+        if repr(yaml.safe_load(body)) != repr(data):
+            body = yaml.dump(data, Dumper=_RecipeDumper, sort_keys=False, allow_unicode=False, width=100)
     except yaml.representer.RepresenterError as exc:
         raise RecipeError(f"cannot write the config as YAML: {exc}") from None
     return f"# The resolved config of this run; `roundpipe train` reads it back.\n{body}"
