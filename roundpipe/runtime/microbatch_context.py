@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from roundpipe.runtime.step import StepRun
 
 
+_ALL_INPUTS = tuple(f.name for f in dataclasses.fields(MicrobatchInputs))
+_OWN_INPUTS = ("input_ids", "labels", "loss_positions")  # what a reused context does not share
+
+
 class MicrobatchContext:
     """The context module and the current microbatch's inputs and context on one device.
 
@@ -67,7 +71,7 @@ class MicrobatchContext:
         host = step.microbatches[mb]
         base = self._base
         if base is not None and same_layer_arguments(base[0], host):
-            self._current = (mb, *self._reuse(mb, host, base[2]))
+            self._current = (mb, *self._build(mb, host, base[2]))
         else:
             self._release_base()
             inputs, ctx, held = self._build(mb, host)
@@ -87,56 +91,38 @@ class MicrobatchContext:
                 backend.host_release(t, copied)
         return uploaded
 
-    def _build(self, mb: int, host: MicrobatchInputs) -> tuple[Slot, Slot, Slot]:
-        module = self._ensure_module()
+    def _build(self, mb: int, host: MicrobatchInputs, base: Slot | None = None) -> tuple[Slot, Slot, Slot]:
+        """Upload ``host`` and make its context on the compute stream: built by the context view,
+        or, given the ``base`` context's slot, its own ids, labels and loss positions only, with the
+        base's layer arguments (``ModelAdapter.reuse_context``)."""
         dev, adapter, dtype = self.device, self.setup.adapter, self.setup.store.dtype
-        uploaded = self._staged_upload(
-            mb, [getattr(host, f.name) for f in dataclasses.fields(MicrobatchInputs)]
-        )
-        facts = host_facts(host.attention_mask, host.position_ids)  # the host knows: no sync
+        names = _ALL_INPUTS if base is None else _OWN_INPUTS
+        module = self._ensure_module() if base is None else None
+        uploaded = self._staged_upload(mb, [getattr(host, n) for n in names])
+        # the host knows the mask's facts: building reads no device value
+        facts = host_facts(host.attention_mask, host.position_ids) if base is None else None
         inputs, ctx, held = Slot(), Slot(), Slot([])  # held: (what, tensors) the ledger books
         self._made += [inputs, ctx, held]
 
         def build():
-            inputs.value = MicrobatchInputs(*uploaded.value)
-            held.value.append((f"inputs.{mb}", [t for t in uploaded.value if t is not None]))
-            uploaded.value = None
-            c = adapter.build_context(module.value, inputs.value, dtype, mask_facts=facts)
-            c.head_chunk_tokens = self.setup.config.head_chunk_tokens
-            c.labels_checked = True  # inputs.split_batch checked them on the host
-            seen = {
-                t.untyped_storage().data_ptr() for t in (*held.value[0][1], *device_tensors(module.value))
-            }
-            tensors = device_tensors(c, seen)  # only what the build made: not the inputs or tables
-            dev.ledger.reserve(tensors, f"ctx.{mb}", "context")
-            held.value.append((f"ctx.{mb}", tensors))
-            ctx.value = c
-
-        self.streams["compute"].submit(build, (f"ctx.{mb}", "context"))
-        return inputs, ctx, held
-
-    def _reuse(self, mb: int, host: MicrobatchInputs, base_ctx: Slot) -> tuple[Slot, Slot, Slot]:
-        dev, adapter = self.device, self.setup.adapter
-        own = [host.input_ids, host.labels, host.loss_positions]
-        uploaded = self._staged_upload(mb, own)
-        inputs, ctx, held = Slot(), Slot(), Slot([])
-        self._made += [inputs, ctx, held]
-
-        def build():
-            ids, labels, positions = uploaded.value
-            held.value.append((f"inputs.{mb}", [t for t in uploaded.value if t is not None]))
-            uploaded.value = None
-            base = base_ctx.value
-            inputs.value = dataclasses.replace(
-                base.inputs, input_ids=ids, labels=labels, loss_positions=positions
-            )
-            c = adapter.reuse_context(base, inputs.value)
-            # what the reuse made (the shifted labels): the layer arguments are the base's
-            tensors = device_tensors(
-                c.shift_labels, {t.untyped_storage().data_ptr() for t in held.value[0][1]}
-            )
-            dev.ledger.reserve(tensors, f"ctx.{mb}", "context")
-            held.value.append((f"ctx.{mb}", tensors))
+            values, uploaded.value = dict(zip(names, uploaded.value)), None
+            own = [t for t in values.values() if t is not None]
+            held.value.append((f"inputs.{mb}", own))
+            seen = {t.untyped_storage().data_ptr() for t in own}
+            if module is not None:  # a build (no base)
+                inputs.value = MicrobatchInputs(**values)
+                c = adapter.build_context(module.value, inputs.value, dtype, mask_facts=facts)
+                c.head_chunk_tokens = self.setup.config.head_chunk_tokens
+                c.labels_checked = True  # inputs.split_batch checked them on the host
+                seen.update(t.untyped_storage().data_ptr() for t in device_tensors(module.value))
+                made = device_tensors(c, seen)  # only what the build made: not the inputs or tables
+            else:
+                assert base is not None
+                inputs.value = dataclasses.replace(base.value.inputs, **values)
+                c = adapter.reuse_context(base.value, inputs.value)
+                made = device_tensors(c.shift_labels, seen)  # the layer arguments are the base's
+            dev.ledger.reserve(made, f"ctx.{mb}", "context")
+            held.value.append((f"ctx.{mb}", made))
             ctx.value = c
 
         self.streams["compute"].submit(build, (f"ctx.{mb}", "context"))

@@ -119,7 +119,7 @@ class OptimizerSteps:
         the layer."""
         name = self.names[owner]
         try:
-            if part is None or part == self.update_parts(owner)[0]:  # a group's fault point: once
+            if part is None or part[0] == self.require("step").groups[owner][0]:  # once a group
                 faults.point("optimizer", layer=name)
             self.partial += 1  # counted before: a failure inside may have updated part of the group
             with self.recorder.host_span(f"optim:{name}", "optim"):

@@ -108,18 +108,16 @@ class TaskOutputs:
         bounds = step.flow_plan.forward_bounds
         first = [key for key in slots.produced if hand_off_first(key, bounds)]
         later = [key for key in slots.produced if key not in first]
-        groups: list[list[tuple[Slot, str, Callable[[Any], None]]]] = [[], []]
-        for k, keys in enumerate((first, later)):
-            groups[k] += [
-                (slots.produced[key], f"{key[0]}[{key[1]}].{key[2]}", host_out[key].fill) for key in keys
-            ]
-        groups[1] += [
+
+        def hand_offs(keys) -> list[tuple[Slot, str, Callable[[Any], None]]]:
+            return [(slots.produced[k], f"{k[0]}[{k[1]}].{k[2]}", host_out[k].fill) for k in keys]
+
+        rest: list[tuple[Slot, str, Callable[[Any], None]]] = [
             (slots.stats, f"router.{mb}", host_stats.fill),
             (slots.loss, f"loss.{mb}", host_loss.fill),
             (slots.checks_flags, f"checks.{mb}", host_checks.fill),
         ]
-        if not later:
-            groups = [groups[0] + groups[1]]
+        groups = [hand_offs(first), hand_offs(later) + rest] if later else [hand_offs(first) + rest]
         events = []
         for k, outputs in enumerate(groups):
 
