@@ -12,7 +12,9 @@ first):
 
 - tokens/s of the runtime, and of the simulator for the same table, microbatch sizes and workload
   (``sim.simulator.simulate``), and their ratio; and the simulator's tokens/s for one call on its
-  own, drained (no overlap with the next call: what the runtime's ``forward_backward`` does);
+  own, drained (no overlap with the next call). The runtime overlaps consecutive calls
+  (``RunConfig(overlap_calls=True)``), as the simulator's steady period does; ``--drained`` also
+  runs cases with each call drained;
 - each GPU's reserved peak (the caching-allocator model) against the GPU's memory;
 - page-locked host bytes the store and hand-offs would take; host syncs per step;
 - host CPU seconds per task (process CPU time over the step's tasks) and the share of the step the
@@ -25,7 +27,8 @@ first):
   simulator's optimizer time and the step.
 
 ``--without-token NAME ...`` also runs those cases with the issue token off
-(``roundpipe/backend/issue_token.py``), before the rest: what it saves, side by side.
+(``roundpipe/backend/issue_token.py``), before the rest: what it saves, side by side;
+``--drained NAME ...`` likewise with each ``forward_backward`` drained (``overlap_calls`` off).
 
     python benchmarks/virtual_server.py [--quick] [--cases NAME ...] [--steps N]
         [--without-token NAME ...]
@@ -149,7 +152,7 @@ def rows_of(batch: int, microbatches: int) -> list[int]:
     return [batch // microbatches + (1 if j < batch % microbatches else 0) for j in range(microbatches)]
 
 
-def run_case(case: Case, steps: int) -> dict:
+def run_case(case: Case, steps: int, overlap: bool = True) -> dict:
     pipe = roundpipe.wrap(
         meta_model(case),
         roundpipe.RunConfig(
@@ -159,6 +162,7 @@ def run_case(case: Case, steps: int) -> dict:
             policy="roundpipe",
             num_microbatches=case.microbatches,
             optimizer_mode="async",
+            overlap_calls=overlap,
             sanitize=False,
         ),  # fmt: skip
     )
@@ -196,8 +200,8 @@ def run_case(case: Case, steps: int) -> dict:
             micro_batch_size=max(rows),
         )
         sim = simulate(table, workload, backend.server, SimOptions(optimizer="async"))
-        # One call on its own, drained as the runtime drains each forward_backward: from its first
-        # upload to its last copy or host job (the steady period above overlaps consecutive calls).
+        # One call on its own, drained (as the runtime's calls are without overlap_calls): from its
+        # first upload to its last copy or host job (the steady period overlaps consecutive calls).
         alone = simulate(table, workload, backend.server, SimOptions(optimizer="async", iterations=1))
         drained_s = max(s.end for s in alone.timeline.spans)
         steady = measured[1:] or measured
@@ -387,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         "--json", metavar="PATH", help="with --lanes: also write the breakdown to PATH as JSON"
     )
     parser.add_argument(
+        "--drained", nargs="*", default=[], metavar="NAME",
+        help="also run these cases with every call drained (overlap_calls off), before the rest: "
+        "what overlapping consecutive calls gains, side by side in one run"
+    )  # fmt: skip
+    parser.add_argument(
         "--without-token", nargs="*", default=[], metavar="NAME",
         help="also run these cases with the issue token off (roundpipe/backend/issue_token.py), before "
         "the same cases with it: what the token saves, side by side in one run"
@@ -406,17 +415,22 @@ def main(argv: list[str] | None = None) -> int:
     overhead_us = emulation_us_per_op()
     print(f"the issue mode adds {overhead_us:.1f} us per operation", flush=True)
     results = []
-    runs = [(c, False) for c in CASES if c.name in args.without_token] + [(c, True) for c in cases]
-    for case, token in runs:
-        print(f"{case.name}{'' if token else ' (no issue token)'} ...", flush=True)
+    runs = (
+        [(c, False, True) for c in CASES if c.name in args.without_token]
+        + [(c, True, False) for c in CASES if c.name in args.drained]
+        + [(c, True, True) for c in cases]
+    )
+    for case, token, overlap in runs:
+        label = "" if token else " (no issue token)"
+        label += "" if overlap else " (drained calls)"
+        print(f"{case.name}{label} ...", flush=True)
         ISSUE_TOKEN.enabled = token
         try:
-            r = run_case(case, steps)
+            r = run_case(case, steps, overlap)
         finally:
             ISSUE_TOKEN.enabled = True
-        if not token:
-            r["case"] += " (no issue token)"
-        r["issue_token"] = token
+        r["case"] += label
+        r["issue_token"], r["overlap_calls"] = token, overlap
         r["emulation_ms_per_task"] = r["ops_per_task"] * overhead_us / 1000
         results.append(r)
         print(" | ".join(_row(r)), flush=True)
@@ -437,9 +451,9 @@ def write(results: list[dict], overhead_us: float, load: float) -> None:
         "Each case: the paper's end-to-end setting (sequence 2048, fp16 with fp16 accumulation, async "
         "optimizer, RoundPipe policy), steady-state steps after the first. The simulator replays the "
         "runtime's own table, microbatch sizes and layer costs; its steady period overlaps one call's "
-        "tail with the next call's start, while the runtime drains each forward_backward before it "
-        "returns: the drained column is the simulator's one call on its own, from its first upload to "
-        "its last copy or host job. Idle: per GPU, seconds of one step its "
+        "tail with the next call's start, as the runtime does with overlap_calls (a case marked "
+        "'drained calls' runs without it): the drained column is the simulator's one call on its own, "
+        "from its first upload to its last copy or host job. Idle: per GPU, seconds of one step its "
         "compute lane had nothing issued (the host's issue) or waited for another stream's event, "
         "against the simulator's idle time of the same step; the GPU with the most is shown. Host work: "
         "the modelled seconds of the host thread's jobs (gradient accumulation, the finiteness check, "

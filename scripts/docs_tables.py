@@ -1,6 +1,6 @@
 """Rewrite the generated tables of the docs from the code that declares them.
 
-docs/guide.md's RunConfig table comes from ``roundpipe.config.settings_table`` (one line per
+docs/guide.md's RunConfig table comes from ``roundpipe.settings_table`` (one line per
 ``_setting`` declaration); docs/recipes.md is ``python -m roundpipe.train.recipe --markdown``.
 Run from the repository root: ``.venv/bin/python scripts/docs_tables.py``; ``--check`` only says
 whether the pages are up to date (exit 1 if not).
@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from roundpipe.config import GUIDE_TABLE_END, GUIDE_TABLE_START, settings_table
+from roundpipe.settings_table import GUIDE_TABLE_END, GUIDE_TABLE_START, settings_table
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide.md"
 

@@ -51,6 +51,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "models/",
         "number_codes.py",
         "optim/",
+        "settings_table.py",
         "testing/",
     ),  # what the runtime builds on
     ("distributed/",),  # data parallelism's collectives, over the optimizer's master store

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 import roundpipe
-from roundpipe.config import RunConfig, recipe_settings, settings_table
+from roundpipe.config import RunConfig, recipe_settings
 from roundpipe.errors import ConfigError, RecipeError
+from roundpipe.settings_table import settings_table
 from roundpipe.train.config import RunSection, TrainConfig
 from roundpipe.train.recipe import config_from_dict
 

@@ -104,6 +104,9 @@ class Exchange:
         self._cond = threading.Condition()
         self._is_aborted = is_aborted
 
+    def is_aborted(self) -> bool:
+        return self._is_aborted()
+
     def put(self, key: tuple, slot: HandOff, event: Event | None, consumers: int) -> None:
         if consumers <= 0:
             return

@@ -17,6 +17,8 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
 from roundpipe.backend import Backend, MemoryLedger
 from roundpipe.backend.cpu import Aborted
@@ -45,48 +47,85 @@ class Executor:
         self.host_memory = host_memory
         self.watchdog_s = watchdog_s
         self.broken: str | None = None  # why no further step can run (see _recover)
+        self._threads: dict[int, threading.Thread] = {}  # each device's latest worker thread
+        self._errors: list[BaseException] = []  # what the worker threads raised
 
     def run(self, step: StepRun) -> None:
         """Run ``step`` to completion: every stream and host job done, or raise its root error."""
+        self.start(step)
+        self.settle()
+
+    def start(self, step: StepRun) -> None:
+        """Start issuing ``step`` on every worker, each behind its device's earlier call (if one
+        is still being issued: ``RunConfig.overlap_calls``). Returns at once."""
         if self.broken is not None:
             raise PipelineStateError(
                 f"this pipeline cannot run another step: {self.broken}. Save its state (state_dict, "
                 "export_to), close it and wrap the model again"
             )
-        errors: list[BaseException] = []
+        errors = self._errors
 
-        def worker_main(worker: Worker, flows) -> None:
+        def worker_main(worker: Worker, flows, before: threading.Thread | None) -> None:
             try:
                 own_intra_op_threads(1)  # a worker issues; its core is not the host thread's
+                if before is not None:  # the device's earlier call: its worker issues first
+                    before.join()
+                    if self.backend.aborted:
+                        return
                 worker.run(step, flows)
+                step.issue.worker_done([s.record_event() for s in worker.device.streams.values()])
             except BaseException as e:  # carried to the caller below
                 errors.append(e)
                 self.backend.abort()
 
-        threads = [
-            threading.Thread(
+        for i, w in enumerate(self.workers):
+            t = threading.Thread(
                 target=worker_main,
-                args=(w, step.flow_plan.flows[i]),
+                args=(w, step.flow_plan.flows[i], self._threads.get(i)),
                 name=f"roundpipe-worker-{i}",
                 daemon=True,
             )
-            for i, w in enumerate(self.workers)
-        ]
-        for t in threads:
+            self._threads[i] = t
             t.start()
-        final_events, timed_out = self._watch(threads, errors)
-        # _watch returns no final events only with an error or a timeout
-        if not errors and not self.backend.errors and timed_out is None and final_events is not None:
-            try:
-                for ev in final_events:
-                    ev.synchronize()
-                self.backend.synchronized()
-                self.hostq.drain()
-                self.backend.check_empty()  # stateless workers: nothing stays on a device
-                self.backend.step_completed()
-                return
-            except BaseException as e:
-                errors.append(e)
+
+    def wait(self, done: Callable[[], bool]) -> None:
+        """Block the caller until ``done()`` (polled), watching the workers; on an error or a stall,
+        recover (every call in flight is abandoned) and raise the root error."""
+        timed_out = self._watch(done)
+        if timed_out is None and not self._failed():
+            return
+        self._fail(timed_out)
+
+    def settle(self) -> None:
+        """Wait until every call started has completed, then check the devices are empty (the
+        workers are stateless) and drain the host thread."""
+        self.wait(lambda: not any(t.is_alive() for t in self._threads.values()))
+        try:
+            for w in self.workers:
+                w.finish_calls()
+            final_events = [s.record_event() for d in self.backend.devices for s in d.streams.values()]
+        except BaseException as e:
+            self._errors.append(e)
+            self._fail(None)
+        self.wait(lambda: all(ev.query() for ev in final_events))
+        try:
+            for ev in final_events:
+                ev.synchronize()
+            self.backend.synchronized()
+            self.hostq.drain()
+            self.backend.check_empty()  # stateless workers: nothing stays on a device
+            self.backend.step_completed()
+        except BaseException as e:
+            self._errors.append(e)
+            self._fail(None)
+        self._threads = {}
+
+    def _failed(self) -> bool:
+        return bool(self._errors or self.backend.errors or self.hostq.error is not None)
+
+    def _fail(self, timed_out: WatchdogTimeout | None) -> NoReturn:
+        threads, self._threads = list(self._threads.values()), {}
+        errors, self._errors = list(self._errors), []
         late = self._recover(threads)
         for err in late + errors:
             _drop_frames(err)
@@ -100,18 +139,14 @@ class Executor:
             )
         raise root
 
-    def _watch(self, threads, errors) -> tuple[list | None, WatchdogTimeout | None]:
-        """Poll until all work is done, an error is reported, or nothing progresses for too long.
-        Returns the final events (None if the workers never finished issuing) and the timeout."""
-        final_events = None
+    def _watch(self, done: Callable[[], bool]) -> WatchdogTimeout | None:
+        """Poll until ``done()``, an error is reported, or nothing progresses for too long."""
         last_progress, last_change = None, time.monotonic()
         while True:
-            if final_events is None and not any(t.is_alive() for t in threads):
-                final_events = [s.record_event() for d in self.backend.devices for s in d.streams.values()]
-            if final_events is not None and all(ev.query() for ev in final_events):
-                return final_events, None
-            if errors or self.backend.errors:
-                return final_events, None
+            if self._failed():
+                return None
+            if done():
+                return None
             # Progress the devices report through events, not what the hosts have issued: on CUDA a
             # worker may finish issuing long before its GPU finishes the work.
             progress = (
@@ -123,7 +158,7 @@ class Executor:
             if progress != last_progress:
                 last_progress, last_change = progress, now
             elif now - last_change > self.watchdog_s:
-                return final_events, WatchdogTimeout(
+                return WatchdogTimeout(
                     f"no progress for {self.watchdog_s:.0f}s; "
                     + "; ".join(
                         f"{w.device.name}: worker {w.status} ["

@@ -137,3 +137,9 @@ def trailing_padding(attention_mask: torch.Tensor | None, labels: torch.Tensor) 
     used = ((attention_mask != 0) | (labels != -100)).any(dim=0)
     last = int(used.nonzero().max()) + 1 if bool(used.any()) else 1
     return int(labels.shape[1]) - last
+
+
+def mean_tokens(microbatches: list[MicrobatchInputs]) -> float:
+    """Tokens per microbatch as the workers ran them: each microbatch is cut to its own longest
+    sample (``split_batch``), so this is what the measured layer times belong to."""
+    return sum(mb.input_ids.numel() for mb in microbatches) / len(microbatches)

@@ -12,6 +12,7 @@ host thread or the caller's thread, never on a worker.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -139,16 +140,18 @@ class OptimizerSteps:
         if self.ranks is not None:
             self.ranks.publish()
 
-    def queue_update(self, hostq: HostQueue, publish_to: int) -> None:
+    def queue_update(self, hostq: HostQueue, publish_to: int, written: threading.Event | None = None) -> None:
         """``optimizer_mode="async"``: queue the update on the host thread, where it runs while the
         next step computes. One job for what needs the whole gradient (finiteness, the loss scale,
         the norm: no job passes it), then one background job per group, each touching that group's
         gradients only, so the next step's additions into other groups pass it (a worker waits for
-        its additions); the last job ends the update (``partial``). Data-parallel: one job, so the
-        agreements with the other ranks keep their order."""
+        its additions); the last job ends the update (``partial``) and sets ``written``.
+        Data-parallel: one job, so the agreements with the other ranks keep their order."""
 
         def ended() -> None:
             self.partial = 0
+            if written is not None:
+                written.set()
 
         if self.ranks is not None:
 

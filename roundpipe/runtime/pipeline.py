@@ -35,10 +35,11 @@ from roundpipe.runtime.decision import RuntimePlan, for_short_batch
 from roundpipe.runtime.exchange import Exchange
 from roundpipe.runtime.executor import Executor
 from roundpipe.runtime.hostqueue import HostQueue, default_host_threads
-from roundpipe.runtime.inputs import split_batch
+from roundpipe.runtime.inputs import mean_tokens, split_batch
 from roundpipe.runtime.masters import export_masters, load_masters, load_stale, masters_state, stale_state
 from roundpipe.runtime.numerics import first_nonfinite, nonfinite_error
 from roundpipe.runtime.optimizer_steps import OptimizerSteps
+from roundpipe.runtime.overlapped_calls import OverlappedCalls
 from roundpipe.runtime.plan import FlowPlan, build_flow_plan
 from roundpipe.runtime.planning import Planner
 from roundpipe.runtime.report import Recorder
@@ -124,6 +125,7 @@ class Pipeline:
         self._executor = Executor(
             self.backend, self.workers, self._hostq, self.host_memory, self.config.watchdog_s
         )
+        self._calls = OverlappedCalls(self._executor, self._hostq, self._updates, self.config.overlap_calls)
         self._ranks = None
         if self.dp is not None:
             self._ranks = DataParallelSteps(self.dp, self.store, self._updates, self._recorder, self.config)
@@ -163,7 +165,7 @@ class Pipeline:
         on the host thread: the change is queued behind it, so that update keeps its own rate."""
         optimizer = self._updates.require("set_lr")
         if self.config.optimizer_mode == "async":
-            self._hostq.submit(lambda: self._updates.require("set_lr").set_lr(lr))
+            self._calls.after_issue(lambda: self._hostq.submit(lambda: optimizer.set_lr(lr)))
         else:
             optimizer.set_lr(lr)
 
@@ -227,12 +229,13 @@ class Pipeline:
         step = self._run(microbatches, loss_tokens or total, plan, eager, mine, ranks_step)
         self.last_plan = plan
         self._planner.advance_start_device(plan)
-        self._planner.observe(self._recorder.last_spans, plan, _mean_tokens(microbatches))
+        self._planner.observe(self._recorder.last_spans, plan, mean_tokens(microbatches))
         self._steps_run += 1
         self._grads_pending = True
         self._stepped_eagerly = eager
-        found = first_nonfinite(step.nonfinite)
-        router = _router_loss(step)
+        # overlapped: the flags are read on the host thread (OverlappedCalls), raised by a later call
+        found = None if self._calls.enabled else first_nonfinite(step.nonfinite)
+        router = step.router_loss()
         if ranks_step is not None:  # one loss on every rank: the router's, weighted by tokens
             step.loss_sum, found, router_sum = ranks_step.agree(step.loss_sum, found, router * mine)
             router = router_sum / total
@@ -265,7 +268,7 @@ class Pipeline:
             raise PipelineStateError(
                 "evaluate() would mix its gradients with pending ones: call step() first"
             )
-        self._hostq.drain()  # an async update still reading the gradient buffers must finish
+        self._settle()  # an async update still reading the gradient buffers must finish
         if self._ranks is not None:
             with self._ranks.failing("evaluate"):
                 return self._evaluate(
@@ -281,15 +284,15 @@ class Pipeline:
         count = decision.num_microbatches
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids, count)
         plan = self._planner.flow_plan(decision)
-        step = self._run(microbatches, total, plan, eager=False)
+        step = self._run(microbatches, total, plan, eager=False, evaluation=True)
         self.store.zero_grads()
         if ranks_step is not None:
-            router = _router_loss(step) * total
+            router = step.router_loss() * total
             (step.loss_sum, router, total) = ranks_step.sums(
                 [step.loss_sum, router, total], "evaluation losses"
             )
             return StepOutput(step.loss_sum / total + router / total, int(total))
-        return StepOutput(step.loss_sum / total + _router_loss(step), total)
+        return StepOutput(step.loss_sum / total + step.router_loss(), total)
 
     def step(self) -> None:
         """Complete the optimizer update for the gradients accumulated so far, then zero them."""
@@ -307,15 +310,12 @@ class Pipeline:
         if self.config.optimizer_mode == "async":
             # Publish into the copy this step read: the step after next reads it, while the next
             # one computes on the other copy (staleness exactly 1).
-            self._updates.queue_update(self._hostq, publish_to=self._updates_run)
+            self._calls.queue_update(publish_to=self._updates_run)
         else:
             if not self._stepped_eagerly:  # on this thread, costed as host work (virtual devices)
-                with self.backend.host_work():
-                    if self._ranks is not None:
-                        with self._ranks.failing("step"):
-                            self._updates.deferred_step()
-                    else:
-                        self._updates.deferred_step()
+                ranks = self._ranks.failing("step") if self._ranks is not None else contextlib.nullcontext()
+                with self.backend.host_work(), ranks:
+                    self._updates.deferred_step()
             self._updates.partial = 0
         self._updates_run += 1
         self._grads_pending = False
@@ -330,7 +330,7 @@ class Pipeline:
         then no consistent state is left to save or continue from."""
         self._check_open()
         with contextlib.suppress(BaseException):
-            self._hostq.drain()  # a failed async update surfaces here: it is judged by `partial`
+            self._settle()  # a failed async update surfaces here: it is judged by `partial`
         if self._updates.partial:
             return False
         self._updates.nonfinite = None
@@ -341,6 +341,7 @@ class Pipeline:
         return True
 
     def zero_grad(self) -> None:
+        self._settle()
         self.store.zero_grads()
         self._grads_pending = False
 
@@ -373,7 +374,7 @@ class Pipeline:
     # ----------------------------------------------------------------- weights and checkpoints
     def export_to(self, model: nn.Module) -> None:
         """Write the trained fp32 masters into ``model`` (the wrapped HF / peft model, or a copy of it)."""
-        self._hostq.drain()  # an async update still running must land first
+        self._settle()  # an async update still running must land first
         export_masters(self.store, model)
 
     def state_dict(self) -> dict:
@@ -384,7 +385,7 @@ class Pipeline:
         an automatic choice (``"auto"`` in the config) also the profile it was made from
         (``measured``), so a resumed run makes the same choice without profiling again.
         """
-        self._hostq.drain()
+        self._settle()
         sd = {
             "masters": masters_state(self.store),
             "steps_run": self._steps_run,
@@ -402,7 +403,7 @@ class Pipeline:
 
     def load_state_dict(self, sd: dict) -> None:
         masters = sd["masters"]
-        self._hostq.drain()
+        self._settle()
         load_masters(self.store, masters)
         self._steps_run = self._steps_at_update = sd.get("steps_run", 0)
         self._updates_run = sd.get("updates_run", self._steps_run)
@@ -468,6 +469,7 @@ class Pipeline:
         """``profile`` on this process's batch."""
         if self._grads_pending:
             raise PipelineStateError("profile() would mix its gradients with pending ones: call step() first")
+        self._settle()
         from roundpipe.runtime import profiler
 
         microbatches, total = self._split(input_ids, labels, attention_mask, position_ids)
@@ -481,14 +483,14 @@ class Pipeline:
             step = self._new_step(microbatches, total, plan, eager=False)
             with self._recorder.recording():
                 self._executor.run(step)
-            _router_loss(step)  # not reported: gives the statistics' download buffers back
+            step.router_loss()  # not reported: gives the statistics' download buffers back
             per_step.append(self._recorder.last_spans)
         self.store.zero_grads()
         spans = [span for ran in per_step for span in ran]
         times = profiler.layer_times_from_spans(spans, self._planner.names)
         self._planner.set_measured(
             times,
-            _mean_tokens(microbatches),
+            mean_tokens(microbatches),
             tuple(input_ids.shape),
             context_s=profiler.context_seconds_from_spans(spans),
             task_s=profiler.task_gap_seconds_from_spans(per_step),
@@ -514,9 +516,12 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
-        if self.dp is not None:
-            self.dp.close()
-        self._hostq.close()
+        try:
+            self._calls.settle()
+        finally:
+            if self.dp is not None:
+                self.dp.close()
+            self._hostq.close()
         self.backend.close()
         self.store.close()  # unpins the host arena: only after every device has synchronized
 
@@ -553,15 +558,20 @@ class Pipeline:
         eager: bool,
         batch_tokens: int | None = None,
         ranks_step=None,
+        evaluation: bool = False,
     ) -> StepRun:
         """One forward and backward over the workers, on the compute copy of this optimizer step;
         with ``ranks_step``, the gradient reduction across ranks runs beside it and is waited for."""
         self.store.set_read_buffer(self._updates_run)
         step = self._new_step(microbatches, total, plan, eager, batch_tokens)
+        step.read_buffer = self._updates_run
         if ranks_step is not None:
             ranks_step.attach(step)
         with self._recorder.recording():
-            self._executor.run(step)
+            if self._calls.enabled and not evaluation:
+                self._calls.run(step)
+            else:
+                self._executor.run(step)
             if ranks_step is not None:
                 ranks_step.finish()
         return step
@@ -575,25 +585,16 @@ class Pipeline:
         step = StepRun(
             self._steps_run, microbatches, total, plan, eager, exchange, self._hostq, self._updates
         )
-        loss = self.adapter.router_loss
-        if loss is not None:
-            routers = [layer.index for layer in self.adapter.layers if getattr(layer, "routers", ())]
-            expected = {(i, j) for i in routers for j in range(len(microbatches))}
-            seed = step.grad_seed * (batch_tokens or total)
-            step.router = RouterTotals(loss, expected, seed, exchange, self.store.host.pool.release)
+        seed = step.grad_seed * (batch_tokens or total)
+        release = self.store.host.pool.release
+        step.router = RouterTotals.of_step(self.adapter, len(microbatches), seed, exchange, release)
         return step
+
+    def _settle(self) -> None:
+        """Complete the calls in flight (``overlap_calls``) and every host job."""
+        self._calls.settle()
+        self._hostq.drain()
 
     def _check_open(self) -> None:
         if self._closed:
             raise PipelineStateError("this pipeline is closed; wrap the model again")
-
-
-def _router_loss(step: StepRun) -> float:
-    """The batch's ``coef * aux`` (0.0 without a router load-balancing loss), as HF adds it."""
-    return step.router.value() if step.router is not None else 0.0
-
-
-def _mean_tokens(microbatches) -> float:
-    """Tokens per microbatch as the workers ran them: each microbatch is cut to its own longest
-    sample (``inputs.split_batch``), so this is what the measured layer times belong to."""
-    return sum(mb.input_ids.numel() for mb in microbatches) / len(microbatches)

@@ -50,6 +50,7 @@ class WeightResidency:
         self.device = device
         self.layers: dict[int, Resident] = {}
         self.copies = PacedCopies(device.streams["h2d_weights"])
+        self.read = 0  # the compute copy this call's uploads read (``StepRun.read_buffer``)
 
     def ensure(
         self, need: range, upcoming: range | None, remaining: list[TaskFlow], weight_bound: bool
@@ -123,11 +124,12 @@ class WeightResidency:
         name = self.setup.adapter.layers[layer].name
         slot = Slot()
         compute = dev.streams["compute"]
+        read = self.read
 
         def allocate():
             tensors = {}
             for piece in pieces:
-                src = store.piece_source(piece)
+                src = store.piece_source(piece, read)
                 trainable = store.entries[piece[0]].trainable
                 tensors[piece] = nn.Parameter(dev.empty(src.shape, src.dtype), requires_grad=trainable)
             dev.ledger.reserve(list(tensors.values()), f"weights:{name}", "weights")
@@ -141,7 +143,7 @@ class WeightResidency:
         chunk = self.setup.config.copy_chunk_bytes
         chunks: list[Chunk] = []
         for piece in pieces:
-            src = store.piece_source(piece)  # for its shape; each copy reads the source when it runs
+            src = store.piece_source(piece, read)  # for its shape; each copy reads it when it runs
             rows = src.shape[0] if src.dim() else 1
             row_bytes = max(1, tensor_bytes(src) // max(rows, 1))
             step = max(1, chunk // row_bytes)
@@ -150,7 +152,7 @@ class WeightResidency:
 
                 def copy(piece=piece, a=a, b=b):
                     data = slot.value[piece].data
-                    src = store.piece_source(piece)
+                    src = store.piece_source(piece, read)
                     if data.dim() == 0:
                         dev.copy_in(data, src)
                     else:

@@ -50,6 +50,17 @@ class RouterTotals:
         self._put: dict[Pair, tuple[Slot, int, Event | None]] = {}  # pair -> (slot, row, event)
         self._cond = threading.Condition()
 
+    @classmethod
+    def of_step(
+        cls, adapter, microbatches: int, seed: float, exchange: Exchange, release
+    ) -> RouterTotals | None:
+        """The totals of a step over ``microbatches``, or None when ``adapter`` adds no router loss."""
+        if adapter.router_loss is None:
+            return None
+        routers = [layer.index for layer in adapter.layers if getattr(layer, "routers", ())]
+        expected = {(i, j) for i in routers for j in range(microbatches)}
+        return cls(adapter.router_loss, expected, seed, exchange, release)
+
     def put(self, pairs: list[Pair], slot: Slot, event: Event | None) -> None:
         """Worker thread: ``slot.value`` (host ``[len(pairs), width]``) will hold ``pairs``' stats once
         ``event`` fires."""

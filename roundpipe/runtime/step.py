@@ -9,9 +9,11 @@ once the step has been synchronized.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from roundpipe.models.base import MicrobatchInputs
+from roundpipe.runtime.call_issue import CallIssue, wait_unless_aborted
 from roundpipe.runtime.exchange import Exchange, Slot
 from roundpipe.runtime.hostqueue import HostQueue
 from roundpipe.runtime.numerics import NonFinite, TaskChecks, host_float
@@ -71,6 +73,20 @@ class StepRun:
         self.loss_sum = 0.0
         self.nonfinite: list[NonFinite] = []  # every non-finite value the tasks' checks found
         self._hostq, self._updates = hostq, updates
+        # Which compute copy the uploads read (async mode: the one the update two calls back wrote).
+        self.read_buffer = 0
+        self.issue = CallIssue(len(flow_plan.flows))
+        # Overlapped calls (``RunConfig.overlap_calls``, set by the Pipeline): the update that writes
+        # ``read_buffer`` has ended; the call before has been issued (its update is queued ahead of
+        # this call's additions); the host job after every job of this call (``Pipeline``).
+        self.weights_ready: threading.Event | None = None
+        self.after_previous: threading.Event | None = None
+        self.settled: threading.Event | None = None
+        num_layers = flow_plan.num_layers
+        self._loss_tasks = sum(
+            1 for row in flow_plan.flows for f in row if f.layers_bwd and f.layers_bwd.stop == num_layers
+        )
+        self._losses: list[threading.Event] = []
         store = updates.store
         # How many gradient contributions each trainable entry gets this call (one per backward stage
         # that uses it, per microbatch); a step group is final when all of its entries reach zero.
@@ -90,9 +106,26 @@ class StepRun:
             raise TypeError("router statistics without a router load-balancing loss")
         return self.router
 
+    def router_loss(self) -> float:
+        """The batch's ``coef * aux`` (0.0 without a router load-balancing loss), as HF adds it."""
+        return self.router.value() if self.router is not None else 0.0
+
     def on_loss(self, host_loss: Slot, event) -> None:
         """Worker thread: queue adding a microbatch's loss sum (downloaded with ``event``)."""
-        self._hostq.submit(lambda: self._add_loss(host_loss), event, touches=())
+        self._losses.append(self._hostq.submit(lambda: self._add_loss(host_loss), event, touches=()))
+
+    def loss_ready(self) -> bool:
+        """Every microbatch's loss has been added into ``loss_sum`` (caller's thread)."""
+        return len(self._losses) == self._loss_tasks and all(e.is_set() for e in self._losses)
+
+    def complete(self) -> bool:
+        """The call's device work and host jobs are done (an overlapped call: ``settled`` queued)."""
+        return (
+            self.issue.done.is_set()
+            and self.settled is not None
+            and self.settled.is_set()
+            and all(ev.query() for ev in self.issue.final_events)
+        )
 
     def _add_loss(self, host_loss: Slot) -> None:
         self.loss_sum += host_float(host_loss.value)
@@ -115,6 +148,8 @@ class StepRun:
         ``contributions`` microbatches on the device, into the fp32 buffers; returns what is set
         once the host has done so (and given the download buffers back)."""
         store = self._updates.store
+        if self.after_previous is not None:  # queued behind the update of the call before
+            wait_unless_aborted(self.after_previous, self.exchange.is_aborted, "the previous call's issue")
         touches = [grads_of(store.entries[k].owner) for k in store.trainable_keys(layers)]
         return self._hostq.submit(
             lambda: self._accumulate(layers, host_grads, contributions), event, touches=touches

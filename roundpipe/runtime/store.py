@@ -473,10 +473,12 @@ class ParameterStore:
                     pieces[p] = None
         return list(pieces)
 
-    def piece_source(self, piece: Piece) -> torch.Tensor:
-        """What uploading ``piece`` reads now: the compute copy, or its rows (a view)."""
+    def piece_source(self, piece: Piece, read: int | None = None) -> torch.Tensor:
+        """What uploading ``piece`` reads: the compute copy (``read``: which one, default the
+        current read buffer), or its rows (a view)."""
         key, rows = piece
-        compute = self.entries[key].compute
+        e = self.entries[key]
+        compute = e.compute if read is None else e.buffers[read % len(e.buffers)]
         return compute if rows is None else compute[rows[0] : rows[1]]
 
     def piece_bytes(self, piece: Piece) -> int:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from roundpipe.backend import Device
 from roundpipe.backend.base import TaskWork
+from roundpipe.runtime.call_issue import wait_unless_aborted
 from roundpipe.runtime.compute import TaskCompute, TaskSlots
 from roundpipe.runtime.exchange import Slot
 from roundpipe.runtime.gradients import GradientAccumulators
@@ -122,9 +123,15 @@ class Worker:
         table order whose incoming hand-offs have all been issued by their producers (the table is
         a hint, readiness decides), so an order that would deadlock strictly still completes.
         """
+        overlap = self.setup.config.overlap_calls
+        if step.weights_ready is not None:
+            self.status = "waiting for the update that writes this call's weights"
+            wait_unless_aborted(step.weights_ready, step.exchange.is_aborted, "the previous update")
         remaining = list(flows)
         self._slots = []
-        self._computed = []
+        # overlapped: the issue-ahead bound counts the earlier call's last tasks too
+        self._computed = self._computed[-ISSUE_AHEAD:] if overlap else []
+        self.weights.read = step.read_buffer
         self.context.start()
         self.outputs.start()
         self.grads.start()
@@ -138,9 +145,17 @@ class Worker:
             self.tasks_done += 1
         self.grads.flush(step)
         self.outputs.drop(keep=0)
-        self.grads.drop(keep=0)
+        if overlap:  # every chunk issued (so every host job of the call queued), none waited for
+            self.grads.copies.flush()
+        else:
+            self.grads.drop(keep=0)
         self.release_all()
         self.status = "done"
+
+    def finish_calls(self) -> None:
+        """After the last call in flight has been issued (caller's thread, no worker running):
+        free the gradient accumulators an overlapped call left on their way down."""
+        self.grads.drop(keep=0)
 
     def _pick_ready(self, step: StepRun, remaining: list[TaskFlow]) -> int:
         while True:
@@ -181,6 +196,8 @@ class Worker:
             self._issue_empty(step, flow)
             return
         self._wait_for_the_device(label)
+        if self.setup.config.overlap_calls:
+            self.grads.drop_downloaded()
         residents = self.weights.ensure(layers_all, upcoming, remaining, step.weight_bound)
 
         # At most two tasks in flight per device on the streams too: this compute starts once the

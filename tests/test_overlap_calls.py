@@ -1,0 +1,150 @@
+"""Consecutive calls overlapped (``RunConfig(overlap_calls=True)``, async optimizer only).
+
+A ``forward_backward`` returns once its loss is on the host and the call before it has completed;
+its remaining backward, its last gradient downloads and their additions go on behind the next
+call, whose tasks the workers issue behind them on the same streams. Training is exactly what the
+drained calls train (the same operations in the same order on every stream and on the host
+thread), which is the one-step-stale reference; an error of a call that already returned reaches
+the next call that waits, with its context; the pipeline stays usable.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from support.reference import (
+    assert_same_run,
+    pipeline_train,
+    reference_train_one_step_stale,
+)
+from support.tiny_models import make_batch, make_model
+
+import roundpipe
+from roundpipe.errors import ConfigError, StageError
+from roundpipe.testing import faults
+
+torch.set_num_threads(1)
+
+ASYNC = dict(num_microbatches=3, policy="roundpipe", partition=None, optimizer_mode="async")
+
+
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:3"])
+def test_overlapped_calls_train_as_the_one_step_stale_reference(devices):
+    model = make_model("llama", num_layers=3)
+    batch = make_batch(batch=6)
+    want = reference_train_one_step_stale(model, batch, 4)
+    got = pipeline_train(model, batch, 4, devices=devices, overlap_calls=True, **ASYNC)
+    assert_same_run(got, want)
+
+
+def _accumulated_run(model, batch, *, overlap: bool) -> tuple[list[float], dict]:
+    """Three optimizer steps of two calls each (gradient accumulation), losses and final weights."""
+    halves = [{k: v[:3] for k, v in batch.items()}, {k: v[3:] for k, v in batch.items()}]
+    tokens = int((batch["labels"][:, 1:] != -100).sum())
+    config = roundpipe.RunConfig(devices="cpu:2", overlap_calls=overlap, **ASYNC)
+    losses = []
+    with roundpipe.wrap(copy.deepcopy(model), config) as pipe:
+        pipe.configure_optimizer(lr=1e-3)
+        for _ in range(3):
+            for n, half in enumerate(halves):
+                out = pipe.forward_backward(
+                    half["input_ids"],
+                    half["labels"],
+                    attention_mask=half["attention_mask"],
+                    accumulate=n == 0,
+                    loss_tokens=tokens,
+                )
+                losses.append(out.loss)
+            pipe.step()
+        return losses, pipe.state_dict()
+
+
+def test_overlapped_accumulation_calls_train_as_drained_ones():
+    model = make_model("qwen3", num_layers=3)
+    batch = make_batch(batch=6)
+    drained_losses, drained = _accumulated_run(model, batch, overlap=False)
+    overlap_losses, overlapped = _accumulated_run(model, batch, overlap=True)
+    assert overlap_losses == drained_losses
+    for name, value in drained["masters"].items():
+        assert torch.equal(overlapped["masters"][name], value), name
+
+
+class _HeldGradients:
+    """Holds the download of the embedding's gradients of the first call (the last thing its
+    backward sends down) until ``release`` is set; then lets it pass, or raises ``error``."""
+
+    def __init__(self, monkeypatch, error: BaseException | None = None):
+        self.held, self.release, self.passed = threading.Event(), threading.Event(), threading.Event()
+        self.error = error
+        point = faults.point
+
+        def holding(where, **context):
+            if where == "grads" and context.get("layer") == "embed" and context.get("step") == 0:
+                self.held.set()
+                self.release.wait(10.0)
+                self.passed.set()
+                if self.error is not None:
+                    raise self.error
+            return point(where, **context)
+
+        monkeypatch.setattr(faults, "point", holding)
+
+
+def test_a_call_returns_while_its_last_gradients_are_still_going_down(monkeypatch):
+    model = make_model("llama", num_layers=3)
+    batch = make_batch(batch=6)
+    want = pipeline_train(model, batch, 2, devices="cpu:2", **ASYNC)
+    held = _HeldGradients(monkeypatch)
+    config = roundpipe.RunConfig(devices="cpu:2", overlap_calls=True, **ASYNC)
+    losses = []
+    try:
+        with roundpipe.wrap(copy.deepcopy(model), config) as pipe:
+            pipe.configure_optimizer(lr=1e-3, eps=1e-4, weight_decay=0.0)
+            losses.append(
+                pipe.forward_backward(batch["input_ids"], batch["labels"], batch["attention_mask"]).loss
+            )
+            # without the overlap the call returns only once the held download has passed
+            returned_first = not held.passed.is_set()
+            held.release.set()
+            pipe.step()
+            losses.append(
+                pipe.forward_backward(batch["input_ids"], batch["labels"], batch["attention_mask"]).loss
+            )
+            pipe.step()
+    finally:
+        held.release.set()
+    assert returned_first, "forward_backward waited for its last gradient download"
+    assert held.held.is_set() and held.passed.is_set()
+    assert losses == want.losses
+
+
+def test_an_error_after_the_call_returned_reaches_the_next_call(monkeypatch):
+    model = make_model("llama", num_layers=3)
+    batch = make_batch(batch=6)
+    held = _HeldGradients(monkeypatch, error=RuntimeError("the link went down"))
+    config = roundpipe.RunConfig(devices="cpu:2", overlap_calls=True, **ASYNC)
+    with roundpipe.wrap(copy.deepcopy(model), config) as pipe:
+        pipe.configure_optimizer(lr=1e-3)
+        first = pipe.forward_backward(batch["input_ids"], batch["labels"], batch["attention_mask"])
+        assert not held.passed.is_set()
+        held.release.set()
+        pipe.step()
+        with pytest.raises(StageError) as caught:
+            pipe.forward_backward(batch["input_ids"], batch["labels"], batch["attention_mask"])
+        message = str(caught.value)
+        assert "the link went down" in message and "gradients of embed" in message, message
+        assert caught.value.step == 0, message
+        assert any("an earlier call" in n for n in getattr(caught.value, "__notes__", [])), message
+        pipe.abandon_step()
+        again = pipe.forward_backward(batch["input_ids"], batch["labels"], batch["attention_mask"])
+        pipe.step()
+        pipe.state_dict()  # waits for the call in flight
+    assert torch.isfinite(torch.tensor([first.loss, again.loss])).all()
+
+
+def test_overlap_calls_needs_the_async_optimizer():
+    with pytest.raises(ConfigError, match="optimizer_mode='async'"):
+        roundpipe.RunConfig(overlap_calls=True)
