@@ -23,7 +23,7 @@ from support.reference import (
 from support.tiny_models import make_batch, make_model
 
 import roundpipe
-from roundpipe.errors import ConfigError, StageError
+from roundpipe.errors import ConfigError, PipelineStateError, StageError
 from roundpipe.testing import faults
 
 torch.set_num_threads(1)
@@ -145,6 +145,44 @@ def test_an_error_after_the_call_returned_reaches_the_next_call(monkeypatch):
     assert torch.isfinite(torch.tensor([first.loss, again.loss])).all()
 
 
+def test_closing_with_a_failed_call_in_flight_raises_its_error_and_closes(monkeypatch):
+    model = make_model("llama", num_layers=3)
+    batch = make_batch(batch=6)
+    held = _HeldGradients(monkeypatch, error=RuntimeError("the link went down"))
+    config = roundpipe.RunConfig(devices="cpu:2", overlap_calls=True, **ASYNC)
+    pipe = roundpipe.wrap(copy.deepcopy(model), config)
+    pipe.configure_optimizer(lr=1e-3)
+    pipe.forward_backward(batch["input_ids"], batch["labels"], batch["attention_mask"])
+    held.release.set()
+    with pytest.raises(StageError, match="the link went down"):
+        pipe.close()
+    with pytest.raises(PipelineStateError, match="closed"):
+        pipe.forward_backward(batch["input_ids"], batch["labels"], batch["attention_mask"])
+
+
 def test_overlap_calls_needs_the_async_optimizer():
     with pytest.raises(ConfigError, match="optimizer_mode='async'"):
         roundpipe.RunConfig(overlap_calls=True)
+
+
+def test_a_training_run_with_overlapped_calls_is_the_run_without(tmp_path):
+    """``roundpipe train`` with ``run.overlap_calls``: gradient accumulation, learning-rate changes
+    (queued behind the call in flight), evaluations and checkpoints (which complete it) in between;
+    the same losses, evaluations and masters bit for bit."""
+    from test_train import _masters, _quiet, _recipe
+
+    from roundpipe.train.recipe import config_from_dict
+    from roundpipe.train.trainer import Trainer
+
+    runs = {}
+    for overlap in (False, True):
+        run = {"optimizer_mode": "async", "overlap_calls": overlap}
+        recipe = _recipe(tmp_path / str(overlap), run=run)
+        runs[overlap] = Trainer(config_from_dict(recipe), log=_quiet).fit()
+    drained, overlapped = runs[False], runs[True]
+    assert overlapped.steps == drained.steps == 6
+    assert overlapped.train_losses == drained.train_losses
+    assert overlapped.eval == drained.eval
+    want, got = _masters(drained.checkpoint), _masters(overlapped.checkpoint)
+    for name in want:
+        assert torch.equal(want[name], got[name]), name

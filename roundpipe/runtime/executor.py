@@ -100,13 +100,7 @@ class Executor:
         """Wait until every call started has completed, then check the devices are empty (the
         workers are stateless) and drain the host thread."""
         self.wait(lambda: not any(t.is_alive() for t in self._threads.values()))
-        try:
-            for w in self.workers:
-                w.finish_calls()
-            final_events = [s.record_event() for d in self.backend.devices for s in d.streams.values()]
-        except BaseException as e:
-            self._errors.append(e)
-            self._fail(None)
+        final_events = [s.record_event() for d in self.backend.devices for s in d.streams.values()]
         self.wait(lambda: all(ev.query() for ev in final_events))
         try:
             for ev in final_events:

@@ -50,18 +50,17 @@ class GradientAccumulators:
         self.device = device
         self.streams = device.streams
         self.copies = PacedCopies(device.streams["d2h_grads"])
-        self._draining: list[Flushed] = []  # each flushed accumulator, oldest first
         self.start()
 
     def start(self) -> None:
-        """A new step: no accumulator open (an overlapped call's earlier ones may still drain)."""
+        """A new step: no accumulator open or draining."""
+        self._draining: list[Flushed] = []  # each flushed accumulator, oldest first
         self._acc: Slot | None = None  # the open accumulator: piece -> fp32 device gradient
         self._acc_range, self._acc_count = range(0), 0
 
     def reset(self) -> None:
         """After a failed step: forget the open accumulator (its memory went with the device's)."""
         self._acc = None
-        self._draining = []
         self.copies.clear()
 
     def open(self, step: StepRun, flow: TaskFlow, say: Callable[[str], None]) -> Slot:
@@ -144,17 +143,14 @@ class GradientAccumulators:
         if self.copies.pending:
             self.copies.pace(_tasks_to_next_flush(remaining) + 1)
 
-    def drop_downloaded(self) -> None:
-        """Free, without waiting, the flushed accumulators whose downloads are done (an overlapped
-        call's last one, carried into the next call: its memory is not the next call's)."""
-        while self._draining and (done := self._draining[0].downloaded) is not None and done.query():
-            self.drop(keep=len(self._draining) - 1, wait_for_host=False)
-
-    def drop(self, keep: int, wait_for_host: bool = True) -> None:
+    def drop(self, keep: int, host_waits: bool = True) -> None:
         """Free the device accumulators of every flushed stage but the last ``keep``: the host waits
         for each download (so compute does not), then compute frees it. With ``keep`` 1 the host
         also waits until the host thread has added it (back-pressure: a slow optimizer thread holds
-        at most two stages' downloaded gradients per device, not every one the device makes)."""
+        at most two stages' downloaded gradients per device, not every one the device makes).
+        ``host_waits=False`` (the end of an overlapped call, whose successor issues next): compute
+        waits for the downloads instead, so the host goes on and the memory is free, in stream
+        order, before anything the next call allocates."""
         compute, dev = self.streams["compute"], self.device
         while len(self._draining) > keep:
             flushed = self._draining.pop(0)
@@ -162,8 +158,9 @@ class GradientAccumulators:
             self.copies.finish(flushed.download)
             downloaded, added, acc, what = flushed.downloaded, flushed.added, flushed.acc, flushed.what
             assert downloaded is not None
-            downloaded.synchronize()
-            if keep and wait_for_host and added is not None:
+            if host_waits:
+                downloaded.synchronize()
+            if keep and host_waits and added is not None:
                 while not added.wait(0.05):
                     if self.setup.backend.aborted:
                         raise AbortedWait(f"abandoned waiting for the host to add {what}")

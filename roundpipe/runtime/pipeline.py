@@ -517,13 +517,13 @@ class Pipeline:
             return
         self._closed = True
         try:
-            self._calls.settle()
+            self._calls.settle()  # a call in flight completes (or raises) before anything closes
         finally:
             if self.dp is not None:
                 self.dp.close()
             self._hostq.close()
-        self.backend.close()
-        self.store.close()  # unpins the host arena: only after every device has synchronized
+            self.backend.close()
+            self.store.close()  # unpins the host arena: only after every device has synchronized
 
     def __enter__(self) -> Pipeline:
         return self

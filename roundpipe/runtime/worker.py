@@ -145,17 +145,9 @@ class Worker:
             self.tasks_done += 1
         self.grads.flush(step)
         self.outputs.drop(keep=0)
-        if overlap:  # every chunk issued (so every host job of the call queued), none waited for
-            self.grads.copies.flush()
-        else:
-            self.grads.drop(keep=0)
+        self.grads.drop(keep=0, host_waits=not overlap)  # every host job of the call is queued now
         self.release_all()
         self.status = "done"
-
-    def finish_calls(self) -> None:
-        """After the last call in flight has been issued (caller's thread, no worker running):
-        free the gradient accumulators an overlapped call left on their way down."""
-        self.grads.drop(keep=0)
 
     def _pick_ready(self, step: StepRun, remaining: list[TaskFlow]) -> int:
         while True:
@@ -196,8 +188,6 @@ class Worker:
             self._issue_empty(step, flow)
             return
         self._wait_for_the_device(label)
-        if self.setup.config.overlap_calls:
-            self.grads.drop_downloaded()
         residents = self.weights.ensure(layers_all, upcoming, remaining, step.weight_bound)
 
         # At most two tasks in flight per device on the streams too: this compute starts once the
