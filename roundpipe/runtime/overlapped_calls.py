@@ -51,8 +51,7 @@ class OverlappedCalls:
             self.executor.wait(lambda: (previous is None or previous.complete()) and step.loss_ready())
         except BaseException as e:
             self.in_flight = None
-            if previous is not None and getattr(e, "step", None) == previous.index:
-                add_note(e, _EARLIER.format(index=previous.index))
+            _name_the_call(e, previous)
             raise
         if previous is not None:
             self._check(previous)
@@ -65,8 +64,7 @@ class OverlappedCalls:
         try:
             self.executor.settle()
         except BaseException as e:
-            if getattr(e, "step", None) == step.index:
-                add_note(e, _EARLIER.format(index=step.index))
+            _name_the_call(e, step)
             raise
         self._check(step)
 
@@ -88,6 +86,8 @@ class OverlappedCalls:
         """The job after every job of ``step`` (worker thread, once it is issued): its finiteness
         flags decide the update ``step()`` queues behind it (the first call of the step decides)."""
 
+        # Queued after every job of ``step``, its finiteness checks included, each after its task's
+        # compute: the update behind it writes the copy ``step`` read once no upload reads it.
         def settle() -> None:
             found = first_nonfinite(step.nonfinite)
             if found is not None and self.updates.nonfinite is None:
@@ -103,6 +103,12 @@ class OverlappedCalls:
             err = nonfinite_error(found, step.index, len(step.nonfinite))
             add_note(err, _EARLIER.format(index=step.index))
             raise err
+
+
+def _name_the_call(error: BaseException, earlier: StepRun | None) -> None:
+    """Note on ``error``, when it is of ``earlier`` (a call that has returned), which call it is."""
+    if earlier is not None and getattr(error, "step", None) == earlier.index:
+        add_note(error, _EARLIER.format(index=earlier.index))
 
 
 _EARLIER = (

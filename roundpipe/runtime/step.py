@@ -4,7 +4,7 @@ Workers read the microbatches, the flow plan and the gradient seed, pass hand-of
 ``exchange``, and report downloads with ``on_loss`` / ``on_grads`` (worker threads). Those queue
 jobs on the host thread, which adds losses and gradients in issue order and steps every layer
 group whose gradient became final (when stepping eagerly). The caller's thread reads ``loss_sum``
-once the step has been synchronized.
+once the step has been synchronized (an overlapped call: once ``loss_ready``).
 """
 
 from __future__ import annotations
