@@ -41,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.backend.base import TaskWork
-from roundpipe.backend.cpu import CpuBackend, CpuDevice, CpuStream
+from roundpipe.backend.cpu import _BEGIN, CpuBackend, CpuDevice, CpuStream
 from roundpipe.backend.cpu_allocator import AllocatorRules
 from roundpipe.backend.cpu_kernels import Kernel, KernelRef
 from roundpipe.backend.grouped_mm import fast_path_on
@@ -125,6 +125,12 @@ class VirtualStream(CpuStream):
 
     def __init__(self, device, name: str, priority: int):
         self.ready_at = 0.0
+        # When the item the thread took last was issued, and when its last wait for another
+        # stream's event ended: with ``ready_at``, when the device could start that item. The
+        # thread itself may get there later (it wakes up after sleeping out the work before), which
+        # a GPU does not: its copy engine starts a queued copy as the one before it ends.
+        self.issued_at = 0.0
+        self.waited_to = 0.0
         self.busy_s = 0.0  # modelled seconds of work on this stream (compute or copies)
         # Idle device time, by cause: nothing issued yet (the host's issue), or waiting for an event
         # of another stream (a copy, another device's output).
@@ -137,13 +143,15 @@ class VirtualStream(CpuStream):
     def new_queue(self) -> queue.SimpleQueue:
         return _TimedQueue(self)
 
-    def idle_since(self, since: float) -> float:
-        """Seconds the device was idle from ``since`` until now (it may have been busy with work
-        this thread took ahead of time until ``ready_at``)."""
-        return max(0.0, time.perf_counter() - max(since, self.ready_at))
+    def earliest(self) -> float:
+        """When the device can start the item the thread took last: once it was issued, the work
+        before it is done and its waits are over (perf_counter time)."""
+        return max(self.issued_at, self.waited_to, self.ready_at)
 
     def waited_since(self, since: float) -> None:
-        self.idle_wait_s += self.idle_since(since)
+        now = time.perf_counter()
+        self.idle_wait_s += max(0.0, now - self.earliest())
+        self.waited_to = now
 
     def modelled_seconds(self, work: TaskWork | None) -> float:
         if work is None:
@@ -151,10 +159,14 @@ class VirtualStream(CpuStream):
         return cast(VirtualBackend, self.device.backend).task_seconds(work, self.device.index)
 
     def begin_modelled(self, seconds: float) -> float:
-        start = max(time.perf_counter(), self.ready_at)
+        start = self.earliest()
         self.ready_at = start + seconds
         self.busy_s += seconds
         return start
+
+    def sleep(self, seconds: float) -> None:
+        """A hung kernel is device time: the device's clock moves on by ``seconds``."""
+        self._queue.put((_BEGIN, None, seconds))
 
     def settle(self) -> None:
         wait = self.ready_at - time.perf_counter()
@@ -169,17 +181,21 @@ class VirtualStream(CpuStream):
 
 
 class _TimedQueue(queue.SimpleQueue):
-    """A stream's queue that counts the device's idle time while the queue was empty."""
+    """A stream's queue that notes when each item was issued (``VirtualStream.issued_at``) and
+    counts the device's idle time while the queue was empty."""
 
     def __init__(self, stream: VirtualStream):
         self.stream = stream
 
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        super().put((time.perf_counter(), item), block, timeout)
+
     def get(self, block: bool = True, timeout: float | None = None):
-        if not self.empty():
-            return super().get(block, timeout)
-        since = time.perf_counter()
-        item = super().get(block, timeout)
-        self.stream.idle_issue_s += self.stream.idle_since(since)
+        s = self.stream
+        idle_from = s.earliest() if self.empty() else None
+        s.issued_at, item = super().get(block, timeout)
+        if idle_from is not None:
+            s.idle_issue_s += max(0.0, s.issued_at - idle_from)
         return item
 
 
@@ -193,8 +209,8 @@ class _Transfer:
 
     def __call__(self) -> None:
         s = self.stream
-        s.settle()  # book in time order: the copy starts once the stream gets to it
-        start = max(time.perf_counter(), s.ready_at)
+        s.settle()  # book in time order (the links are shared), once the copy before has ended
+        start = s.earliest()
         end = cast(VirtualBackend, s.device.backend).links.transfer(
             s.device.index, self.way, self.nbytes, start
         )
