@@ -11,6 +11,7 @@ host syncs. The wall-clock step, which adds the runtime's host time, is compared
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import pytest
@@ -240,4 +241,50 @@ def test_queued_copies_follow_each_other_on_the_link_without_gaps():
         for t in dst:
             dev.ledger.release([t], "chunks", "weights")
     finally:
+        backend.close()
+
+
+def test_a_wait_for_another_streams_event_ends_when_the_event_happened():
+    """A stream waiting for another stream's event goes on, in modelled time, when that event
+    happened, not when its thread gets the interpreter lock back after waking up (on a GPU no host
+    thread is involved). Ten hand-offs between two GPUs' copy engines, 2 ms of copy each, while a
+    Python thread holds the lock in 5 ms slices: 20 ms of device time, not 20 ms plus a wake-up
+    per hand-off."""
+    backend = roundpipe.backend.make_backend("virtual:2xrtx4090", sanitize=False)
+    busy = threading.Event()
+
+    def hold_the_lock() -> None:
+        while not busy.is_set():
+            sum(range(1000))
+
+    def copy(hop: int) -> None:
+        dev = backend.devices[hop % 2]
+        t = dev.empty((rows,), torch.float16)
+        dev.ledger.reserve([t], f"hop {hop}", "acts")
+        if hop % 2:
+            dev.copy_in(t, src)
+        else:
+            dev.to_host(t)
+        dev.ledger.release([t], f"hop {hop}", "acts")
+
+    try:
+        rows = int(0.002 * backend.server.gpu.host_link_bw_effective) // 2  # fp16: 2 ms on the link
+        src = backend.host_empty((rows,), torch.float16)
+        ends = [backend.devices[0].streams["d2h"], backend.devices[1].streams["h2d"]]
+        hog = threading.Thread(target=hold_the_lock, daemon=True)
+        hog.start()
+        gate = backend.devices[0].streams["compute"]
+        gate.sleep(0.3)  # every hop is issued before the first may start
+        event = gate.record_event()
+        for hop in range(10):
+            stream = ends[hop % 2]
+            stream.wait_event(event)
+            stream.submit(lambda hop=hop: copy(hop), name=f"hop {hop}")
+            event = stream.record_event()
+        event.synchronize()
+        modelled = max(s.ready_at for s in ends) - gate.ready_at
+        busy.set()
+        assert modelled <= 10 * 0.002 * 1.05 + 0.002, modelled
+    finally:
+        busy.set()
         backend.close()

@@ -70,6 +70,7 @@ class CpuEvent(Event):
         self._done = threading.Event()
         self.error: BaseException | None = None
         self.clock = clock  # the recording stream's vector clock when it was recorded (issue time)
+        self.at: float | None = None  # when it happened on a modelled clock (the virtual server)
 
     def fire(self, error: BaseException | None) -> None:
         self.error = error
@@ -183,8 +184,15 @@ class CpuStream(Stream):
         """The stream's thread: modelled work of ``seconds`` starts; returns when (now, here)."""
         return time.perf_counter()
 
-    def waited_since(self, since: float) -> None:
-        """The stream's thread has waited for another stream's event since ``since``."""
+    def waited_for(self, event: CpuEvent, since: float) -> None:
+        """The stream's thread has waited for another stream's ``event`` since ``since``."""
+
+    def stamp(self, event: CpuEvent) -> None:
+        """The stream's thread is about to fire ``event``: note when it happened, if modelled."""
+
+    def span_end(self) -> float:
+        """The stream's thread has reached the end of a span: when the span ended (now, here)."""
+        return time.perf_counter()
 
     def settle(self) -> None:
         """The stream's thread: before an event fires or a span ends, let the device's modelled time
@@ -255,6 +263,7 @@ class CpuStream(Stream):
             op = item[0]
             if op == _RECORD:
                 self.settle()
+                self.stamp(item[1])
                 item[1].fire(self._failed)
             elif op == _BEGIN:
                 if device.closed:
@@ -277,7 +286,7 @@ class CpuStream(Stream):
                         # here (on a GPU the issue overlaps the device's work, and spans are GPU time)
                         backend.record_span(
                             (self.device.index, self.name, label[0], label[1], begun[1] - self.issue_in_span * item[2] - t0,
-                             time.perf_counter() - t0)
+                             self.span_end() - t0)
                         )  # fmt: skip
                 begun, self.current = None, None
             elif op == _WAIT:
@@ -289,7 +298,7 @@ class CpuStream(Stream):
                             self._failed = item[1].error
                     except Aborted as e:
                         self._failed = e
-                    self.waited_since(self.current[1])
+                    self.waited_for(item[1], self.current[1])
                     self.current = None
             elif op == _POISON:
                 if self._failed is None:

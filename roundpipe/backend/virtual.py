@@ -41,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.backend.base import TaskWork
-from roundpipe.backend.cpu import _BEGIN, CpuBackend, CpuDevice, CpuStream
+from roundpipe.backend.cpu import _BEGIN, CpuBackend, CpuDevice, CpuEvent, CpuStream
 from roundpipe.backend.cpu_allocator import AllocatorRules
 from roundpipe.backend.cpu_kernels import Kernel, KernelRef
 from roundpipe.backend.grouped_mm import fast_path_on
@@ -125,10 +125,11 @@ class VirtualStream(CpuStream):
 
     def __init__(self, device, name: str, priority: int):
         self.ready_at = 0.0
-        # When the item the thread took last was issued, and when its last wait for another
-        # stream's event ended: with ``ready_at``, when the device could start that item. The
-        # thread itself may get there later (it wakes up after sleeping out the work before), which
-        # a GPU does not: its copy engine starts a queued copy as the one before it ends.
+        # When the item the thread took last was issued, and when the event of its last wait
+        # happened: with ``ready_at``, when the device could start that item. The thread itself
+        # may get there later (it wakes up after sleeping out the work before, and waits for the
+        # interpreter lock), which a GPU does not: its copy engine starts a queued copy as the one
+        # before it ends, and a stream goes on as the event it waits for happens.
         self.issued_at = 0.0
         self.waited_to = 0.0
         self.busy_s = 0.0  # modelled seconds of work on this stream (compute or copies)
@@ -148,10 +149,18 @@ class VirtualStream(CpuStream):
         before it is done and its waits are over (perf_counter time)."""
         return max(self.issued_at, self.waited_to, self.ready_at)
 
-    def waited_since(self, since: float) -> None:
-        now = time.perf_counter()
-        self.idle_wait_s += max(0.0, now - self.earliest())
-        self.waited_to = now
+    def waited_for(self, event: CpuEvent, since: float) -> None:
+        # The wait is over when the event happened on the device that recorded it (on a GPU no
+        # thread wakes up in between), or, for an event of the host, now.
+        end = time.perf_counter() if event.at is None else event.at
+        self.idle_wait_s += max(0.0, end - self.earliest())
+        self.waited_to = max(self.waited_to, end)
+
+    def stamp(self, event: CpuEvent) -> None:
+        event.at = self.earliest()
+
+    def span_end(self) -> float:
+        return self.earliest()  # its work done, and its issue (a kernel ends after its launch)
 
     def modelled_seconds(self, work: TaskWork | None) -> float:
         if work is None:
