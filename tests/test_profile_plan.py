@@ -114,8 +114,10 @@ def test_profile_leaves_weights_and_gradients_untouched():
         # context's mask and rotary kernels: which of the two is larger depends on the load)
         assert 0 < pipe.context_time < sum(f for f, _ in times.values())
         assert pipe.state_dict()["measured"]["context_s"] == pipe.context_time
-        # the worker's gap between one operation and the next: Python, events and hooks
-        assert 0 < pipe.task_time < sum(f + b for f, b in times.values())
+        # the worker's gap between one operation and the next: Python, events and hooks; 0 when
+        # the worker kept ahead of the device at most operations (the median gap), as it may since
+        # a stage's gradients no longer hold it until the host has added them (ADDING_BEHIND)
+        assert 0 <= pipe.task_time < sum(f + b for f, b in times.values())
         assert pipe.state_dict()["measured"]["task_s"] == pipe.task_time
         assert all(float(e.grad.abs().sum()) == 0 for e in pipe.store.entries if e.trainable)
         pipe.export_to(model)
