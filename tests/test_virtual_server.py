@@ -288,3 +288,36 @@ def test_a_wait_for_another_streams_event_ends_when_the_event_happened():
     finally:
         busy.set()
         backend.close()
+
+
+def test_a_task_on_one_gpu_starts_when_the_one_before_it_ends():
+    """On one GPU every hand-off a task reads was put on the host tasks before (F1.0 reads F0.0's
+    output, and F0.1 runs between them): its upload runs while the task before computes, so the
+    compute goes from task to task without waiting for a copy, as the simulator's does. Uploaded
+    after the task before (its allocation queued on compute behind that task), each hand-off made
+    the GPU wait for its copy (~2.8 ms a hand-off here)."""
+    pipe = roundpipe.wrap(
+        _meta_llama(layers=4),
+        roundpipe.RunConfig(
+            devices="virtual:1xrtx4090",
+            dtype="fp16",
+            policy="roundpipe",
+            partition=(2, 2, 2),
+            num_microbatches=2,
+        ),  # fmt: skip
+    )
+    with pipe:
+        pipe.configure_optimizer(lr=1e-4)
+        ids = torch.randint(0, 1000, (ROWS, SEQ))
+        pipe.forward_backward(ids, ids)
+        flows = pipe.last_plan.flows[0]
+        spans = pipe.last_timeline().spans
+    assert sum(len(f.consumes) for f in flows) == 10  # the case: eight of ten tasks read hand-offs
+    tasks = sorted(
+        (s for s in spans if s.lane == "compute" and not s.name.startswith("ctx.")), key=lambda s: s.start
+    )
+    assert len(tasks) == len(flows)
+    reads = {str(f.task) + (f"+{f.fused_with}" if f.fused_with else "") for f in flows if f.consumes}
+    gaps = {b.name: b.start - a.end for a, b in zip(tasks, tasks[1:]) if b.name in reads}
+    assert len(gaps) == 8
+    assert max(gaps.values()) < 0.001, gaps

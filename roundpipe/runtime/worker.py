@@ -70,6 +70,7 @@ class Worker:
         self.grads = GradientAccumulators(setup, device)
         self.compute = TaskCompute(setup, device, self.shells)
         self._slots: list[Slot] = []  # what the current step's tasks fill (emptied by reset)
+        self._staged: dict[tuple, Slot] = {}  # the next task's hand-offs, uploaded ahead of it
         self.status = "idle"
         self.tasks_done = 0
         self._computed: list = []  # compute-done event of each issued task, in issue order
@@ -99,9 +100,9 @@ class Worker:
         caller keeps the error; emptied slots hold no device tensor.
         """
         self.weights.reset()
-        for slot in self._slots:
+        for slot in [*self._slots, *self._staged.values()]:
             slot.value = None
-        self._slots = []
+        self._slots, self._staged = [], {}
         self.context.reset()
         self.grads.reset()
         self.status = "idle"
@@ -180,27 +181,27 @@ class Worker:
     ) -> None:
         streams = self.streams
         t, mb = flow.task, flow.task.microbatch
-        label = f"{t}" + (f"+{flow.fused_with}" if flow.fused_with else "")
+        label = _label(flow)
         self.status = f"{label}: preparing"
-        needs_grad = len(flow.layers_bwd) > 0 and self._backward_needed(flow)
-        layers_all = flow.layers
-        if len(layers_all) == 0 or (flow.task.kind == TaskKind.B and not needs_grad):
+        if not self._computes(flow):
             self._issue_empty(step, flow)
             return
         self._wait_for_the_device(label)
-        residents = self.weights.ensure(layers_all, upcoming, remaining, step.weight_bound)
+        residents = self.weights.ensure(flow.layers, upcoming, remaining, step.weight_bound)
 
         # At most two tasks in flight per device on the streams too: this compute starts once the
         # downloads two tasks back are done, and frees those outputs first (so the device holds the
-        # outputs of two tasks at most); its inputs (hand-offs and the microbatch's) are allocated on
-        # compute after that, so their copies start once compute has reached them.
+        # outputs of two tasks at most); the microbatch's inputs are allocated on compute after
+        # that, so their copies start once compute has reached them. Its hand-offs went up while
+        # the task before computed, if they were on the host by then (``_stage_next``).
         self.outputs.drop(keep=1)
         inputs, ctx = self.context.get(step, mb)
 
-        incoming = self._issue_incoming(step, flow, label)
+        incoming = self._upload_hand_offs(step, flow)
         streams["compute"].wait_event(streams["h2d"].record_event())
         for r in residents:
             streams["compute"].wait_event(r.copied)
+        self._stage_next(step, remaining)
         if upcoming is not None:
             self.weights.prefetch(upcoming)
 
@@ -227,12 +228,18 @@ class Worker:
         self.weights.pace(remaining)
         self.grads.pace(remaining)
 
-    def _issue_incoming(self, step: StepRun, flow: TaskFlow, label: str) -> dict[tuple, Slot]:
+    def _upload_hand_offs(self, step: StepRun, flow: TaskFlow, staged: bool = False) -> dict[tuple, Slot]:
         """Upload the task's incoming hand-offs (activation and/or gradient), in that order, each
-        reserved until the compute releases it (``transfers.upload``)."""
+        reserved until the compute releases it (``transfers.upload``); those staged by the task
+        before are already on their way. ``staged``: for the next task, issued before this one's
+        compute, which does not wait for them (the next task's compute waits for ``h2d``)."""
         h2d = self.streams["h2d"]
+        label = _label(flow)
         incoming: dict[tuple, Slot] = {}
         for key in flow.consumes:
+            if key in self._staged:
+                incoming[key] = self._staged.pop(key)
+                continue
             self.status = f"{label}: waiting for {key[0]}[{key[1]}] of microbatch {key[2]}"
             host_slot, event = step.exchange.get(key)
             what = f"{key[0]}[{key[1]}].{key[2]}"
@@ -245,9 +252,24 @@ class Worker:
                 label=(what, "upload"),
                 task=(step.index, label, key[2]),
                 single=True,
+                compute_waits=not staged,
             )
             host_slot.take(after=h2d.record_event())  # the copy's end frees the host buffer
         return incoming
+
+    def _stage_next(self, step: StepRun, remaining: list[TaskFlow]) -> None:
+        """Before this task's compute: allocate and upload the next task's microbatch inputs (when
+        its context reuses the base's) and, if they are all on the host (their downloads issued),
+        its hand-offs, so that they go up while this task computes rather than after it (compute
+        allocates in order, and a copy starts once compute has reached its allocation). One task's
+        hand-offs more on the device meanwhile (``partition.memory.STAGED_HAND_OFFS``). Only in
+        table order: in ready order the next task is chosen when this one is issued."""
+        if self.setup.config.order == "ready" or not remaining or not self._computes(remaining[0]):
+            return
+        nxt = remaining[0]
+        self.context.stage(step, nxt.task.microbatch)
+        if nxt.consumes and all(step.exchange.has(k) for k in nxt.consumes):
+            self._staged.update(self._upload_hand_offs(step, nxt, staged=True))
 
     def _issue_empty(self, step: StepRun, flow: TaskFlow) -> None:
         """A task with nothing to compute (a forward whose outputs nobody needs, a backward the flow
@@ -263,6 +285,17 @@ class Worker:
         if flow.task.kind == TaskKind.B:
             step.on_grads(flow.layers_bwd, Slot(), 1, None)
 
+    def _computes(self, flow: TaskFlow) -> bool:
+        """The task has work for the device (else ``_issue_empty`` only takes its hand-offs)."""
+        if len(flow.layers) == 0:
+            return False
+        return flow.task.kind != TaskKind.B or (len(flow.layers_bwd) > 0 and self._backward_needed(flow))
+
     def _backward_needed(self, flow: TaskFlow) -> bool:
         r = flow.layers_bwd
         return bool(flow.produces) or bool(self.setup.store.trainable_keys(r)) or flow.fused_with is not None
+
+
+def _label(flow: TaskFlow) -> str:
+    """The task's name in spans, statuses and errors (``F2.0+B2.0`` for a fused pair)."""
+    return f"{flow.task}" + (f"+{flow.fused_with}" if flow.fused_with else "")
