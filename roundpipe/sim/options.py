@@ -12,9 +12,11 @@ from roundpipe.sim.variability import check_variability
 
 # The size of the chunks weight uploads and weight-gradient downloads are cut into, so that an urgent
 # copy can pass between them: the runtime's default (``RunConfig.copy_chunk_bytes``) and the
-# simulator's. 8 MiB moves in ~0.33 ms at PCIe 4's ~25 GB/s (64 MiB took ~2.6 ms) and is well past
-# the size where a pinned copy reaches the link's rate; a 1 GiB stage is 128 copies to issue.
-DEFAULT_CHUNK_BYTES = 8 << 20
+# simulator's. 16 MiB moves in ~0.67 ms at PCIe 4's ~25 GB/s (64 MiB took ~2.6 ms), far past the
+# size where a pinned copy reaches the link's rate; each chunk is a closure the worker issues, so
+# 8 MiB cost the host twice the issues for the same bytes (Qwen3-1.7B on eight virtual RTX 4090s:
+# 19.4 -> 18.4 ms of host CPU a task, docs/virtual.md).
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
