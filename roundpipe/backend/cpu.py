@@ -175,6 +175,10 @@ class CpuStream(Stream):
         if label is not None:
             self._queue.put((_END, label, max(0.0, issued_s)))
 
+    def _queue_modelled(self, seconds: float) -> None:
+        """Queue ``seconds`` of modelled device work with no span of its own, after what is queued."""
+        self._queue.put((_BEGIN, None, seconds))
+
     def modelled_seconds(self, work: TaskWork | None) -> float:
         """How long the stream's device takes for ``work`` beyond its kernels: nothing here (the
         kernels run for real); the virtual server's streams take it from the cost model."""

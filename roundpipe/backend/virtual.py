@@ -41,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.backend.base import TaskWork
-from roundpipe.backend.cpu import _BEGIN, CpuBackend, CpuDevice, CpuEvent, CpuStream
+from roundpipe.backend.cpu import CpuBackend, CpuDevice, CpuEvent, CpuStream
 from roundpipe.backend.cpu_allocator import AllocatorRules
 from roundpipe.backend.cpu_kernels import Kernel, KernelRef
 from roundpipe.backend.grouped_mm import fast_path_on
@@ -175,7 +175,7 @@ class VirtualStream(CpuStream):
 
     def sleep(self, seconds: float) -> None:
         """A hung kernel is device time: the device's clock moves on by ``seconds``."""
-        self._queue.put((_BEGIN, None, seconds))
+        self._queue_modelled(seconds)
 
     def settle(self) -> None:
         wait = self.ready_at - time.perf_counter()

@@ -13,7 +13,6 @@ the hook ``into_accumulator`` makes runs in the compute.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -65,7 +64,7 @@ class GradientAccumulators:
         self._draining: list[Flushed] = []  # each flushed accumulator, oldest first
         self._acc: Slot | None = None  # the open accumulator: piece -> fp32 device gradient
         self._acc_range, self._acc_count = range(0), 0
-        self._adding: list[tuple[threading.Event, str]] = []  # freed, maybe not added yet: oldest first
+        self._adding: list[Flushed] = []  # freed, maybe not added yet: oldest first
 
     def reset(self) -> None:
         """After a failed step: forget the open accumulator (its memory went with the device's)."""
@@ -82,7 +81,10 @@ class GradientAccumulators:
             # host waits for the one before it and frees it on compute (on CUDA the new one is
             # allocated when this task is issued, in compute's pool), and for the addition of the
             # one before that.
-            say(f"{flow.task}: waiting for the gradients two stages back to download")
+            say(
+                f"{flow.task}: waiting for the gradients two stages back to download "
+                f"and those {ADDING_BEHIND + 2} back to be added"
+            )
             self.drop(keep=1)
             self._acc, self._acc_range, self._acc_count = Slot({}), flow.layers_bwd, 0
         return self._acc
@@ -180,14 +182,15 @@ class GradientAccumulators:
 
             compute.submit(free, name=f"release {what}")
             if flushed.added is not None:
-                self._adding.append((flushed.added, what))
+                self._adding.append(flushed)
         if not keep:
             self._adding.clear()  # the end of a call: the host queue has every one of its jobs
         while len(self._adding) > ADDING_BEHIND:
-            added, what = self._adding.pop(0)
-            while not added.wait(0.05):
+            oldest = self._adding.pop(0)
+            assert oldest.added is not None
+            while not oldest.added.wait(0.05):
                 if self.setup.backend.aborted:
-                    raise AbortedWait(f"abandoned waiting for the host to add {what}")
+                    raise AbortedWait(f"abandoned waiting for the host to add {oldest.what}")
 
 
 def _tasks_to_next_flush(remaining: list[TaskFlow]) -> int:
