@@ -290,12 +290,14 @@ def test_a_wait_for_another_streams_event_ends_when_the_event_happened():
         backend.close()
 
 
-def test_a_task_on_one_gpu_starts_when_the_one_before_it_ends():
+@pytest.mark.parametrize("order", ["strict", "ready"])
+def test_a_task_on_one_gpu_starts_when_the_one_before_it_ends(order):
     """On one GPU every hand-off a task reads was put on the host tasks before (F1.0 reads F0.0's
     output, and F0.1 runs between them): its upload runs while the task before computes, so the
     compute goes from task to task without waiting for a copy, as the simulator's does. Uploaded
     after the task before (its allocation queued on compute behind that task), each hand-off made
-    the GPU wait for its copy (~2.8 ms a hand-off here)."""
+    the GPU wait for its copy (~2.8 ms a hand-off here). In ready order the next task is chosen
+    when the one before it is issued, so the same holds."""
     pipe = roundpipe.wrap(
         _meta_llama(layers=4),
         roundpipe.RunConfig(
@@ -304,6 +306,7 @@ def test_a_task_on_one_gpu_starts_when_the_one_before_it_ends():
             policy="roundpipe",
             partition=(2, 2, 2),
             num_microbatches=2,
+            order=order,
         ),  # fmt: skip
     )
     with pipe:

@@ -71,6 +71,7 @@ class Worker:
         self.compute = TaskCompute(setup, device, self.shells)
         self._slots: list[Slot] = []  # what the current step's tasks fill (emptied by reset)
         self._staged: dict[tuple, Slot] = {}  # the next task's hand-offs, uploaded ahead of it
+        self._chosen = False  # ready order: the next task was chosen when the last was issued
         self.status = "idle"
         self.tasks_done = 0
         self._computed: list = []  # compute-done event of each issued task, in issue order
@@ -122,7 +123,9 @@ class Worker:
 
         ``order="strict"`` issues the table's order; ``order="ready"`` issues the first task in
         table order whose incoming hand-offs have all been issued by their producers (the table is
-        a hint, readiness decides), so an order that would deadlock strictly still completes.
+        a hint, readiness decides), so an order that would deadlock strictly still completes. The
+        next task is chosen when the one before it is issued if one is ready then (its inputs go up
+        while that one computes, ``_stage_next``), else once one is.
         """
         overlap = self.setup.config.overlap_calls
         if step.weights_ready is not None:
@@ -137,8 +140,10 @@ class Worker:
         self.outputs.start()
         self.grads.start()
         ready = self.setup.config.order == "ready"
+        self._chosen = False
         while remaining:
-            flow = remaining.pop(self._pick_ready(step, remaining) if ready else 0)
+            chosen, self._chosen = self._chosen, False
+            flow = remaining.pop(self._pick_ready(step, remaining) if ready and not chosen else 0)
             upcoming = None
             if self.setup.config.prefetch:
                 upcoming = next((f.layers for f in remaining if f.layers and f.layers != flow.layers), None)
@@ -152,13 +157,20 @@ class Worker:
 
     def _pick_ready(self, step: StepRun, remaining: list[TaskFlow]) -> int:
         while True:
-            for n, f in enumerate(remaining):
-                if all(step.exchange.has(k) for k in f.consumes) and self._totals_ready(step, f):
-                    return n
+            n = self._first_ready(step, remaining)
+            if n is not None:
+                return n
             self.status = "ready order: no task ready; waiting for " + ", ".join(
                 f"{f.task}" for f in remaining[:4]
             )
             step.exchange.wait_for_change()
+
+    def _first_ready(self, step: StepRun, remaining: list[TaskFlow]) -> int | None:
+        """The first task in table order whose hand-offs (and router totals) are all put, if any."""
+        for n, f in enumerate(remaining):
+            if all(step.exchange.has(k) for k in f.consumes) and self._totals_ready(step, f):
+                return n
+        return None
 
     def _totals_ready(self, step: StepRun, flow: TaskFlow) -> bool:
         """A backward over router layers is ready once every other op's statistics are put."""
@@ -262,9 +274,15 @@ class Worker:
         its context reuses the base's) and, if they are all on the host (their downloads issued),
         its hand-offs, so that they go up while this task computes rather than after it (compute
         allocates in order, and a copy starts once compute has reached its allocation). One task's
-        hand-offs more on the device meanwhile (``partition.memory.STAGED_HAND_OFFS``). Only in
-        table order: in ready order the next task is chosen when this one is issued."""
-        if self.setup.config.order == "ready" or not remaining or not self._computes(remaining[0]):
+        hand-offs more on the device meanwhile (``partition.memory.STAGED_HAND_OFFS``). In ready
+        order the next task is the first ready one now, chosen here (none ready: nothing staged)."""
+        if self.setup.config.order == "ready":
+            n = self._first_ready(step, remaining)
+            if n is None:
+                return
+            remaining.insert(0, remaining.pop(n))
+            self._chosen = True
+        if not remaining or not self._computes(remaining[0]):
             return
         nxt = remaining[0]
         self.context.stage(step, nxt.task.microbatch)
