@@ -290,14 +290,17 @@ def test_a_wait_for_another_streams_event_ends_when_the_event_happened():
         backend.close()
 
 
-@pytest.mark.parametrize("order", ["strict", "ready"])
-def test_a_task_on_one_gpu_starts_when_the_one_before_it_ends(order):
+@pytest.mark.xfail(
+    strict=True,
+    reason="uploads are allocated on compute behind the task before; staging them ahead was reverted "
+    "until the memory rule bounds what it reserves (docs/virtual.md)",
+)
+def test_a_task_on_one_gpu_starts_when_the_one_before_it_ends():
     """On one GPU every hand-off a task reads was put on the host tasks before (F1.0 reads F0.0's
-    output, and F0.1 runs between them): its upload runs while the task before computes, so the
-    compute goes from task to task without waiting for a copy, as the simulator's does. Uploaded
-    after the task before (its allocation queued on compute behind that task), each hand-off made
-    the GPU wait for its copy (~2.8 ms a hand-off here). In ready order the next task is chosen
-    when the one before it is issued, so the same holds."""
+    output, and F0.1 runs between them): uploaded while the task before computes, it would not hold
+    the GPU, as the simulator's does not. Uploaded after the task before (its allocation queued on
+    compute behind that task), each hand-off makes the GPU wait for its copy (~2.8 ms a hand-off
+    here)."""
     pipe = roundpipe.wrap(
         _meta_llama(layers=4),
         roundpipe.RunConfig(
@@ -306,7 +309,6 @@ def test_a_task_on_one_gpu_starts_when_the_one_before_it_ends(order):
             policy="roundpipe",
             partition=(2, 2, 2),
             num_microbatches=2,
-            order=order,
         ),  # fmt: skip
     )
     with pipe:

@@ -9,10 +9,6 @@ A stage on a device holds (``partitioner.py``'s docstring gives the why of each 
 
     weights(stage) + prefetch + draining + added(stage) + max(peak over the stage's layers) + reserve
 
-A layer's ``peak`` includes the next task's incoming hand-offs (``STAGED_HAND_OFFS`` of the model's
-largest layer input: an activation and a gradient of one microbatch), which go up while a task
-computes (``runtime/worker.py``, ``Worker._stage_next``).
-
 ``reserve`` is what every device keeps out of the plan (:func:`device_reserve_bytes`): the preset's
 workspace reserve (CUDA context, cuDNN, allocator slack) plus cuBLAS's workspaces
 (:func:`cublas_reserve_bytes`), which the runtime's cuda backend also keeps out of a device's
@@ -49,10 +45,6 @@ class LayerBytes(Protocol):
     @property
     def fwd_work_bytes(self) -> int: ...
 
-
-# The next task's hand-offs a device holds while a task computes: a backward task reads an activation
-# (its stage input, for the recompute) and a gradient, each at most the largest layer input.
-STAGED_HAND_OFFS = 2
 
 # cuBLAS workspaces, as torch's aten/src/ATen/cuda/CublasHandlePool.cpp allocates them: one per
 # (cuBLAS handle, stream) a matmul ran with, from the caching allocator, kept until the process ends.
@@ -133,22 +125,20 @@ def memory_vectors(
     nothing and peaks at its ``fwd_work_bytes``; the head is the exception, its forward runs with
     its backward, so it counts as in backward. Backward stages keep every layer's gradients and
     saved activations (``added``) and one layer's transient at a time (``peak``), and leave their
-    gradients downloading while the device's next backward stage runs (``drain``). Every layer's
-    ``peak`` adds the next task's staged hand-offs (``STAGED_HAND_OFFS``).
+    gradients downloading while the device's next backward stage runs (``drain``).
     """
     if phase not in ("forward", "backward"):
         raise ConfigError(f"phase must be 'forward' or 'backward', got {phase!r}")
     weights = [c.param_bytes for c in costs]
-    staged = STAGED_HAND_OFFS * max((c.act_in_bytes for c in costs), default=0)
     added, peak, drain = [], [], []
     for c in costs:
         if phase == "backward" or not c.recompute:
             added.append(c.grad_device_bytes + c.saved_bytes)
-            peak.append(c.transient_bytes + staged)
+            peak.append(c.transient_bytes)
             drain.append(c.grad_device_bytes)
         else:
             added.append(0)
-            peak.append(c.fwd_work_bytes + staged)
+            peak.append(c.fwd_work_bytes)
             drain.append(0)
     return weights, added, peak, drain
 
@@ -224,7 +214,6 @@ __all__ = [
     "CUBLAS_WORKSPACES_PER_COMPUTE_STREAM",
     "DeviceFacts",
     "LayerBytes",
-    "STAGED_HAND_OFFS",
     "cublas_reserve_bytes",
     "cublas_workspace_bytes",
     "device_reserve_bytes",

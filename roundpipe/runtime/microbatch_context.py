@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from roundpipe.backend import Device, Event
+from roundpipe.backend import Device
 from roundpipe.models.base import MicrobatchInputs
 from roundpipe.models.mask_facts import host_facts
 from roundpipe.runtime.exchange import Slot
@@ -52,8 +52,6 @@ class MicrobatchContext:
         # alone: None when the context is the base itself)
         self._current: tuple | None = None
         self._base: tuple | None = None  # (host inputs, inputs, context, ledger slots) of the last build
-        # (microbatch, its own inputs, the event of their copy), staged ahead by ``stage``
-        self._early: tuple[int, Slot, Event] | None = None
         self._made: list[Slot] = []  # every slot this step's contexts fill (emptied by reset)
         # this device's shell of the context module and, by (module path, table, name), the meta
         # tensors the step's device tensors replace in it while bound
@@ -71,13 +69,8 @@ class MicrobatchContext:
             return self._current[1], self._current[2]
         self.drop()
         host = step.microbatches[mb]
-        base, early, self._early = self._base, self._early, None
-        assert early is None or early[0] == mb, "inputs staged for another microbatch"
-        if early is not None:  # staged by the task before: it reuses the base
-            assert base is not None
-            self.streams["compute"].wait_event(early[2])  # the build reads them
-            self._current = (mb, *self._build(mb, host, base[2], early[1]))
-        elif base is not None and same_layer_arguments(base[0], host):
+        base = self._base
+        if base is not None and same_layer_arguments(base[0], host):
             self._current = (mb, *self._build(mb, host, base[2]))
         else:
             self._release_base()
@@ -86,43 +79,26 @@ class MicrobatchContext:
             self._current = (mb, inputs, ctx, None)
         return self._current[1], self._current[2]
 
-    def stage(self, step: StepRun, mb: int) -> None:
-        """Issued before the current task's compute, for the next task's microbatch ``mb``: if its
-        context will reuse the base's layer arguments, upload its own ids, labels and loss positions
-        now, so that they go up while the current task computes (``get`` builds from them), not once
-        compute has reached their allocation after it."""
-        current, base = self._current, self._base
-        if (current is not None and current[0] == mb) or base is None or self._early is not None:
-            return
-        host = step.microbatches[mb]
-        if same_layer_arguments(base[0], host):
-            uploaded = self._staged_upload(mb, [getattr(host, n) for n in _OWN_INPUTS], compute_waits=False)
-            self._made.append(uploaded)
-            self._early = (mb, uploaded, self.streams["h2d"].record_event())
-
-    def _staged_upload(self, mb: int, tensors: list, compute_waits: bool = True) -> Slot:
+    def _staged_upload(self, mb: int, tensors: list) -> Slot:
         """``tensors`` (host; None skipped) staged into (pinned) host buffers, so that their copies
-        are asynchronous on CUDA, and uploaded (``transfers.upload``'s ``compute_waits``)."""
+        are asynchronous on CUDA, and uploaded."""
         backend = self.setup.backend
         staged = [None if t is None else backend.host_empty(t.shape, t.dtype).copy_(t) for t in tensors]
-        uploaded = upload(self.device, staged, f"inputs.{mb}", "context", compute_waits=compute_waits)
+        uploaded = upload(self.device, staged, f"inputs.{mb}", "context")
         copied = self.streams["h2d"].record_event()
         for t in staged:
             if t is not None:
                 backend.host_release(t, copied)
         return uploaded
 
-    def _build(
-        self, mb: int, host: MicrobatchInputs, base: Slot | None = None, uploaded: Slot | None = None
-    ) -> tuple[Slot, Slot, Slot]:
+    def _build(self, mb: int, host: MicrobatchInputs, base: Slot | None = None) -> tuple[Slot, Slot, Slot]:
         """Upload ``host`` and make its context on the compute stream: built by the context view,
         or, given the ``base`` context's slot, its own ids, labels and loss positions only, with the
-        base's layer arguments (``ModelAdapter.reuse_context``); ``uploaded``: those, staged."""
+        base's layer arguments (``ModelAdapter.reuse_context``)."""
         dev, adapter, dtype = self.device, self.setup.adapter, self.setup.store.dtype
         names = _ALL_INPUTS if base is None else _OWN_INPUTS
         module = self._ensure_module() if base is None else None
-        if uploaded is None:
-            uploaded = self._staged_upload(mb, [getattr(host, n) for n in names])
+        uploaded = self._staged_upload(mb, [getattr(host, n) for n in names])
         # the host knows the mask's facts: building reads no device value
         facts = host_facts(host.attention_mask, host.position_ids) if base is None else None
         inputs, ctx, held = Slot(), Slot(), Slot([])  # held: (what, tensors) the ledger books
@@ -206,7 +182,7 @@ class MicrobatchContext:
             for slot in (entry or ())[1:]:
                 if slot is not None:
                     slot.value = None
-        self._current = self._base = self._early = None
+        self._current = self._base = None
         if self.module is not None:
             self.module.value = None
         self.module = None

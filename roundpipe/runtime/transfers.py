@@ -27,24 +27,14 @@ if TYPE_CHECKING:
 
 
 def upload(
-    device: Device,
-    sources: list,
-    what: str,
-    tag: str,
-    *,
-    after=None,
-    label=None,
-    task=None,
-    single=False,
-    compute_waits=True,
+    device: Device, sources: list, what: str, tag: str, *, after=None, label=None, task=None, single=False
 ) -> Slot:
     """Copy host tensors (None: skipped) onto ``device``; returns the slot of the device tensors
     (a list in order, or the one tensor when ``single``) that compute may read from here on.
 
     The copies run on ``h2d`` after compute has reached the allocation (and after ``after``, the
     event of the download that fills the host tensors), and compute waits for them before it goes
-    on (``compute_waits=False``: the caller makes compute wait for ``h2d`` before the compute that
-    reads them). ``what``/``tag``: how the memory ledger books them; ``label``: the copy's span. ``task``:
+    on. ``what``/``tag``: how the memory ledger books them; ``label``: the copy's span. ``task``:
     the step, task and microbatch of a hand-off upload (its ``upload`` fault point; a failure
     names the task)."""
     dev, streams = device, device.streams
@@ -75,8 +65,7 @@ def upload(
                 dev.copy_in(dst, src)
 
     h2d.submit(copy, label, name=what)
-    if compute_waits:
-        compute.wait_event(h2d.record_event())
+    compute.wait_event(h2d.record_event())
     return slot
 
 

@@ -70,8 +70,6 @@ class Worker:
         self.grads = GradientAccumulators(setup, device)
         self.compute = TaskCompute(setup, device, self.shells)
         self._slots: list[Slot] = []  # what the current step's tasks fill (emptied by reset)
-        self._staged: dict[tuple, Slot] = {}  # the next task's hand-offs, uploaded ahead of it
-        self._chosen = False  # ready order: the next task was chosen when the last was issued
         self.status = "idle"
         self.tasks_done = 0
         self._computed: list = []  # compute-done event of each issued task, in issue order
@@ -101,9 +99,9 @@ class Worker:
         caller keeps the error; emptied slots hold no device tensor.
         """
         self.weights.reset()
-        for slot in [*self._slots, *self._staged.values()]:
+        for slot in self._slots:
             slot.value = None
-        self._slots, self._staged = [], {}
+        self._slots = []
         self.context.reset()
         self.grads.reset()
         self.status = "idle"
@@ -123,9 +121,7 @@ class Worker:
 
         ``order="strict"`` issues the table's order; ``order="ready"`` issues the first task in
         table order whose incoming hand-offs have all been issued by their producers (the table is
-        a hint, readiness decides), so an order that would deadlock strictly still completes. The
-        next task is chosen when the one before it is issued if one is ready then (its inputs go up
-        while that one computes, ``_stage_next``), else once one is.
+        a hint, readiness decides), so an order that would deadlock strictly still completes.
         """
         overlap = self.setup.config.overlap_calls
         if step.weights_ready is not None:
@@ -140,10 +136,8 @@ class Worker:
         self.outputs.start()
         self.grads.start()
         ready = self.setup.config.order == "ready"
-        self._chosen = False
         while remaining:
-            chosen, self._chosen = self._chosen, False
-            flow = remaining.pop(self._pick_ready(step, remaining) if ready and not chosen else 0)
+            flow = remaining.pop(self._pick_ready(step, remaining) if ready else 0)
             upcoming = None
             if self.setup.config.prefetch:
                 upcoming = next((f.layers for f in remaining if f.layers and f.layers != flow.layers), None)
@@ -157,20 +151,13 @@ class Worker:
 
     def _pick_ready(self, step: StepRun, remaining: list[TaskFlow]) -> int:
         while True:
-            n = self._first_ready(step, remaining)
-            if n is not None:
-                return n
+            for n, f in enumerate(remaining):
+                if all(step.exchange.has(k) for k in f.consumes) and self._totals_ready(step, f):
+                    return n
             self.status = "ready order: no task ready; waiting for " + ", ".join(
                 f"{f.task}" for f in remaining[:4]
             )
             step.exchange.wait_for_change()
-
-    def _first_ready(self, step: StepRun, remaining: list[TaskFlow]) -> int | None:
-        """The first task in table order whose hand-offs (and router totals) are all put, if any."""
-        for n, f in enumerate(remaining):
-            if all(step.exchange.has(k) for k in f.consumes) and self._totals_ready(step, f):
-                return n
-        return None
 
     def _totals_ready(self, step: StepRun, flow: TaskFlow) -> bool:
         """A backward over router layers is ready once every other op's statistics are put."""
@@ -193,27 +180,27 @@ class Worker:
     ) -> None:
         streams = self.streams
         t, mb = flow.task, flow.task.microbatch
-        label = _label(flow)
+        label = f"{t}" + (f"+{flow.fused_with}" if flow.fused_with else "")
         self.status = f"{label}: preparing"
-        if not self._computes(flow):
+        needs_grad = len(flow.layers_bwd) > 0 and self._backward_needed(flow)
+        layers_all = flow.layers
+        if len(layers_all) == 0 or (flow.task.kind == TaskKind.B and not needs_grad):
             self._issue_empty(step, flow)
             return
         self._wait_for_the_device(label)
-        residents = self.weights.ensure(flow.layers, upcoming, remaining, step.weight_bound)
+        residents = self.weights.ensure(layers_all, upcoming, remaining, step.weight_bound)
 
         # At most two tasks in flight per device on the streams too: this compute starts once the
         # downloads two tasks back are done, and frees those outputs first (so the device holds the
-        # outputs of two tasks at most); the microbatch's inputs are allocated on compute after
-        # that, so their copies start once compute has reached them. Its hand-offs went up while
-        # the task before computed, if they were on the host by then (``_stage_next``).
+        # outputs of two tasks at most); its inputs (hand-offs and the microbatch's) are allocated on
+        # compute after that, so their copies start once compute has reached them.
         self.outputs.drop(keep=1)
         inputs, ctx = self.context.get(step, mb)
 
-        incoming = self._upload_hand_offs(step, flow)
+        incoming = self._issue_incoming(step, flow, label)
         streams["compute"].wait_event(streams["h2d"].record_event())
         for r in residents:
             streams["compute"].wait_event(r.copied)
-        self._stage_next(step, remaining)
         if upcoming is not None:
             self.weights.prefetch(upcoming)
 
@@ -240,18 +227,12 @@ class Worker:
         self.weights.pace(remaining)
         self.grads.pace(remaining)
 
-    def _upload_hand_offs(self, step: StepRun, flow: TaskFlow, staged: bool = False) -> dict[tuple, Slot]:
+    def _issue_incoming(self, step: StepRun, flow: TaskFlow, label: str) -> dict[tuple, Slot]:
         """Upload the task's incoming hand-offs (activation and/or gradient), in that order, each
-        reserved until the compute releases it (``transfers.upload``); those staged by the task
-        before are already on their way. ``staged``: for the next task, issued before this one's
-        compute, which does not wait for them (the next task's compute waits for ``h2d``)."""
+        reserved until the compute releases it (``transfers.upload``)."""
         h2d = self.streams["h2d"]
-        label = _label(flow)
         incoming: dict[tuple, Slot] = {}
         for key in flow.consumes:
-            if key in self._staged:
-                incoming[key] = self._staged.pop(key)
-                continue
             self.status = f"{label}: waiting for {key[0]}[{key[1]}] of microbatch {key[2]}"
             host_slot, event = step.exchange.get(key)
             what = f"{key[0]}[{key[1]}].{key[2]}"
@@ -264,30 +245,9 @@ class Worker:
                 label=(what, "upload"),
                 task=(step.index, label, key[2]),
                 single=True,
-                compute_waits=not staged,
             )
             host_slot.take(after=h2d.record_event())  # the copy's end frees the host buffer
         return incoming
-
-    def _stage_next(self, step: StepRun, remaining: list[TaskFlow]) -> None:
-        """Before this task's compute: allocate and upload the next task's microbatch inputs (when
-        its context reuses the base's) and, if they are all on the host (their downloads issued),
-        its hand-offs, so that they go up while this task computes rather than after it (compute
-        allocates in order, and a copy starts once compute has reached its allocation). One task's
-        hand-offs more on the device meanwhile (``partition.memory.STAGED_HAND_OFFS``). In ready
-        order the next task is the first ready one now, chosen here (none ready: nothing staged)."""
-        if self.setup.config.order == "ready":
-            n = self._first_ready(step, remaining)
-            if n is None:
-                return
-            remaining.insert(0, remaining.pop(n))
-            self._chosen = True
-        if not remaining or not self._computes(remaining[0]):
-            return
-        nxt = remaining[0]
-        self.context.stage(step, nxt.task.microbatch)
-        if nxt.consumes and all(step.exchange.has(k) for k in nxt.consumes):
-            self._staged.update(self._upload_hand_offs(step, nxt, staged=True))
 
     def _issue_empty(self, step: StepRun, flow: TaskFlow) -> None:
         """A task with nothing to compute (a forward whose outputs nobody needs, a backward the flow
@@ -303,17 +263,6 @@ class Worker:
         if flow.task.kind == TaskKind.B:
             step.on_grads(flow.layers_bwd, Slot(), 1, None)
 
-    def _computes(self, flow: TaskFlow) -> bool:
-        """The task has work for the device (else ``_issue_empty`` only takes its hand-offs)."""
-        if len(flow.layers) == 0:
-            return False
-        return flow.task.kind != TaskKind.B or (len(flow.layers_bwd) > 0 and self._backward_needed(flow))
-
     def _backward_needed(self, flow: TaskFlow) -> bool:
         r = flow.layers_bwd
         return bool(flow.produces) or bool(self.setup.store.trainable_keys(r)) or flow.fused_with is not None
-
-
-def _label(flow: TaskFlow) -> str:
-    """The task's name in spans, statuses and errors (``F2.0+B2.0`` for a fused pair)."""
-    return f"{flow.task}" + (f"+{flow.fused_with}" if flow.fused_with else "")
