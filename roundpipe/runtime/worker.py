@@ -104,6 +104,10 @@ class Worker:
         self._slots = []
         self.context.reset()
         self.grads.reset()
+        # the failed call's compute events, some carrying its error: with overlapped calls the next
+        # call's issue bound would wait on them (``run`` keeps the last ISSUE_AHEAD) and re-raise it
+        self._computed = []
+        self._seen = (self._computed, 0)
         self.status = "idle"
 
     def release_all(self) -> None:
