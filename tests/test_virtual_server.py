@@ -42,6 +42,27 @@ def _meta_llama(layers: int = 2):
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
 
 
+def _one_call_of_four_layers(devices: str, rows: int, **config):
+    """The plan and timeline of one ``forward_backward`` of four Llama-3.1-8B layers in forward
+    stages of two, two microbatches of ``rows`` sequences in all."""
+    pipe = roundpipe.wrap(
+        _meta_llama(layers=4),
+        roundpipe.RunConfig(
+            devices=devices,
+            dtype="fp16",
+            policy="roundpipe",
+            partition=(2, 2, 2),
+            num_microbatches=2,
+            **config,
+        ),
+    )
+    with pipe:
+        pipe.configure_optimizer(lr=1e-4)
+        ids = torch.randint(0, 1000, (rows, SEQ))
+        pipe.forward_backward(ids, ids)
+        return pipe.last_plan, pipe.last_timeline().spans
+
+
 @pytest.fixture(scope="module")
 def virtual_run():
     pipe = roundpipe.wrap(
@@ -186,23 +207,8 @@ def test_the_next_stage_does_not_wait_for_the_inputs_saved_for_a_recompute():
     F2+B2) downloads the hand-off first: the next stage's upload of it starts before the saved
     input is down, as the simulator's download groups have it. Downloaded together, each forward
     hop also waited for the saved input (~4.5 ms a hop on Qwen3-1.7B at the paper's setting)."""
-    pipe = roundpipe.wrap(
-        _meta_llama(layers=4),
-        roundpipe.RunConfig(
-            devices="virtual:2xrtx4090",
-            dtype="fp16",
-            policy="roundpipe",
-            partition=(2, 2, 2),
-            backward_partition=(3, 1, 2),
-            num_microbatches=2,
-        ),  # fmt: skip
-    )
-    with pipe:
-        pipe.configure_optimizer(lr=1e-4)
-        ids = torch.randint(0, 1000, (ROWS * 2, SEQ))
-        pipe.forward_backward(ids, ids)
-        spans = pipe.last_timeline().spans
-        assert ("act", 3, 0) in pipe.last_plan.flows[1][0].produces  # the case: F1.0 saves act[3]
+    plan, spans = _one_call_of_four_layers("virtual:2xrtx4090", ROWS * 2, backward_partition=(3, 1, 2))
+    assert ("act", 3, 0) in plan.flows[1][0].produces  # the case: F1.0 saves act[3]
     # Microbatch 0: the device of F2 is idle, its upload queued, waiting for the hand-off alone.
     downloads = sorted((s for s in spans if s.lane == "d2h" and s.name == "out:F1.0"), key=lambda s: s.start)
     (upload,) = (s for s in spans if s.lane == "h2d" and s.name == "act[4].0")
@@ -301,22 +307,8 @@ def test_a_task_on_one_gpu_starts_when_the_one_before_it_ends():
     the GPU, as the simulator's does not. Uploaded after the task before (its allocation queued on
     compute behind that task), each hand-off makes the GPU wait for its copy (~2.8 ms a hand-off
     here)."""
-    pipe = roundpipe.wrap(
-        _meta_llama(layers=4),
-        roundpipe.RunConfig(
-            devices="virtual:1xrtx4090",
-            dtype="fp16",
-            policy="roundpipe",
-            partition=(2, 2, 2),
-            num_microbatches=2,
-        ),  # fmt: skip
-    )
-    with pipe:
-        pipe.configure_optimizer(lr=1e-4)
-        ids = torch.randint(0, 1000, (ROWS, SEQ))
-        pipe.forward_backward(ids, ids)
-        flows = pipe.last_plan.flows[0]
-        spans = pipe.last_timeline().spans
+    plan, spans = _one_call_of_four_layers("virtual:1xrtx4090", ROWS)
+    flows = plan.flows[0]
     assert sum(len(f.consumes) for f in flows) == 10  # the case: eight of ten tasks read hand-offs
     tasks = sorted(
         (s for s in spans if s.lane == "compute" and not s.name.startswith("ctx.")), key=lambda s: s.start

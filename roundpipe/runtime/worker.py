@@ -106,8 +106,8 @@ class Worker:
         self.grads.reset()
         # the failed call's compute events, some carrying its error: with overlapped calls the next
         # call's issue bound would wait on them (``run`` keeps the last ISSUE_AHEAD) and re-raise it
+        # (``progress`` starts counting afresh on a new list)
         self._computed = []
-        self._seen = (self._computed, 0)
         self.status = "idle"
 
     def release_all(self) -> None:

@@ -15,7 +15,7 @@ from roundpipe.sim.variability import check_variability
 # simulator's. 16 MiB moves in ~0.67 ms at PCIe 4's ~25 GB/s (64 MiB took ~2.6 ms), far past the
 # size where a pinned copy reaches the link's rate; each chunk is a closure the worker issues, so
 # 8 MiB cost the host twice the issues for the same bytes (Qwen3-1.7B on eight virtual RTX 4090s:
-# 19.4 -> 18.4 ms of host CPU a task, docs/virtual.md).
+# 20.9 -> 19.9 ms of host CPU a task, docs/virtual.md).
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 
