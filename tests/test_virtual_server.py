@@ -296,17 +296,11 @@ def test_a_wait_for_another_streams_event_ends_when_the_event_happened():
         backend.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="uploads are allocated on compute behind the task before; staging them ahead was reverted "
-    "until the memory rule bounds what it reserves (docs/virtual.md)",
-)
 def test_a_task_on_one_gpu_starts_when_the_one_before_it_ends():
     """On one GPU every hand-off a task reads was put on the host tasks before (F1.0 reads F0.0's
-    output, and F0.1 runs between them): uploaded while the task before computes, it would not hold
-    the GPU, as the simulator's does not. Uploaded after the task before (its allocation queued on
-    compute behind that task), each hand-off makes the GPU wait for its copy (~2.8 ms a hand-off
-    here)."""
+    output, and F0.1 runs between them): uploaded while the task before computes, it does not hold
+    the GPU, as the simulator's does not. Allocated on compute behind the task before, each
+    hand-off made the GPU wait for its copy (gaps of 2.8 and 5.6 ms here)."""
     plan, spans = _one_call_of_four_layers("virtual:1xrtx4090", ROWS)
     flows = plan.flows[0]
     assert sum(len(f.consumes) for f in flows) == 10  # the case: eight of ten tasks read hand-offs

@@ -9,6 +9,11 @@ A stage on a device holds (``partitioner.py``'s docstring gives the why of each 
 
     weights(stage) + prefetch + draining + added(stage) + max(peak over the stage's layers) + reserve
 
+A layer's ``peak`` adds the hand-offs the device's ``h2d`` stream holds for the tasks issued after the
+running one (:data:`HELD_HAND_OFFS` of the model's largest layer input): the runtime uploads them
+into memory ``h2d`` allocates (``runtime/transfers.py``), and a block the compute stream released
+goes back to that pool only once the GPU has passed the release.
+
 ``reserve`` is what every device keeps out of the plan (:func:`device_reserve_bytes`): the preset's
 workspace reserve (CUDA context, cuDNN, allocator slack) plus cuBLAS's workspaces
 (:func:`cublas_reserve_bytes`), which the runtime's cuda backend also keeps out of a device's
@@ -45,6 +50,15 @@ class LayerBytes(Protocol):
     @property
     def fwd_work_bytes(self) -> int: ...
 
+
+# How many tasks a worker issues ahead of its device: before it issues a task it waits for the compute
+# of the task this many back (``runtime/worker.py``); on CUDA a closure allocates when it is issued.
+ISSUE_AHEAD = 3
+# The uploaded hand-offs a device holds beyond those of the task it runs (which that task's working
+# set counts): the h2d pool keeps the hand-offs of the ISSUE_AHEAD tasks issued and not finished (the
+# task ISSUE_AHEAD back has, so what it released is free again), each task reading at most two (a
+# backward reads its stage input, for the recompute, and a gradient).
+HELD_HAND_OFFS = 2 * (ISSUE_AHEAD - 1)
 
 # cuBLAS workspaces, as torch's aten/src/ATen/cuda/CublasHandlePool.cpp allocates them: one per
 # (cuBLAS handle, stream) a matmul ran with, from the caching allocator, kept until the process ends.
@@ -125,20 +139,22 @@ def memory_vectors(
     nothing and peaks at its ``fwd_work_bytes``; the head is the exception, its forward runs with
     its backward, so it counts as in backward. Backward stages keep every layer's gradients and
     saved activations (``added``) and one layer's transient at a time (``peak``), and leave their
-    gradients downloading while the device's next backward stage runs (``drain``).
+    gradients downloading while the device's next backward stage runs (``drain``). Every layer's
+    ``peak`` adds the uploaded hand-offs the device holds for later tasks (``HELD_HAND_OFFS``).
     """
     if phase not in ("forward", "backward"):
         raise ConfigError(f"phase must be 'forward' or 'backward', got {phase!r}")
     weights = [c.param_bytes for c in costs]
+    held = HELD_HAND_OFFS * max((c.act_in_bytes for c in costs), default=0)
     added, peak, drain = [], [], []
     for c in costs:
         if phase == "backward" or not c.recompute:
             added.append(c.grad_device_bytes + c.saved_bytes)
-            peak.append(c.transient_bytes)
+            peak.append(c.transient_bytes + held)
             drain.append(c.grad_device_bytes)
         else:
             added.append(0)
-            peak.append(c.fwd_work_bytes)
+            peak.append(c.fwd_work_bytes + held)
             drain.append(0)
     return weights, added, peak, drain
 
@@ -213,6 +229,8 @@ def last_stage_bytes(
 __all__ = [
     "CUBLAS_WORKSPACES_PER_COMPUTE_STREAM",
     "DeviceFacts",
+    "HELD_HAND_OFFS",
+    "ISSUE_AHEAD",
     "LayerBytes",
     "cublas_reserve_bytes",
     "cublas_workspace_bytes",

@@ -1,10 +1,11 @@
 """A worker's copies between the host and its device: uploads, and each task's output downloads.
 
-Every device allocation is made on the compute stream, so that a device's memory is one
-caching-allocator pool, freed and reused in compute order (docs/design.md §5): an upload allocates
-on compute and copies on ``h2d`` once compute has reached the allocation; a task's outputs are
-downloaded on ``d2h`` after its compute and freed on compute once the download is done. The worker
-thread only issues these closures; on CUDA each one runs when it is issued.
+An upload allocates on ``h2d`` and copies there, and hands its tensors over to compute, which waits
+for the copy (docs/design.md §5). Were it allocated on compute, as every other device allocation is,
+its copy could start only once compute had reached the allocation, behind the task before, however
+long ago its host data was ready. A task's outputs are allocated by its compute, downloaded on
+``d2h`` after it and freed on compute once the download is done. The worker thread only issues
+these closures; on CUDA each one runs when it is issued.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ def upload(
     """Copy host tensors (None: skipped) onto ``device``; returns the slot of the device tensors
     (a list in order, or the one tensor when ``single``) that compute may read from here on.
 
-    The copies run on ``h2d`` after compute has reached the allocation (and after ``after``, the
-    event of the download that fills the host tensors), and compute waits for them before it goes
-    on. ``what``/``tag``: how the memory ledger books them; ``label``: the copy's span. ``task``:
+    The device tensors are allocated on ``h2d`` (its own caching-allocator pool) and handed over to
+    compute, which frees them; a freed block serves ``h2d`` again once the GPU has passed the free
+    (``partition.memory.HELD_HAND_OFFS`` counts what that holds). The copies run on ``h2d`` after
+    ``after``, the event of the download that fills the host tensors, and compute waits for them
+    before it goes on. ``what``/``tag``: how the memory ledger books them; ``label``: the copy's span. ``task``:
     the step, task and microbatch of a hand-off upload (its ``upload`` fault point; a failure
     names the task)."""
     dev, streams = device, device.streams
@@ -43,11 +46,13 @@ def upload(
 
     def allocate():
         made = [None if t is None else dev.empty(t.shape, t.dtype) for t in sources]
+        for t in made:
+            if t is not None:
+                dev.hand_over(t, compute)
         dev.ledger.reserve(made, what, tag)
         slot.value = made[0] if single else made
 
-    compute.submit(allocate, name=f"allocate {what}")
-    h2d.wait_event(compute.record_event())
+    h2d.submit(allocate, name=f"allocate {what}")  # not behind compute: the copy starts when h2d can
     if after is not None:
         h2d.wait_event(after)
 

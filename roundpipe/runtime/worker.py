@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from roundpipe.backend import Device
 from roundpipe.backend.base import TaskWork
+from roundpipe.partition.memory import ISSUE_AHEAD
 from roundpipe.runtime.call_issue import wait_unless_aborted
 from roundpipe.runtime.compute import TaskCompute, TaskSlots
 from roundpipe.runtime.exchange import Slot
@@ -49,10 +50,10 @@ from roundpipe.schedule.flow import FUSED
 if TYPE_CHECKING:
     from roundpipe.runtime.step import StepRun
 
-# How many tasks back the compute must have finished before a worker issues the next task. The
-# streams already keep two tasks in flight; one more issued ahead lets a consumer on another device
-# find its hand-offs issued in time (with 2 the cpu:2 scaling benchmark lost ~10%).
-ISSUE_AHEAD = 3
+# ``ISSUE_AHEAD``: how many tasks back the compute must have finished before a worker issues the
+# next task (the memory rule counts the uploads that many tasks hold). The streams already keep two
+# tasks in flight; one more issued ahead lets a consumer on another device find its hand-offs issued
+# in time (with 2 the cpu:2 scaling benchmark lost ~10%).
 
 
 class Worker:
@@ -196,8 +197,8 @@ class Worker:
 
         # At most two tasks in flight per device on the streams too: this compute starts once the
         # downloads two tasks back are done, and frees those outputs first (so the device holds the
-        # outputs of two tasks at most); its inputs (hand-offs and the microbatch's) are allocated on
-        # compute after that, so their copies start once compute has reached them.
+        # outputs of two tasks at most); its inputs (hand-offs and the microbatch's) are allocated
+        # and copied on h2d, so they go up while the tasks before compute.
         self.outputs.drop(keep=1)
         inputs, ctx = self.context.get(step, mb)
 
