@@ -59,9 +59,8 @@ def test_the_allocators_reserved_peak_stays_within_the_plan_on_cudas_clock(micro
     and a block freed on one stream is reused by no other: the caching allocator's *reserved* bytes
     are what must fit. roundpipe on cpu:4, one layer per stage: every device's reserved peak stays
     within the partitioner's planned bound for its fullest stage (``Planner.planned_peaks``, the
-    rule the memory guard checks, which counts the hand-offs the h2d pool holds for the tasks issued
-    ahead) plus the allocator's slack for the two allocating streams (``Device.allocation_slack``):
-    compute, and h2d for uploads."""
+    rule the memory guard checks, which counts the next task's hand-offs) plus the allocator's slack
+    for the two allocating streams (``Device.allocation_slack``): compute, and h2d for hand-offs."""
     model = make_model("llama", num_layers=4)
     batch = make_batch(batch=32)
     config = roundpipe.RunConfig(

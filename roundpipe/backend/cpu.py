@@ -333,7 +333,7 @@ class CpuStream(Stream):
 
 
 STOP_TIMEOUT_S = 10.0  # how long close waits for a stream's running kernel to return
-ALLOCATING_STREAMS = 2  # the streams whose closures allocate device memory: compute, and h2d for uploads
+ALLOCATING_STREAMS = 2  # the streams whose closures allocate device memory: compute, and h2d for hand-offs
 
 
 class CpuDevice(Device):

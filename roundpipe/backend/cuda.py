@@ -32,7 +32,7 @@ from roundpipe.backend.cpu_allocator import CUDA_RULES
 from roundpipe.backend.issue_token import ISSUE_TOKEN
 from roundpipe.partition.memory import cublas_reserve_bytes
 
-ALLOCATING_STREAMS = 2  # the streams whose closures allocate device memory: compute, and h2d for uploads
+ALLOCATING_STREAMS = 2  # the streams whose closures allocate device memory: compute, and h2d for hand-offs
 
 
 class CudaEvent(Event):

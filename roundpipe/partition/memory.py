@@ -9,10 +9,9 @@ A stage on a device holds (``partitioner.py``'s docstring gives the why of each 
 
     weights(stage) + prefetch + draining + added(stage) + max(peak over the stage's layers) + reserve
 
-A layer's ``peak`` adds the hand-offs the device's ``h2d`` stream holds for the tasks issued after the
-running one (:data:`HELD_HAND_OFFS` of the model's largest layer input): the runtime uploads them
-into memory ``h2d`` allocates (``runtime/transfers.py``), and a block the compute stream released
-goes back to that pool only once the GPU has passed the release.
+A layer's ``peak`` adds the next task's hand-offs (:data:`HELD_HAND_OFFS` of the model's largest
+layer input), which the runtime uploads while a task runs, into memory the ``h2d`` stream allocates
+and frees (``runtime/transfers.py``).
 
 ``reserve`` is what every device keeps out of the plan (:func:`device_reserve_bytes`): the preset's
 workspace reserve (CUDA context, cuDNN, allocator slack) plus cuBLAS's workspaces
@@ -51,14 +50,11 @@ class LayerBytes(Protocol):
     def fwd_work_bytes(self) -> int: ...
 
 
-# How many tasks a worker issues ahead of its device: before it issues a task it waits for the compute
-# of the task this many back (``runtime/worker.py``); on CUDA a closure allocates when it is issued.
-ISSUE_AHEAD = 3
-# The uploaded hand-offs a device holds beyond those of the task it runs (which that task's working
-# set counts): the h2d pool keeps the hand-offs of the ISSUE_AHEAD tasks issued and not finished (the
-# task ISSUE_AHEAD back has, so what it released is free again), each task reading at most two (a
-# backward reads its stage input, for the recompute, and a gradient).
-HELD_HAND_OFFS = 2 * (ISSUE_AHEAD - 1)
+# The uploaded hand-offs a device holds beside those of the task it runs (which that task's working
+# set counts): the next task's, which go up while it runs; a worker frees a task's hand-offs before
+# it uploads those of the task two after it (``runtime/worker.py`` ``Worker._free_uploads``). At most
+# two a task: a backward reads its stage input, for the recompute, and a gradient.
+HELD_HAND_OFFS = 2
 
 # cuBLAS workspaces, as torch's aten/src/ATen/cuda/CublasHandlePool.cpp allocates them: one per
 # (cuBLAS handle, stream) a matmul ran with, from the caching allocator, kept until the process ends.
@@ -230,7 +226,6 @@ __all__ = [
     "CUBLAS_WORKSPACES_PER_COMPUTE_STREAM",
     "DeviceFacts",
     "HELD_HAND_OFFS",
-    "ISSUE_AHEAD",
     "LayerBytes",
     "cublas_reserve_bytes",
     "cublas_workspace_bytes",

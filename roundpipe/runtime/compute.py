@@ -142,10 +142,6 @@ class TaskCompute:
                 if flags is not None:
                     self._produce(slots.checks_flags, flags, f"checks.{t.microbatch}")
                 del flags
-                for key, s in slots.incoming.items():
-                    v, s.value = s.value, None
-                    dev.ledger.release(v, f"{key[0]}[{key[1]}].{key[2]}", "activations")
-                    del v
         finally:
             checks.flags.clear()  # a failed task's flags are device tensors too (packed() clears them otherwise)
             self.shells.unbind(flow.layers)

@@ -135,7 +135,7 @@ class WeightResidency:
             dev.ledger.reserve(list(tensors.values()), f"weights:{name}", "weights")
             slot.value = tensors
 
-        # Allocated on compute, as every device allocation but the uploads' is (one caching-allocator
+        # Allocated on compute, as every device allocation but a hand-off's is (one caching-allocator
         # pool, freed and reused in compute order): the copies start once compute has reached the
         # allocation, so after the tasks that used the memory the released layers gave back.
         compute.submit(allocate, name=f"weights:{name}")

@@ -1,11 +1,12 @@
 """A worker's copies between the host and its device: uploads, and each task's output downloads.
 
-An upload allocates on ``h2d`` and copies there, and hands its tensors over to compute, which waits
-for the copy (docs/design.md §5). Were it allocated on compute, as every other device allocation is,
-its copy could start only once compute had reached the allocation, behind the task before, however
-long ago its host data was ready. A task's outputs are allocated by its compute, downloaded on
-``d2h`` after it and freed on compute once the download is done. The worker thread only issues
-these closures; on CUDA each one runs when it is issued.
+An upload allocates on compute (one caching-allocator pool, freed and reused in compute order) and
+copies on ``h2d`` once compute has reached the allocation, except a hand-off's: allocated on compute,
+its copy could start only once the task before had finished, however long ago its data reached the
+host, so it is allocated and copied on ``h2d`` and freed there too, once the compute that read it has
+finished (``free_uploads``; docs/design.md §5). A task's outputs are allocated by its compute,
+downloaded on ``d2h`` after it and freed on compute once the download is done. The worker thread
+only issues these closures; on CUDA each one runs when it is issued.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from roundpipe.backend import Device
+from roundpipe.backend import Device, Event
 from roundpipe.runtime.exchange import HandOff, Slot
 from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.router_totals import router_pairs
@@ -28,31 +29,40 @@ if TYPE_CHECKING:
 
 
 def upload(
-    device: Device, sources: list, what: str, tag: str, *, after=None, label=None, task=None, single=False
+    device: Device,
+    sources: list,
+    what: str,
+    tag: str,
+    *,
+    after=None,
+    label=None,
+    task=None,
+    single=False,
+    on_h2d=False,
 ) -> Slot:
     """Copy host tensors (None: skipped) onto ``device``; returns the slot of the device tensors
     (a list in order, or the one tensor when ``single``) that compute may read from here on.
 
-    The device tensors are allocated on ``h2d`` (its own caching-allocator pool) and handed over to
-    compute, which frees them; a freed block serves ``h2d`` again once the GPU has passed the free
-    (``partition.memory.HELD_HAND_OFFS`` counts what that holds). The copies run on ``h2d`` after
-    ``after``, the event of the download that fills the host tensors, and compute waits for them
-    before it goes on. ``what``/``tag``: how the memory ledger books them; ``label``: the copy's span. ``task``:
-    the step, task and microbatch of a hand-off upload (its ``upload`` fault point; a failure
-    names the task)."""
+    The copies run on ``h2d`` after compute has reached the allocation (and after ``after``, the
+    event of the download that fills the host tensors), and compute waits for them before it goes
+    on. ``on_h2d``: allocated on ``h2d`` instead, so the copy does not wait for compute; the caller
+    frees the tensors with ``free_uploads``, not on compute. ``what``/``tag``: how the memory ledger
+    books them; ``label``: the copy's span. ``task``: the step, task and microbatch of a hand-off
+    upload (its ``upload`` fault point; a failure names the task)."""
     dev, streams = device, device.streams
     compute, h2d = streams["compute"], streams["h2d"]
     slot = Slot()
 
     def allocate():
         made = [None if t is None else dev.empty(t.shape, t.dtype) for t in sources]
-        for t in made:
-            if t is not None:
-                dev.hand_over(t, compute)
         dev.ledger.reserve(made, what, tag)
         slot.value = made[0] if single else made
 
-    h2d.submit(allocate, name=f"allocate {what}")  # not behind compute: the copy starts when h2d can
+    if on_h2d:
+        h2d.submit(allocate, name=f"allocate {what}")
+    else:
+        compute.submit(allocate, name=f"allocate {what}")
+        h2d.wait_event(compute.record_event())
     if after is not None:
         h2d.wait_event(after)
 
@@ -72,6 +82,24 @@ def upload(
     h2d.submit(copy, label, name=what)
     compute.wait_event(h2d.record_event())
     return slot
+
+
+def free_uploads(device: Device, uploads: list[tuple[Slot, str]], read: Event, tag: str) -> None:
+    """Free tensors ``upload(on_h2d=True)`` made, given as (slot, what the ledger booked): on ``h2d``
+    once ``read`` (the event after the compute that read them) has happened, so that the block goes
+    back to ``h2d``'s pool in ``h2d``'s order, behind the reads (no ``record_stream``, no pending
+    free for the allocator to wait on)."""
+    h2d = device.streams["h2d"]
+
+    def free():
+        for slot, what in uploads:
+            value, slot.value = slot.value, None
+            if value is not None:
+                device.ledger.release(value, what, tag)
+            del value
+
+    h2d.wait_event(read)
+    h2d.submit(free, name="free uploads")
 
 
 class TaskOutputs:

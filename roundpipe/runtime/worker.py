@@ -29,9 +29,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from roundpipe.backend import Device
+from roundpipe.backend import Device, Event
 from roundpipe.backend.base import TaskWork
-from roundpipe.partition.memory import ISSUE_AHEAD
 from roundpipe.runtime.call_issue import wait_unless_aborted
 from roundpipe.runtime.compute import TaskCompute, TaskSlots
 from roundpipe.runtime.exchange import Slot
@@ -42,7 +41,7 @@ from roundpipe.runtime.plan import TaskFlow
 from roundpipe.runtime.residency import WeightResidency
 from roundpipe.runtime.router_totals import router_layers, router_pairs
 from roundpipe.runtime.shells import LayerShells
-from roundpipe.runtime.transfers import TaskOutputs, upload
+from roundpipe.runtime.transfers import TaskOutputs, free_uploads, upload
 from roundpipe.runtime.worker_setup import WorkerSetup
 from roundpipe.schedule import TaskKind
 from roundpipe.schedule.flow import FUSED
@@ -50,10 +49,10 @@ from roundpipe.schedule.flow import FUSED
 if TYPE_CHECKING:
     from roundpipe.runtime.step import StepRun
 
-# ``ISSUE_AHEAD``: how many tasks back the compute must have finished before a worker issues the
-# next task (the memory rule counts the uploads that many tasks hold). The streams already keep two
-# tasks in flight; one more issued ahead lets a consumer on another device find its hand-offs issued
-# in time (with 2 the cpu:2 scaling benchmark lost ~10%).
+# How many tasks back the compute must have finished before a worker issues the next task. The
+# streams already keep two tasks in flight; one more issued ahead lets a consumer on another device
+# find its hand-offs issued in time (with 2 the cpu:2 scaling benchmark lost ~10%).
+ISSUE_AHEAD = 3
 
 
 class Worker:
@@ -71,6 +70,8 @@ class Worker:
         self.grads = GradientAccumulators(setup, device)
         self.compute = TaskCompute(setup, device, self.shells)
         self._slots: list[Slot] = []  # what the current step's tasks fill (emptied by reset)
+        # per task that read hand-offs, in issue order: its compute event and its uploads (slot, what)
+        self._uploads: list[tuple[Event, list[tuple[Slot, str]]]] = []
         self.status = "idle"
         self.tasks_done = 0
         self._computed: list = []  # compute-done event of each issued task, in issue order
@@ -102,7 +103,7 @@ class Worker:
         self.weights.reset()
         for slot in self._slots:
             slot.value = None
-        self._slots = []
+        self._slots, self._uploads = [], []
         self.context.reset()
         self.grads.reset()
         # the failed call's compute events, some carrying its error: with overlapped calls the next
@@ -149,6 +150,7 @@ class Worker:
             self._issue(step, flow, upcoming, remaining)
             self.tasks_done += 1
         self.grads.flush(step)
+        self._free_uploads(keep=0)
         self.outputs.drop(keep=0)
         self.grads.drop(keep=0, host_waits=not overlap)  # every host job of the call is queued now
         self.release_all()
@@ -197,12 +199,13 @@ class Worker:
 
         # At most two tasks in flight per device on the streams too: this compute starts once the
         # downloads two tasks back are done, and frees those outputs first (so the device holds the
-        # outputs of two tasks at most); its inputs (hand-offs and the microbatch's) are allocated
-        # and copied on h2d, so they go up while the tasks before compute.
+        # outputs of two tasks at most). Its hand-offs are allocated on h2d, in blocks the task two
+        # back has finished with, so they go up while the task before computes; the microbatch's
+        # inputs are allocated on compute after them (h2d then waits for compute to get there).
         self.outputs.drop(keep=1)
-        inputs, ctx = self.context.get(step, mb)
-
+        self._free_uploads(keep=1)
         incoming = self._issue_incoming(step, flow, label)
+        inputs, ctx = self.context.get(step, mb)
         streams["compute"].wait_event(streams["h2d"].record_event())
         for r in residents:
             streams["compute"].wait_event(r.copied)
@@ -224,6 +227,8 @@ class Worker:
         streams["compute"].submit(compute, (label, kind), work=TaskWork(flow, rows, seq_len))
         computed = streams["compute"].record_event()
         self._computed.append(computed)
+        if incoming:
+            self._uploads.append((computed, [(s, _booked(key)) for key, s in incoming.items()]))
         streams["d2h"].wait_event(computed)
         self.outputs.download(step, flow, label, slots)
         if flow.layers_bwd:
@@ -232,15 +237,25 @@ class Worker:
         self.weights.pace(remaining)
         self.grads.pace(remaining)
 
+    def _free_uploads(self, keep: int) -> None:
+        """Free the hand-offs uploaded for all but the last ``keep`` tasks that read any, on ``h2d``
+        after their computes (``transfers.free_uploads``). Before a task's uploads with ``keep=1``:
+        the blocks of the tasks two back go to its hand-offs, whose copies then wait for those
+        computes only, so they go up while the task before computes, and the device holds one task's
+        hand-offs beside the running task's (``partition.memory.HELD_HAND_OFFS``)."""
+        while len(self._uploads) > keep:
+            read, uploads = self._uploads.pop(0)
+            free_uploads(self.device, uploads, read, "activations")
+
     def _issue_incoming(self, step: StepRun, flow: TaskFlow, label: str) -> dict[tuple, Slot]:
-        """Upload the task's incoming hand-offs (activation and/or gradient), in that order, each
-        reserved until the compute releases it (``transfers.upload``)."""
+        """Upload the task's incoming hand-offs (activation and/or gradient), in that order, into
+        memory ``h2d`` allocates, each reserved until ``_free_uploads`` frees it (``transfers.upload``)."""
         h2d = self.streams["h2d"]
         incoming: dict[tuple, Slot] = {}
         for key in flow.consumes:
             self.status = f"{label}: waiting for {key[0]}[{key[1]}] of microbatch {key[2]}"
             host_slot, event = step.exchange.get(key)
-            what = f"{key[0]}[{key[1]}].{key[2]}"
+            what = _booked(key)
             incoming[key] = upload(
                 self.device,
                 [host_slot.value],
@@ -250,6 +265,7 @@ class Worker:
                 label=(what, "upload"),
                 task=(step.index, label, key[2]),
                 single=True,
+                on_h2d=True,
             )
             host_slot.take(after=h2d.record_event())  # the copy's end frees the host buffer
         return incoming
@@ -271,3 +287,8 @@ class Worker:
     def _backward_needed(self, flow: TaskFlow) -> bool:
         r = flow.layers_bwd
         return bool(flow.produces) or bool(self.setup.store.trainable_keys(r)) or flow.fused_with is not None
+
+
+def _booked(key: tuple) -> str:
+    """How the memory ledger books hand-off ``key`` (kind, layer, microbatch) on the device."""
+    return f"{key[0]}[{key[1]}].{key[2]}"
