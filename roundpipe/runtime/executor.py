@@ -100,6 +100,8 @@ class Executor:
         """Wait until every call started has completed, then check the devices are empty (the
         workers are stateless) and drain the host thread."""
         self.wait(lambda: not any(t.is_alive() for t in self._threads.values()))
+        for w in self.workers:  # the workers' threads have ended: issued here, after all of theirs
+            w.end_of_calls()
         final_events = [s.record_event() for d in self.backend.devices for s in d.streams.values()]
         self.wait(lambda: all(ev.query() for ev in final_events))
         try:

@@ -7,8 +7,10 @@ into chunks of ``copy_chunk_bytes`` paced over the device's next tasks, after ea
 downloads (``paced_copies.py``: a copy engine runs copies in issue order, so a stage's fp32
 gradients issued at once would hold every later activation download). At most one earlier
 accumulator may still be on its way down while the next one fills; each is freed on compute after
-its download (docs/design.md §5). Only the device's worker thread calls ``GradientAccumulators``;
-the hook ``into_accumulator`` makes runs in the compute.
+its download (docs/design.md §5); an overlapped call's last ones after the next call's first weights
+are allocated (``carry``). Only the device's worker thread calls ``GradientAccumulators`` (and, once
+it has ended, ``Executor.settle`` through ``Worker.end_of_calls``); the hook ``into_accumulator``
+makes runs in the compute.
 """
 
 from __future__ import annotations
@@ -57,19 +59,32 @@ class GradientAccumulators:
         self.device = device
         self.streams = device.streams
         self.copies = PacedCopies(device.streams["d2h_grads"])
+        self._draining: list[Flushed] = []  # each flushed accumulator, oldest first
+        self.carried = False  # the last call left its accumulators draining (``carry``)
         self.start()
 
     def start(self) -> None:
-        """A new step: no accumulator open or draining."""
-        self._draining: list[Flushed] = []  # each flushed accumulator, oldest first
+        """A new call: no accumulator open; the last call's may still be draining (``carry``)."""
         self._acc: Slot | None = None  # the open accumulator: piece -> fp32 device gradient
         self._acc_range, self._acc_count = range(0), 0
         self._adding: list[Flushed] = []  # freed, maybe not added yet: oldest first
 
     def reset(self) -> None:
-        """After a failed step: forget the open accumulator (its memory went with the device's)."""
-        self._acc = None
+        """After a failed step: forget the open and draining accumulators (their memory went with
+        the device's)."""
+        self._acc, self._draining, self.carried = None, [], False
         self.copies.clear()
+
+    def carry(self) -> None:
+        """The end of an overlapped call: issue what is left of the draining accumulators' downloads
+        (every host job of the call is then queued) and leave them to the next call, whose worker
+        frees them once it has allocated its first task's weights (``drop``), so that those go up
+        while these come down; or ``Worker.end_of_calls`` when no call follows."""
+        for flushed in self._draining:
+            assert flushed.download is not None
+            self.copies.finish(flushed.download)
+        self._adding.clear()  # the host queue has every job of the call
+        self.carried = bool(self._draining)
 
     def open(self, step: StepRun, flow: TaskFlow, say: Callable[[str], None]) -> Slot:
         """The device-side fp32 sum of ``flow``'s backward stage's weight gradients, keyed by piece
@@ -165,6 +180,8 @@ class GradientAccumulators:
         waits for the downloads instead, so the host goes on and the memory is free, in stream
         order, before anything the next call allocates."""
         compute, dev = self.streams["compute"], self.device
+        if not keep:
+            self.carried = False
         while len(self._draining) > keep:
             flushed = self._draining.pop(0)
             assert flushed.download is not None

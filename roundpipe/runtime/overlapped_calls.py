@@ -12,7 +12,9 @@ loss is on the host and the call before it has completed. What must come after e
 a call waits for the call to be issued (``CallIssue``): the job that reads its finiteness flags
 into the optimizer (``settled``, after which the call counts as complete), the async update of
 ``step()``, a learning-rate change. The next call's gradient additions are queued behind that
-update, and its uploads wait for the update that wrote the compute copy they read.
+update, and its uploads wait for the update that wrote the compute copy they read. A call's last
+gradient accumulators stay on the device until the next call has allocated its first weights
+(``GradientAccumulators.carry``), so that those go up while the gradients come down.
 
 An error of a call that has returned is raised by the next call that waits: the next
 ``forward_backward``, or any other call of the pipeline, which completes every call in flight first

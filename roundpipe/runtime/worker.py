@@ -152,9 +152,17 @@ class Worker:
         self.grads.flush(step)
         self._free_uploads(keep=0)
         self.outputs.drop(keep=0)
-        self.grads.drop(keep=0, host_waits=not overlap)  # every host job of the call is queued now
+        if overlap:  # every host job of the call is queued now; the next call frees what drains
+            self.grads.carry()
+        else:
+            self.grads.drop(keep=0)
         self.release_all()
         self.status = "done"
+
+    def end_of_calls(self) -> None:
+        """No call follows (``Executor.settle``, after this worker's thread has ended): free the
+        gradient accumulators the last overlapped call left draining, after their downloads."""
+        self.grads.drop(keep=0, host_waits=False)
 
     def _pick_ready(self, step: StepRun, remaining: list[TaskFlow]) -> int:
         while True:
@@ -195,7 +203,11 @@ class Worker:
             self._issue_empty(step, flow)
             return
         self._wait_for_the_device(label)
+        if self.grads.carried and not self._fits_beside_draining(layers_all):
+            self.grads.drop(keep=0, host_waits=False)
         residents = self.weights.ensure(layers_all, upcoming, remaining, step.weight_bound)
+        if self.grads.carried:  # the first task of an overlapped call: its weights are allocated
+            self.grads.drop(keep=0, host_waits=False)
 
         # At most two tasks in flight per device on the streams too: this compute starts once the
         # downloads two tasks back are done, and frees those outputs first (so the device holds the
@@ -236,6 +248,14 @@ class Worker:
         # The bulk copies' share of this task goes after its urgent ones (paced_copies.py).
         self.weights.pace(remaining)
         self.grads.pace(remaining)
+
+    def _fits_beside_draining(self, layers: range) -> bool:
+        """Whether the device has room for ``layers``' weights beside the gradient accumulators the
+        last call left draining (the allocator's free bytes now, on the host: no sync). If not,
+        they are freed first, after their downloads, as at the end of a drained call."""
+        free = self.device.free_bytes()
+        need = sum(self.setup.store.layer_bytes[i] for i in layers if i not in self.weights.layers)
+        return free is None or need <= free
 
     def _free_uploads(self, keep: int) -> None:
         """Free the hand-offs uploaded for all but the last ``keep`` tasks that read any, on ``h2d``
