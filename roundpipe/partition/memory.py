@@ -136,7 +136,7 @@ def memory_vectors(
     its backward, so it counts as in backward. Backward stages keep every layer's gradients and
     saved activations (``added``) and one layer's transient at a time (``peak``), and leave their
     gradients downloading while the device's next backward stage runs (``drain``). Every layer's
-    ``peak`` adds the uploaded hand-offs the device holds for later tasks (``HELD_HAND_OFFS``).
+    ``peak`` adds the next task's uploaded hand-offs (``HELD_HAND_OFFS``).
     """
     if phase not in ("forward", "backward"):
         raise ConfigError(f"phase must be 'forward' or 'backward', got {phase!r}")

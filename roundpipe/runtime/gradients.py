@@ -176,9 +176,9 @@ class GradientAccumulators:
         accumulator opens) the host also waits until at most ``ADDING_BEHIND`` freed stages are
         still to be added by the host thread (back-pressure: a slow optimizer thread holds a
         bounded number of stages' downloaded gradients per device, not every one the device makes).
-        ``host_waits=False`` (the end of an overlapped call, whose successor issues next): compute
-        waits for the downloads instead, so the host goes on and the memory is free, in stream
-        order, before anything the next call allocates."""
+        ``host_waits=False`` (the last overlapped call's accumulators, ``carry``): compute waits for
+        the downloads instead, so the host goes on and the memory is free, in stream order, before
+        whatever is allocated after."""
         compute, dev = self.streams["compute"], self.device
         if not keep:
             self.carried = False
