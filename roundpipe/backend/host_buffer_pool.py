@@ -5,7 +5,11 @@ The pool keeps page-locked buffers in size classes (16 per power of two, so a bu
 1/16 larger than asked), serves a request from a free buffer of its class or one up to 1.25x
 larger, and keeps what it has reserved within ``headroom`` (1.25) times the most it ever had in use
 by giving back the least recently used free buffers before it makes a new one. In use means held by
-an owner or by a copy that may still read or write it: a buffer given back with an event is reused
+an owner or by a copy that may still read or write it, and is counted in the bytes of the buffers so
+held (a request's own bytes plus its rounding): a bound the pool can always keep, since giving back
+every free buffer leaves exactly those. (Counted in requested bytes it could not: the rounding of
+buffers held when a new one must be made may alone pass 1.25x, and nothing free is left to give.)
+ a buffer given back with an event is reused
 only once the event has happened, and giving one back while a copy into or out of it may still be
 pending is a ``StreamProtocolError`` where the backend can tell (the cpu backend).
 """
@@ -82,6 +86,8 @@ class HostBufferPool:
         self.in_use_bytes = 0  # held by owners (the bytes they asked for)
         self.pending_bytes = 0  # given back, a copy may still read or write them
         self.peak_in_use_bytes = 0  # the most ever held by owners or pending copies
+        self.in_use_buffer_bytes = 0  # the sizes of the buffers held by owners or pending copies
+        self.peak_in_use_buffer_bytes = 0  # the most of those ever (what ``headroom`` scales)
         self.peak_held_bytes = 0  # the most ever held by owners
         self.reserved_bytes = 0  # the sizes of every buffer that exists
         self.peak_reserved_bytes = 0
@@ -100,8 +106,8 @@ class HostBufferPool:
             self._collect()
             buf = self._take(size)
             if buf is None:
-                evicted = self._make_room(size, n)
-                self.reserved_bytes += size  # booked now; made below, outside the lock
+                evicted = self._make_room(size)
+                self._book(size)  # booked now; made below, outside the lock
             else:
                 evicted = []
                 self.reuses += 1
@@ -113,15 +119,26 @@ class HostBufferPool:
             except BaseException:
                 with self._lock:
                     self.reserved_bytes -= size
+                    self.in_use_buffer_bytes -= size
                 raise
             buf = _Buffer(tensor, size)
             with self._lock:
                 self.records[buf.key] = buf
                 self.buffers += 1
-                self._hand_out(buf, n)
+                self._hand_out(buf, n, booked=True)
         return carve(buf.tensor, 0, shape, dtype)
 
-    def _hand_out(self, buf: _Buffer, n: int) -> None:
+    def _book(self, size: int) -> None:
+        """Count a buffer of ``size`` reserved and in use."""
+        self.reserved_bytes += size
+        self.in_use_buffer_bytes += size
+        self.peak_in_use_buffer_bytes = max(self.peak_in_use_buffer_bytes, self.in_use_buffer_bytes)
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+
+    def _hand_out(self, buf: _Buffer, n: int, booked: bool = False) -> None:
+        if not booked:  # a free buffer taken again: in use once more
+            self.in_use_buffer_bytes += buf.size
+            self.peak_in_use_buffer_bytes = max(self.peak_in_use_buffer_bytes, self.in_use_buffer_bytes)
         self._tick += 1
         buf.nbytes, buf.used, buf.accesses = n, self._tick, []
         self._live[buf.key] = buf
@@ -129,7 +146,6 @@ class HostBufferPool:
         self.in_use_bytes += n
         self.peak_held_bytes = max(self.peak_held_bytes, self.in_use_bytes)
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes + self.pending_bytes)
-        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
 
     def _take(self, size: int) -> _Buffer | None:
         """The free buffer of the smallest class from ``size`` up to ``REUSE_LARGER`` times it."""
@@ -153,6 +169,7 @@ class HostBufferPool:
             if buf.event.query():
                 buf.event = None
                 self.pending_bytes -= buf.nbytes
+                self.in_use_buffer_bytes -= buf.size
                 buf.nbytes = 0
                 self._put_ready(buf)
             else:
@@ -167,10 +184,11 @@ class HostBufferPool:
         else:
             bufs.append(buf)
 
-    def _make_room(self, size: int, n: int) -> list[_Buffer]:
+    def _make_room(self, size: int) -> list[_Buffer]:
         """Take out the least recently used free buffers until a new one of ``size`` keeps the pool
-        within its headroom; returns them (freed outside the lock)."""
-        peak = max(self.peak_in_use_bytes, self.in_use_bytes + self.pending_bytes + n)
+        within its headroom; returns them (freed outside the lock). Always possible: with every free
+        buffer gone, reserved + ``size`` is the buffers in use, at most their peak."""
+        peak = max(self.peak_in_use_buffer_bytes, self.in_use_buffer_bytes + size)
         budget = self.headroom * peak
         ready = sorted((b for bufs in self._ready.values() for b in bufs), key=lambda b: b.used)
         evicted = []
@@ -215,6 +233,7 @@ class HostBufferPool:
             self.in_use_bytes -= n
             if event is None or event.query():
                 buf.nbytes = 0
+                self.in_use_buffer_bytes -= buf.size
                 self._put_ready(buf)
             else:
                 buf.event = event
@@ -227,7 +246,7 @@ class HostBufferPool:
         with self._lock:
             self._collect()
             before = self.reserved_bytes
-            evicted = self._make_room(0, 0)
+            evicted = self._make_room(0)
         self._free_all(evicted)
         return before - self.reserved_bytes
 
@@ -240,7 +259,7 @@ class HostBufferPool:
             self._pending.clear()
             self._live.clear()
             self.records.clear()
-            self.in_use_bytes = self.pending_bytes = 0
+            self.in_use_bytes = self.pending_bytes = self.in_use_buffer_bytes = 0
 
 
 def _check_covered(buf: _Buffer, covered: dict, event, t: torch.Tensor) -> None:

@@ -69,6 +69,7 @@ class HostMemory:
             "pool_in_use_bytes": p.in_use_bytes,  # held by owners now
             "pool_pending_bytes": p.pending_bytes,  # given back, a copy may still use them
             "pool_peak_in_use_bytes": p.peak_in_use_bytes,  # peak of held + pending
+            "pool_peak_in_use_buffer_bytes": p.peak_in_use_buffer_bytes,  # their buffers' sizes
             "pool_reserved_bytes": pool_res,
             "pool_peak_reserved_bytes": p.peak_reserved_bytes,
             "pool_allocations": a.dynamic_allocations(),
