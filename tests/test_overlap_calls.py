@@ -188,9 +188,9 @@ def test_a_training_run_with_overlapped_calls_is_the_run_without(tmp_path):
         assert torch.equal(want[name], got[name]), name
 
 
-def _first_task_of_the_second_call(monkeypatch, between=lambda: None) -> list[tuple[str, str]]:
-    """The device ledger's (event, what) of the second of two overlapped calls on ``cpu:1``, from
-    its start up to its first task's microbatch inputs; ``between`` runs after the first call."""
+def _overlapped_trace(monkeypatch, calls: int, between=lambda pipe: None) -> list[tuple[str, str]]:
+    """The device ledger's (event, what) over ``calls`` overlapped calls on ``cpu:1``, each call's
+    start marked; ``between(pipe)`` runs after the first call."""
     from roundpipe.runtime.worker import Worker
 
     run = Worker.run
@@ -206,41 +206,50 @@ def _first_task_of_the_second_call(monkeypatch, between=lambda: None) -> list[tu
         pipe.configure_optimizer(lr=1e-3)
         ledger = pipe.backend.devices[0].ledger
         ledger.trace = []
-        for call in range(2):
+        for call in range(calls):
             pipe.forward_backward(batch["input_ids"], batch["labels"], batch["attention_mask"])
             pipe.step()
             if call == 0:
-                between()
-    trace = [(event, what) for event, what, *_ in ledger.trace]
-    starts = [
-        n for n, (event, what) in enumerate(trace) if event == "mark" and what.startswith("start of call")
-    ]
-    assert len(starts) == 2, starts
-    second = trace[starts[1] + 1 :]
-    return second[: next(n for n, (_, what) in enumerate(second) if what.startswith("inputs."))]
+                between(pipe)
+    return [(event, what) for event, what, *_ in ledger.trace]
 
 
-def test_the_next_calls_first_weights_go_up_while_the_last_gradients_come_down(monkeypatch):
-    """On one device the boundary between overlapped calls is the next call's first stage going up
-    and the last backward stage's fp32 gradients coming down. Compute freed those accumulators after
-    their download before the next call allocated its first weights, so the weights' upload waited
-    for the download (Llama-3.1-8B on one virtual RTX 4090: 0.21 s a step for the download, then
-    0.22 s for the weights). With room for both, the first task's weights are now allocated first
-    and the accumulators freed after them."""
-    first = _first_task_of_the_second_call(monkeypatch)
-    events = [(event, what.split(":")[0]) for event, what in first]
-    assert ("reserve", "weights") in events and ("release", "grads") in events, first
-    assert events.index(("reserve", "weights")) < events.index(("release", "grads")), first
+def _call_start(trace: list[tuple[str, str]], index: int) -> int:
+    return trace.index(("mark", f"start of call {index}"))
+
+
+def test_the_last_stage_holds_its_weights_and_the_next_calls_first(monkeypatch):
+    """The next call's first task runs layers the last stage runs too (``embed``: forward stage 0
+    and backward stage 0), read from the compute copy the update after this call wrote. They go up
+    while the last stage computes, into memory of their own: both versions are on the device, as
+    the next stage's weights are within a call (the simulator uploads them there). Before, they were
+    allocated behind the last task (Llama-3.1-8B on one virtual RTX 4090: 0.22 s a step waiting)."""
+    trace = _overlapped_trace(monkeypatch, calls=3)
+    end = _call_start(trace, 2)  # the boundary between the second call and the third
+    last = max(n for n in range(end) if trace[n][0] == "mark" and trace[n][1].startswith("compute"))
+    assert trace[last] == ("mark", "compute B0.2"), trace[last - 5 : end]
+    held = 0
+    for event, what in trace[:last]:
+        if what == "weights:embed":
+            held += 1 if event == "reserve" else -1
+    assert held == 2, trace[last - 5 : end]  # the last task's and the next call's
+    start = trace[end:]
+    assert ("reserve", "weights:embed") not in start[: start.index(("mark", "compute F0.0"))]
 
 
 def test_without_room_for_both_the_last_gradients_are_freed_first(monkeypatch):
-    """The device's free bytes cannot hold the first task's weights beside the draining gradients:
-    they are freed first, after their download, as at the end of a drained call."""
+    """The plan leaves no room beside a stage's own peak (``FlowPlan.room``) and the device's free
+    bytes cannot hold the first task's weights beside the draining gradients: nothing is uploaded
+    for the next call during the last task, and those gradients are freed first, after their
+    download, as at the end of a drained call."""
     from roundpipe.backend.cpu import CpuDevice
 
-    # after the first call: the plan's memory check, before it, reads the free bytes too
-    first = _first_task_of_the_second_call(
-        monkeypatch, between=lambda: monkeypatch.setattr(CpuDevice, "free_bytes", lambda self: 0)
-    )
+    def no_room(pipe):  # after the first call: the plan's memory check, before it, reads them too
+        pipe.last_plan.room = [0]
+        monkeypatch.setattr(CpuDevice, "free_bytes", lambda self: 0)
+
+    trace = _overlapped_trace(monkeypatch, calls=2, between=no_room)
+    second = trace[_call_start(trace, 1) + 1 :]
+    first = second[: next(n for n, (_, what) in enumerate(second) if what.startswith("inputs."))]
     events = [(event, what.split(":")[0]) for event, what in first]
     assert events.index(("release", "grads")) < events.index(("reserve", "weights")), first

@@ -79,6 +79,7 @@ class Executor:
                 self.backend.abort()
 
         for i, w in enumerate(self.workers):
+            w.follow(step, step.flow_plan.flows[i])
             t = threading.Thread(
                 target=worker_main,
                 args=(w, step.flow_plan.flows[i], self._threads.get(i)),

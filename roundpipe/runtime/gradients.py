@@ -101,6 +101,7 @@ class GradientAccumulators:
                 f"and those {ADDING_BEHIND + 2} back to be added"
             )
             self.drop(keep=1)
+            self.carried = False  # the last call's left: one drains as the stage before this one
             self._acc, self._acc_range, self._acc_count = Slot({}), flow.layers_bwd, 0
         return self._acc
 
@@ -164,11 +165,24 @@ class GradientAccumulators:
         flushed.download = self.copies.add([streams["compute"].record_event()], chunks, issued)
         self._draining.append(flushed)
 
+    def draining_bytes(self) -> int:
+        """The device bytes of the flushed accumulators not freed yet."""
+        return sum(tensor_bytes(g) for f in self._draining if f.acc.value for g in f.acc.value.values())
+
     def pace(self, remaining: list[TaskFlow]) -> None:
         """Between tasks, after the task's own downloads: issue this task's share of the queued
         gradient chunks, spread over the tasks left until this device flushes its next accumulator."""
         if self.copies.pending:
             self.copies.pace(_tasks_to_next_flush(remaining) + 1)
+
+    def drop_downloaded(self) -> None:
+        """Free, without a wait, the accumulators the last call left whose download has ended (the
+        host asks the events; it does not wait for them)."""
+        while self._draining and self._draining[0].downloaded is not None:
+            if not self._draining[0].downloaded.query():
+                break
+            self._free(self._draining.pop(0))
+        self.carried = bool(self._draining)
 
     def drop(self, keep: int, host_waits: bool = True) -> None:
         """Free the device accumulators of every flushed stage but the last ``keep``: the host waits
@@ -179,25 +193,16 @@ class GradientAccumulators:
         ``host_waits=False`` (the last overlapped call's accumulators, ``carry``): compute waits for
         the downloads instead, so the host goes on and the memory is free, in stream order, before
         whatever is allocated after."""
-        compute, dev = self.streams["compute"], self.device
         if not keep:
             self.carried = False
         while len(self._draining) > keep:
             flushed = self._draining.pop(0)
             assert flushed.download is not None
             self.copies.finish(flushed.download)
-            downloaded, acc, what = flushed.downloaded, flushed.acc, flushed.what
-            assert downloaded is not None
+            assert flushed.downloaded is not None
             if host_waits:
-                downloaded.synchronize()
-            compute.wait_event(downloaded)
-
-            def free(acc=acc, what=what):
-                grads, acc.value = acc.value, None
-                dev.ledger.release(list(grads.values()), what, "grads")
-                del grads
-
-            compute.submit(free, name=f"release {what}")
+                flushed.downloaded.synchronize()
+            self._free(flushed)
             if flushed.added is not None:
                 self._adding.append(flushed)
         if not keep:
@@ -208,6 +213,19 @@ class GradientAccumulators:
             while not oldest.added.wait(0.05):
                 if self.setup.backend.aborted:
                     raise AbortedWait(f"abandoned waiting for the host to add {oldest.what}")
+
+    def _free(self, flushed: Flushed) -> None:
+        """Free ``flushed``'s device accumulator on compute, after its download."""
+        compute, dev, acc, what = self.streams["compute"], self.device, flushed.acc, flushed.what
+        assert flushed.downloaded is not None
+        compute.wait_event(flushed.downloaded)
+
+        def free():
+            grads, acc.value = acc.value, None
+            dev.ledger.release(list(grads.values()), what, "grads")
+            del grads
+
+        compute.submit(free, name=f"release {what}")
 
 
 def _tasks_to_next_flush(remaining: list[TaskFlow]) -> int:

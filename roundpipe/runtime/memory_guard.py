@@ -82,6 +82,18 @@ def device_peaks(costs: Sequence[LayerCost], table: ScheduleTable, rotates: bool
     return [max(runs, key=lambda p: p.nbytes) if runs else None for runs in rows]
 
 
+def room(peaks: Sequence[StagePeak | None], free: Sequence[int | None]) -> list[int | None]:
+    """Per device, its free bytes beyond its planned peak (None: unbounded)."""
+    return [None if f is None else f - (p.nbytes if p is not None else 0) for p, f in zip(peaks, free)]
+
+
+def least_room(a: list[int | None] | None, b: list[int | None] | None) -> list[int | None] | None:
+    """Per device, the smaller of two rooms (None: unknown, or for a device, unbounded)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return [y if x is None else x if y is None else min(x, y) for x, y in zip(a, b)]
+
+
 def check(
     peaks: Sequence[StagePeak | None],
     free: Sequence[int | None],
@@ -111,4 +123,4 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB ({nbytes:,} bytes)"
 
 
-__all__ = ["SWITCH", "StagePeak", "check", "device_peaks", "enabled"]
+__all__ = ["SWITCH", "StagePeak", "check", "device_peaks", "enabled", "least_room", "room"]

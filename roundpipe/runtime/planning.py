@@ -62,7 +62,8 @@ class Planner:
         slack = backend.devices[0].allocation_slack()
         self.usable = None if self.capacity is None else max(0, self.capacity - slack)
         self.devices = backend.devices  # asked for their free bytes before a plan first runs
-        self._memory_checked: set[tuple] = set()  # plans (and batch shapes) whose memory fits
+        # plans (and batch shapes) whose memory fits -> each device's free bytes beyond their peak
+        self._memory_checked: dict[tuple, list[int | None]] = {}
         self.layer_times: dict[str, tuple[float, float]] | None = None
         self.profiled_tokens = 1.0  # tokens per microbatch when ``layer_times`` was measured
         self.context_s: float | None = None  # measured seconds per microbatch context build
@@ -345,32 +346,37 @@ class Planner:
     def _check_memory(self, decision: Decision, plan: FlowPlan) -> None:
         """Refuse ``plan`` with ``DeviceMemoryError`` when a device has less memory free than the
         plan's peak on it (``runtime/memory_guard.py``): once per plan and batch shape, before
-        its first step. A decision not made by ``decide`` (no batch shape) is not checked."""
+        its first step; ``plan.room`` keeps the least room it leaves. A decision not made by
+        ``decide`` (no batch shape) is not checked."""
         shape = next((k for k, d in self._decisions.items() if d is decision), None)
         m = decision.num_microbatches
         if shape is None or not m:
             return
-        self.check_table_memory(plan.table, m, shape)
+        plan.room = memory_guard.least_room(plan.room, self.check_table_memory(plan.table, m, shape))
 
-    def check_table_memory(self, table, m: int, shape: tuple[int, int]) -> None:
+    def check_table_memory(self, table, m: int, shape: tuple[int, int]) -> list[int | None] | None:
         """:meth:`_check_memory` for one schedule table of ``m`` microbatches of a batch of
-        ``shape`` (samples, tokens per sample); also the profiling step's, which no decision makes."""
+        ``shape`` (samples, tokens per sample); also the profiling step's, which no decision makes.
+        Returns each device's free bytes beyond its planned peak (None: unbounded), or None when
+        the check is off."""
         if not memory_guard.enabled():
-            return
+            return None
         key = (table.policy, table.forward.bounds, table.backward.bounds, m, shape)
         if key in self._memory_checked:
-            return
+            return self._memory_checked[key]
         batch, seq_len = shape
         samples = -(-batch // m)  # the largest microbatch of an uneven split
         peaks = self.planned_peaks(table, m, shape)
+        free = [d.free_bytes() for d in self.devices]
         memory_guard.check(
             peaks,
-            [d.free_bytes() for d in self.devices],
+            free,
             self.device_names,
             plan=f"{table.policy}, {m} microbatch{'' if m == 1 else 'es'} of up to {samples} x {seq_len} tokens",
             levers=lambda peak: "; ".join(self._memory_levers(peak, table.policy, batch, seq_len, m)),
         )
-        self._memory_checked.add(key)
+        self._memory_checked[key] = room = memory_guard.room(peaks, free)
+        return room
 
     def planned_peaks(self, table, m: int, shape: tuple[int, int]) -> list:
         """Per device, the planned peak bytes of ``table`` run on ``m`` microbatches of a batch of

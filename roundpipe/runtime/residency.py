@@ -49,6 +49,7 @@ class WeightResidency:
         self.setup = setup
         self.device = device
         self.layers: dict[int, Resident] = {}
+        self._next: dict[int, Resident] = {}  # the next call's first layers (``prefetch_next_call``)
         self.copies = PacedCopies(device.streams["h2d_weights"])
         self.read = 0  # the compute copy this call's uploads read (``StepRun.read_buffer``)
 
@@ -70,7 +71,7 @@ class WeightResidency:
             self._release(i)
         for i in need:
             if i not in self.layers:
-                self._upload(i)
+                self.layers[i] = self._upload(i, self.read)
         for i in need:
             self.copies.finish(self.layers[i].upload)
         return [self.layers[i] for i in need]
@@ -79,28 +80,51 @@ class WeightResidency:
         """Allocate ``layers`` and queue their chunks; ``pace`` and ``ensure`` issue them."""
         for i in layers:
             if i not in self.layers:
-                self._upload(i)
+                self.layers[i] = self._upload(i, self.read)
+
+    def prefetch_next_call(self, layers: range, read: int) -> None:
+        """During a call's last stage: allocate the next call's first ``layers``, read from its
+        compute copy ``read``, and queue their chunks (``pace`` issues them). A layer held now is
+        kept for it when ``read`` is this call's copy, else uploaded again beside this one."""
+        for i in layers:
+            if i in self._next:
+                continue
+            if read != self.read or i not in self.layers:
+                self._next[i] = self._upload(i, read)
+            else:
+                self._next[i] = self.layers[i]  # this stage's tasks go on using it
+
+    def end_call(self) -> None:
+        """The end of a call: release every layer but those kept for the next call, whose first
+        layers then take their place."""
+        for i, r in list(self.layers.items()):
+            if self._next.get(i) is not r:
+                self._release(i)
+        self.layers, self._next = self._next, {}
 
     def pace(self, remaining: list[TaskFlow]) -> None:
         """Between tasks, after the task's own uploads: issue this task's share of the queued weight
         chunks, spread over the tasks left before the first one that needs any of them."""
         queued = {i for i, r in self.layers.items() if not r.upload.done}
-        if queued:
+        if queued or any(not r.upload.done for r in self._next.values()):
             first = next(
                 (n for n, f in enumerate(remaining) if queued.intersection(f.layers)), len(remaining)
             )
             self.copies.pace(first + 1)
 
     def release_all(self) -> None:
+        """Release every layer (with those uploaded for the next call)."""
+        self.end_call()
         for i in list(self.layers):
             self._release(i)
 
     def reset(self) -> None:
         """Forget every layer after a failed step (the backend has been drained and reset). The
         slots are emptied too: the failed step's closures, kept by its traceback, still hold them."""
-        for r in self.layers.values():
+        for r in [*self.layers.values(), *self._next.values()]:
             r.slot.value = None
         self.layers.clear()
+        self._next.clear()
         self.copies.clear()
 
     def _beyond_budget(self, keep: set[int], evict: list[int], remaining: list[TaskFlow]) -> list[int]:
@@ -118,13 +142,12 @@ class WeightResidency:
             total -= layer_bytes[held.pop(0)]
         return [i for i in evict if i not in held]
 
-    def _upload(self, layer: int) -> None:
+    def _upload(self, layer: int, read: int) -> Resident:
         store, dev = self.setup.store, self.device
         pieces = store.layer_pieces(layer)  # whole entries, or only the rows the layer uses
         name = self.setup.adapter.layers[layer].name
         slot = Slot()
         compute = dev.streams["compute"]
-        read = self.read
 
         def allocate():
             tensors = {}
@@ -164,10 +187,10 @@ class WeightResidency:
             resident.event = event
 
         resident = Resident(slot, self.copies.add([allocated], chunks, uploaded))
-        self.layers[layer] = resident
+        return resident
 
     def _release(self, layer: int) -> None:
-        r = self.layers.pop(layer)
+        r = self.layers.pop(layer)  # (``_next``'s are moved to ``layers`` first)
         self.copies.finish(r.upload)  # the free waits for every chunk issued to its memory
         dev, name = self.device, self.setup.adapter.layers[layer].name
 

@@ -75,6 +75,8 @@ class Worker:
         self.status = "idle"
         self.tasks_done = 0
         self._computed: list = []  # compute-done event of each issued task, in issue order
+        # the call started after the one this worker issues (``follow``)
+        self._following: tuple[StepRun, list[TaskFlow]] | None = None
         # (the list progress() last read, how many of its events had happened): one compute
         # stream, so they happen in issue order; written by the watchdog's thread only.
         self._seen: tuple[list, int] = (self._computed, 0)
@@ -110,13 +112,20 @@ class Worker:
         # call's issue bound would wait on them (``run`` keeps the last ISSUE_AHEAD) and re-raise it
         # (``progress`` starts counting afresh on a new list)
         self._computed = []
+        self._following = None
         self.status = "idle"
 
     def release_all(self) -> None:
-        """End of a step: release every weight, the microbatch context and the context module, so
-        the device holds nothing until the next step (stateless workers)."""
-        self.weights.release_all()
+        """End of a step: release every weight (the next call's first, uploaded during the last
+        task, stay for it: ``WeightResidency.end_call``), the microbatch context and the context
+        module, so the device holds nothing until the next step (stateless workers)."""
+        self.weights.end_call()
         self.context.release()
+
+    def follow(self, step: StepRun, flows: list[TaskFlow]) -> None:
+        """``step`` has been started after the call this worker may still be issuing (caller's
+        thread, ``Executor.start``): that call's last task may prefetch its first weights."""
+        self._following = (step, flows)
 
     def _say(self, status: str) -> None:
         self.status = status
@@ -144,10 +153,12 @@ class Worker:
         ready = self.setup.config.order == "ready"
         while remaining:
             flow = remaining.pop(self._pick_ready(step, remaining) if ready else 0)
-            upcoming = None
+            upcoming, across = None, None
             if self.setup.config.prefetch:
                 upcoming = next((f.layers for f in remaining if f.layers and f.layers != flow.layers), None)
-            self._issue(step, flow, upcoming, remaining)
+                if upcoming is None:  # the call's last stage on this device
+                    across = self._next_call_layers(step, flow)
+            self._issue(step, flow, upcoming, remaining, across)
             self.tasks_done += 1
         self.grads.flush(step)
         self._free_uploads(keep=0)
@@ -161,8 +172,39 @@ class Worker:
 
     def end_of_calls(self) -> None:
         """No call follows (``Executor.settle``, after this worker's thread has ended): free the
-        gradient accumulators the last overlapped call left draining, after their downloads."""
+        gradient accumulators the last overlapped call left draining, after their downloads, and
+        any weights kept for a call that did not run."""
         self.grads.drop(keep=0, host_waits=False)
+        self._following = None
+        self.weights.release_all()
+
+    def _next_call_layers(self, step: StepRun, flow: TaskFlow) -> tuple[range, int] | None:
+        """The layers of the next call's first task and the compute copy they are read from, when
+        the tasks of ``step``'s last stage on this device (``flow`` and those left) may upload them
+        while they compute, as they would the next stage's within a call: that call has been started, its weights are written, and what they
+        add beside this task fits the room the plan leaves on this device (a layer this task holds
+        is uploaded again when the next call reads another copy: both versions are on the device)."""
+        following = self._following
+        if following is None or following[0] is step:
+            return None
+        nxt, flows = following
+        if nxt.weights_ready is not None and not nxt.weights_ready.is_set():
+            return None
+        first = next((f.layers for f in flows if f.layers), None)
+        if first is None:
+            return None
+        same = nxt.read_buffer == step.read_buffer
+        layer_bytes = self.setup.store.layer_bytes
+        extra = sum(layer_bytes[i] for i in first if not (same and i in flow.layers))
+        return (first, nxt.read_buffer) if self._has_room(step, extra) else None
+
+    def _has_room(self, step: StepRun, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit beside the plan's peak on this device (``FlowPlan.room``)."""
+        room = step.flow_plan.room
+        if room is None:
+            return False
+        mine = room[self.device.index]
+        return mine is None or nbytes <= mine
 
     def _pick_ready(self, step: StepRun, remaining: list[TaskFlow]) -> int:
         while True:
@@ -191,7 +233,12 @@ class Worker:
             self._computed[-ISSUE_AHEAD].synchronize()
 
     def _issue(
-        self, step: StepRun, flow: TaskFlow, upcoming: range | None, remaining: list[TaskFlow]
+        self,
+        step: StepRun,
+        flow: TaskFlow,
+        upcoming: range | None,
+        remaining: list[TaskFlow],
+        across: tuple[range, int] | None = None,
     ) -> None:
         streams = self.streams
         t, mb = flow.task, flow.task.microbatch
@@ -203,10 +250,18 @@ class Worker:
             self._issue_empty(step, flow)
             return
         self._wait_for_the_device(label)
-        if self.grads.carried and not self._fits_beside_draining(layers_all):
+        # The tasks of an overlapped call before its first backward: the last call's gradients are
+        # freed once their download has ended, when the plan leaves room for them beside the
+        # tasks; else after the first task's weights are allocated, or before when the device has
+        # no room for those either (compute then waits for the download).
+        carried = self.grads.carried
+        if carried and self._has_room(step, self.grads.draining_bytes()):
+            self.grads.drop_downloaded()
+            carried = False
+        if carried and not self._fits_beside_draining(layers_all):
             self.grads.drop(keep=0, host_waits=False)
         residents = self.weights.ensure(layers_all, upcoming, remaining, step.weight_bound)
-        if self.grads.carried:  # the first task of an overlapped call: its weights are allocated
+        if carried:
             self.grads.drop(keep=0, host_waits=False)
 
         # At most two tasks in flight per device on the streams too: this compute starts once the
@@ -223,6 +278,8 @@ class Worker:
             streams["compute"].wait_event(r.copied)
         if upcoming is not None:
             self.weights.prefetch(upcoming)
+        if across is not None:
+            self.weights.prefetch_next_call(*across)
 
         produced = {key: Slot() for key in flow.produces}
         param_grads = self.grads.open(step, flow, self._say) if flow.layers_bwd else Slot()
