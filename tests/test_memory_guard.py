@@ -186,3 +186,21 @@ def test_roundpipe_train_exits_2_with_one_line_on_a_refusal(tmp_path: Path, monk
     assert len(err) == 1 and err[0].startswith(
         "roundpipe train: error: cpu:0 has 0.00 GiB (1,000 bytes) free"
     )
+
+
+def test_the_room_a_plan_leaves_allows_for_the_estimates_error(monkeypatch):
+    """``FlowPlan.room`` is what a call boundary may hold beyond the stages' own rule (the next
+    call's first weights, the last call's gradients). The planned peak is an estimate, within about
+    20% either way: counted at 1.2x it, a device whose real peak is that much over the estimate
+    does not run out for what the boundary holds. Left in full, the room would hand that device
+    the 20% a second time."""
+    free = 1 << 30
+    _fake_free(monkeypatch, {0: free, 1: free})
+    batch = make_batch(batch=4)
+    with roundpipe.wrap(make_model("llama"), roundpipe.RunConfig(**FIXED)) as pipe:
+        _fb(pipe, batch)
+        peaks = pipe._planner.planned_peaks(pipe.last_plan.table, 2, tuple(batch["input_ids"].shape))
+        room = pipe.last_plan.room
+    assert room == [free - int(1.2 * p.nbytes) for p in peaks]
+    assert memory_guard.room([None, peaks[0]], [1000, None]) == [1000, None]
+    assert memory_guard.room(peaks[:1], [peaks[0].nbytes]) == [0]  # never below nothing

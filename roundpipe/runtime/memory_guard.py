@@ -32,6 +32,7 @@ from roundpipe.schedule.deps import BACKWARD_KINDS
 
 GIB = 1 << 30
 SWITCH = "ROUNDPIPE_DEVICE_MEMORY_CHECK"  # "0": skip the check (start anyway)
+ESTIMATE_ERROR = 0.2  # the planned peak is within about this much of what a device holds, either way
 
 
 def enabled() -> bool:
@@ -83,8 +84,13 @@ def device_peaks(costs: Sequence[LayerCost], table: ScheduleTable, rotates: bool
 
 
 def room(peaks: Sequence[StagePeak | None], free: Sequence[int | None]) -> list[int | None]:
-    """Per device, its free bytes beyond its planned peak (None: unbounded)."""
-    return [None if f is None else f - (p.nbytes if p is not None else 0) for p, f in zip(peaks, free)]
+    """Per device, its free bytes beyond its planned peak counted with the estimate's error
+    (``ESTIMATE_ERROR``), at least 0 (None: unbounded): what a call boundary may hold beyond a
+    stage's own rule (``FlowPlan.room``)."""
+    return [
+        None if f is None else max(0, f - (int((1 + ESTIMATE_ERROR) * p.nbytes) if p is not None else 0))
+        for p, f in zip(peaks, free)
+    ]
 
 
 def least_room(a: list[int | None] | None, b: list[int | None] | None) -> list[int | None] | None:
@@ -123,4 +129,4 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB ({nbytes:,} bytes)"
 
 
-__all__ = ["SWITCH", "StagePeak", "check", "device_peaks", "enabled", "least_room", "room"]
+__all__ = ["ESTIMATE_ERROR", "SWITCH", "StagePeak", "check", "device_peaks", "enabled", "least_room", "room"]

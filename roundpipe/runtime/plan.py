@@ -50,9 +50,10 @@ class FlowPlan:
     table: ScheduleTable
     flows: list[list[TaskFlow]]  # per device, in execution order (fused pairs are one flow)
     consumers: Counter
-    # Per device, the bytes its free memory held beyond the plan's peak on it when the plan was
-    # checked (the least over the batch shapes checked; None: unbounded); None: never checked. What
-    # a device may hold beyond a stage's own rule at a call boundary (``Worker``).
+    # Per device, the bytes its free memory held beyond 1.2x the plan's peak on it (the estimate's
+    # error, ``memory_guard.room``) when the plan was checked (the least over the batch shapes
+    # checked; None: unbounded); None: never checked. What a device may hold beyond a stage's own
+    # rule at a call boundary (``Worker``).
     room: list[int | None] | None = None
 
     @property

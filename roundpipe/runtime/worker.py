@@ -199,7 +199,8 @@ class Worker:
         return (first, nxt.read_buffer) if self._has_room(step, extra) else None
 
     def _has_room(self, step: StepRun, nbytes: int) -> bool:
-        """Whether ``nbytes`` fit beside the plan's peak on this device (``FlowPlan.room``)."""
+        """Whether ``nbytes`` fit beside the plan's peak on this device, with the estimate's error
+        (``FlowPlan.room``)."""
         room = step.flow_plan.room
         if room is None:
             return False
