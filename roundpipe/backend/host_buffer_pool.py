@@ -129,16 +129,18 @@ class HostBufferPool:
         return carve(buf.tensor, 0, shape, dtype)
 
     def _book(self, size: int) -> None:
-        """Count a buffer of ``size`` reserved and in use."""
+        """Count a new buffer of ``size`` reserved and in use."""
         self.reserved_bytes += size
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        self._use(size)
+
+    def _use(self, size: int) -> None:
         self.in_use_buffer_bytes += size
         self.peak_in_use_buffer_bytes = max(self.peak_in_use_buffer_bytes, self.in_use_buffer_bytes)
-        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
 
     def _hand_out(self, buf: _Buffer, n: int, booked: bool = False) -> None:
         if not booked:  # a free buffer taken again: in use once more
-            self.in_use_buffer_bytes += buf.size
-            self.peak_in_use_buffer_bytes = max(self.peak_in_use_buffer_bytes, self.in_use_buffer_bytes)
+            self._use(buf.size)
         self._tick += 1
         buf.nbytes, buf.used, buf.accesses = n, self._tick, []
         self._live[buf.key] = buf

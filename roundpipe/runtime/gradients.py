@@ -7,8 +7,7 @@ into chunks of ``copy_chunk_bytes`` paced over the device's next tasks, after ea
 downloads (``paced_copies.py``: a copy engine runs copies in issue order, so a stage's fp32
 gradients issued at once would hold every later activation download). At most one earlier
 accumulator may still be on its way down while the next one fills; each is freed on compute after
-its download (docs/design.md §5); an overlapped call's last ones after the next call's first weights
-are allocated (``carry``). Only the device's worker thread calls ``GradientAccumulators`` (and, once
+its download (docs/design.md §5); an overlapped call leaves its last ones to the next call (``carry``). Only the device's worker thread calls ``GradientAccumulators`` (and, once
 it has ended, ``Executor.settle`` through ``Worker.end_of_calls``); the hook ``into_accumulator``
 makes runs in the compute.
 """
@@ -78,8 +77,9 @@ class GradientAccumulators:
     def carry(self) -> None:
         """The end of an overlapped call: issue what is left of the draining accumulators' downloads
         (every host job of the call is then queued) and leave them to the next call, whose worker
-        frees them once it has allocated its first task's weights (``drop``), so that those go up
-        while these come down; or ``Worker.end_of_calls`` when no call follows."""
+        frees them once they are down (``drop_downloaded``) where the plan leaves room for them,
+        else after or before its first task's weights are allocated (``drop``); or
+        ``Worker.end_of_calls`` when no call follows."""
         for flushed in self._draining:
             assert flushed.download is not None
             self.copies.finish(flushed.download)

@@ -13,8 +13,8 @@ a call waits for the call to be issued (``CallIssue``): the job that reads its f
 into the optimizer (``settled``, after which the call counts as complete), the async update of
 ``step()``, a learning-rate change. The next call's gradient additions are queued behind that
 update, and its uploads wait for the update that wrote the compute copy they read. A call's last
-gradient accumulators stay on the device until the next call has allocated its first weights
-(``GradientAccumulators.carry``), so that those go up while the gradients come down.
+stage uploads the next call's first weights, and its last gradient accumulators stay on the device
+into the next call (``GradientAccumulators.carry``), where the plan leaves room (``Worker``).
 
 An error of a call that has returned is raised by the next call that waits: the next
 ``forward_backward``, or any other call of the pipeline, which completes every call in flight first

@@ -62,7 +62,7 @@ class Planner:
         slack = backend.devices[0].allocation_slack()
         self.usable = None if self.capacity is None else max(0, self.capacity - slack)
         self.devices = backend.devices  # asked for their free bytes before a plan first runs
-        # plans (and batch shapes) whose memory fits -> each device's free bytes beyond their peak
+        # plans (and batch shapes) whose memory fits -> each device's room (``memory_guard.room``)
         self._memory_checked: dict[tuple, list[int | None]] = {}
         self.layer_times: dict[str, tuple[float, float]] | None = None
         self.profiled_tokens = 1.0  # tokens per microbatch when ``layer_times`` was measured
@@ -357,8 +357,8 @@ class Planner:
     def check_table_memory(self, table, m: int, shape: tuple[int, int]) -> list[int | None] | None:
         """:meth:`_check_memory` for one schedule table of ``m`` microbatches of a batch of
         ``shape`` (samples, tokens per sample); also the profiling step's, which no decision makes.
-        Returns each device's free bytes beyond its planned peak (None: unbounded), or None when
-        the check is off."""
+        Returns each device's room (``memory_guard.room``; None: unbounded), or None when the
+        check is off."""
         if not memory_guard.enabled():
             return None
         key = (table.policy, table.forward.bounds, table.backward.bounds, m, shape)

@@ -117,14 +117,14 @@ class Worker:
 
     def release_all(self) -> None:
         """End of a step: release every weight (the next call's first, uploaded during the last
-        task, stay for it: ``WeightResidency.end_call``), the microbatch context and the context
+        stage, stay for it: ``WeightResidency.end_call``), the microbatch context and the context
         module, so the device holds nothing until the next step (stateless workers)."""
         self.weights.end_call()
         self.context.release()
 
     def follow(self, step: StepRun, flows: list[TaskFlow]) -> None:
         """``step`` has been started after the call this worker may still be issuing (caller's
-        thread, ``Executor.start``): that call's last task may prefetch its first weights."""
+        thread, ``Executor.start``): that call's last stage may upload its first weights."""
         self._following = (step, flows)
 
     def _say(self, status: str) -> None:
@@ -181,9 +181,10 @@ class Worker:
     def _next_call_layers(self, step: StepRun, flow: TaskFlow) -> tuple[range, int] | None:
         """The layers of the next call's first task and the compute copy they are read from, when
         the tasks of ``step``'s last stage on this device (``flow`` and those left) may upload them
-        while they compute, as they would the next stage's within a call: that call has been started, its weights are written, and what they
-        add beside this task fits the room the plan leaves on this device (a layer this task holds
-        is uploaded again when the next call reads another copy: both versions are on the device)."""
+        while they compute, as they would the next stage's within a call: that call has been
+        started, its weights are written, and what they add fits the room the plan leaves on this
+        device (a layer this stage holds is uploaded again when the next call reads another copy:
+        both versions are on the device)."""
         following = self._following
         if following is None or following[0] is step:
             return None
